@@ -1,0 +1,32 @@
+# make install: .venv with the CPU torch wheel first, then draftsmith in editable mode with test extras.
+# make demo:    the main job end to end on the built-in toy world (built on first use, ~10 min once).
+# make test:    the test suite (what CI runs).
+# make bench:   the benchmarks behind BENCHMARKS.md (not run in CI).
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+# torch is pinned before the project so pip never resolves an unpinned torch (several GB of CUDA wheels).
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: install
+	$(BIN)/python -m eval
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python scripts/bench_eval.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache *.egg-info

@@ -1,0 +1,1 @@
+"""Drafters: one per file, all speaking the protocol in `drafters.base`."""

@@ -1,0 +1,57 @@
+"""The small protocol every drafter speaks to the speculative loop.
+
+A round of speculative decoding, seen from the drafter:
+
+1. `start(prompt_ids)` once per generation: forget everything, read the prompt.
+2. `propose(k, sampling, generator)`: guess up to k next tokens after everything committed so far.
+   A model drafter also returns the distribution q it sampled each guess from (None when its guesses
+   are deterministic, which the acceptance rule treats as one-hot q).
+3. `commit(n_accepted, next_token)`: the target kept the first `n_accepted` guesses and added
+   `next_token` (its correction, or the bonus token when all guesses were kept). The drafter rolls its
+   own state back to the accepted prefix; it never recomputes the prefix.
+
+Drafters that read the target's features (EAGLE, MTP, Medusa heads) will receive them through extra
+keyword arguments of `start` and `commit`; the loop passes nothing else, so a drafter owns its state
+entirely and the loop needs no knowledge of what kind of drafter it drives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from eval.sampling import Sampling
+
+
+@dataclass
+class Proposal:
+    """Up to k guessed tokens.
+
+    tokens: (n,) int64 with 0 <= n <= k; a drafter with nothing to say proposes n = 0.
+    probs: (n, V) float32, the distribution each token was drawn from after the same sampling
+        processing the target uses; None for deterministic guesses (one-hot q).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the speculative loop needs from a drafter (see the module docstring)."""
+
+    name: str
+
+    def start(self, prompt_ids: torch.Tensor) -> None:
+        """Reset state and read the prompt, a (T,) int64 tensor on the target's device."""
+
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+        """Guess up to k tokens that follow the committed sequence."""
+
+    def commit(self, n_accepted: int, next_token: int) -> None:
+        """Keep the first n_accepted guesses plus next_token; roll back the rest."""

@@ -1,0 +1,137 @@
+"""A standalone draft language model: any Hugging Face causal LM that shares the target's tokenizer.
+
+The drafter keeps its own KV cache across rounds. The cache always covers a prefix of the committed
+sequence plus whatever guesses it has fed itself; tokens committed but not yet in the cache (the
+target's correction, or the last guess when all k were kept) are fed at the start of the next
+proposal, so a round costs exactly k draft forwards and the prefix is never recomputed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from drafters.base import Proposal
+from eval.sampling import Sampling, probs_from_logits, sample
+
+
+class TokenizerMismatchError(ValueError):
+    """The drafter and the target do not speak the same token ids."""
+
+
+def check_same_vocabulary(
+    target_tokenizer: PreTrainedTokenizerBase,
+    draft_tokenizer: PreTrainedTokenizerBase | None,
+    target_vocab_size: int,
+    draft_vocab_size: int,
+    draft_name: str,
+) -> None:
+    """Raise TokenizerMismatchError unless the two models map text to the same ids and logits.
+
+    Speculative decoding compares token ids and probability vectors position by position; a draft
+    with another vocabulary would be silently rejected (or, worse, accepted for the wrong text).
+    """
+    if draft_vocab_size != target_vocab_size:
+        raise TokenizerMismatchError(
+            f"drafter {draft_name!r} has an output vocabulary of {draft_vocab_size} logits but the target "
+            f"has {target_vocab_size}; a draft LM must share the target's tokenizer and vocabulary"
+        )
+    if draft_tokenizer is None:
+        return
+    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])[:5]
+        raise TokenizerMismatchError(
+            f"drafter {draft_name!r} uses a different tokenizer than the target "
+            f"({len(draft_vocab)} vs {len(target_vocab)} entries; first differing (token, id) pairs: {differing})"
+        )
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(target_tokenizer, attr) != getattr(draft_tokenizer, attr):
+            raise TokenizerMismatchError(
+                f"drafter {draft_name!r} has {attr}={getattr(draft_tokenizer, attr)} but the target has "
+                f"{getattr(target_tokenizer, attr)}"
+            )
+
+
+class DraftLM:
+    """Drafts with a small causal LM and its own KV cache."""
+
+    def __init__(self, model: PreTrainedModel, name: str = "draft_lm") -> None:
+        self.model = model.eval()
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.cache = DynamicCache()
+        self.ids: list[int] = []  # the committed sequence (prompt + generated)
+        self._fed = 0  # how many tokens of ids + pending guesses are in the cache
+        self._guesses: list[int] = []  # the last proposal, to know what commit() keeps
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path,
+        *,
+        target: PreTrainedModel,
+        target_tokenizer: PreTrainedTokenizerBase,
+        name: str | None = None,
+        dtype: torch.dtype | None = None,
+        trust_remote_code: bool = False,
+    ) -> "DraftLM":
+        """Load a draft LM from a hub id or a local directory and check it against the target."""
+        name = name or str(name_or_path)
+        device = next(target.parameters()).device
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype or target.dtype, trust_remote_code=trust_remote_code
+        ).to(device)
+        try:
+            draft_tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            draft_tokenizer = None  # weights only: the vocabulary-size check below still applies
+        check_same_vocabulary(
+            target_tokenizer,
+            draft_tokenizer,
+            target.get_output_embeddings().weight.shape[0],
+            model.get_output_embeddings().weight.shape[0],
+            name,
+        )
+        return cls(model, name=name)
+
+    def start(self, prompt_ids: torch.Tensor) -> None:
+        self.cache = DynamicCache()
+        self.ids = prompt_ids.tolist()
+        self._fed = 0
+        self._guesses = []
+
+    @torch.inference_mode()
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+        # Feed every committed token the cache has not seen yet (1 or 2 of them), then one guess at a time.
+        pending = self.ids[self._fed :]
+        tokens, dists = [], []
+        inputs = torch.tensor([pending], device=self.device)
+        for _ in range(k):
+            # logits_to_keep=1: the prefill needs only the last position's logits, not a (T, V) matrix.
+            out = self.model(input_ids=inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[0, -1]
+            if sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                q = probs_from_logits(logits, sampling)
+                token = sample(q, generator)
+                dists.append(q)
+            tokens.append(token)
+            inputs = token.view(1, 1)
+        # The cache now holds ids plus the first k-1 guesses (the k-th was never fed).
+        self._fed = len(self.ids) + k - 1
+        proposal = Proposal(torch.stack(tokens), torch.stack(dists) if dists else None)
+        self._guesses = proposal.tokens.tolist()
+        return proposal
+
+    def commit(self, n_accepted: int, next_token: int) -> None:
+        kept = self._guesses[:n_accepted]
+        # Rollback: the cache is valid up to the last kept guess it has seen; drop the rest.
+        valid = min(len(self.ids) + n_accepted, self._fed)
+        self.cache.crop(valid - self.cache.get_seq_length())
+        self._fed = valid
+        self.ids.extend(kept)
+        self.ids.append(next_token)

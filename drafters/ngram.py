@@ -1,0 +1,50 @@
+"""Prompt-lookup (n-gram) drafting: no model, near-free, the baseline every trained drafter must beat.
+
+Find the most recent earlier occurrence of the sequence's last n tokens (longest n first, from
+`max_ngram` down to `min_ngram`) and propose the tokens that followed it (Saxena 2023, "prompt lookup
+decoding"; the same idea as transformers' `prompt_lookup_num_tokens`). Guesses are deterministic, so
+they carry no distribution: the lossless acceptance rule treats them as one-hot q.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafters.base import Proposal
+from eval.sampling import Sampling
+
+
+class NgramDrafter:
+    """Proposes the continuation of the latest earlier match of the current suffix."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram") -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, name
+        self.ids: list[int] = []
+        self._guesses: list[int] = []
+        self.device = torch.device("cpu")
+
+    def start(self, prompt_ids: torch.Tensor) -> None:
+        self.ids = prompt_ids.tolist()
+        self.device = prompt_ids.device
+        self._guesses = []
+
+    def lookup(self, k: int) -> list[int]:
+        """The up-to-k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        ids = self.ids
+        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
+            suffix = ids[-n:]
+            # Scan backwards so the most recent occurrence wins; the suffix itself (start = len - n) is excluded.
+            for start in range(len(ids) - n - 1, -1, -1):
+                if ids[start : start + n] == suffix:
+                    return ids[start + n : start + n + k]
+        return []
+
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+        self._guesses = self.lookup(k)
+        return Proposal(torch.tensor(self._guesses, dtype=torch.long, device=self.device), None)
+
+    def commit(self, n_accepted: int, next_token: int) -> None:
+        self.ids.extend(self._guesses[:n_accepted])
+        self.ids.append(next_token)

@@ -1,0 +1,1 @@
+"""The measuring instrument: the speculative loop, acceptance rules, metrics and report."""

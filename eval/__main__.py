@@ -1,0 +1,67 @@
+"""`python -m eval`: measure drafters against plain decoding on company traffic (see conf/eval.yaml).
+
+A thin Hydra wrapper: `run(cfg)` turns the composed config into library calls and is what tests call.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from eval.config import register
+from eval.evaluate import EvalPlan, evaluate
+from eval.report import build_report, console_summary, log_to_wandb, write_report
+from eval.run import build_drafter, load_prompts, load_target, pick_device
+
+log = logging.getLogger("eval")
+register()
+
+
+def run(cfg: DictConfig) -> dict:
+    """Run the evaluation the config describes, write the report into cfg.out_dir, return it."""
+    if not cfg.drafters:
+        raise ValueError("no drafters configured: set `drafters` (the first one is the baseline)")
+    plan = EvalPlan(ks=list(cfg.ks), temperatures=list(cfg.temperatures), top_k=cfg.top_k, top_p=cfg.top_p,
+                    max_new_tokens=cfg.max_new_tokens, repeats=cfg.repeats, warmup=cfg.warmup, seed=cfg.seed,
+                    pays_off_at=cfg.pays_off_at)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = pick_device(cfg.device)
+    target, tokenizer = load_target(cfg.target.name_or_path, device=device, dtype=cfg.target.dtype,
+                                    trust_remote_code=cfg.target.trust_remote_code)
+    drafters = [build_drafter(OmegaConf.to_container(spec, resolve=True), target=target, tokenizer=tokenizer,
+                              trust_remote_code=cfg.target.trust_remote_code) for spec in cfg.drafters]
+    data_path = cfg.data.eval_path or cfg.data.path
+    prompts = load_prompts(data_path, tokenizer, device=device, split=cfg.data.split,
+                           on_bad_record=cfg.data.on_bad_record, max_per_category=cfg.data.max_prompts_per_category,
+                           max_prompt_tokens=cfg.data.max_prompt_tokens)
+    log.info("prompts per category: %s", {c: len(p) for c, p in prompts.items()})
+    rows = evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id, progress=cfg.progress)
+    settings = {"data": data_path, "ks": plan.ks, "temperatures": plan.temperatures, "top_k": plan.top_k,
+                "top_p": plan.top_p, "max_new_tokens": plan.max_new_tokens, "repeats": plan.repeats,
+                "warmup": plan.warmup, "seed": plan.seed, "dtype": cfg.target.dtype, "device": str(device)}
+    report = build_report(rows, target=cfg.target.name_or_path, baseline=drafters[0].name, settings=settings)
+    paths = write_report(report, cfg.out_dir)
+    print(console_summary(report))
+    print(f"\nreport: {paths['md']}  ({paths['json'].name} and {len(paths) - 2} histogram PNGs beside it)")
+    if cfg.tracking.wandb:
+        log_to_wandb(report, paths, project=cfg.tracking.project, entity=cfg.tracking.entity,
+                     config=OmegaConf.to_container(cfg, resolve=True), run_dir=cfg.out_dir)
+    return report
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except (ValueError, FileNotFoundError) as e:  # bad input the user can fix: say what, not a traceback
+        log.error("%s", e)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

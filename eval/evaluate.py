@@ -1,0 +1,191 @@
+"""Measure drafters against plain decoding on the same prompts, per traffic category.
+
+For every sampling temperature, repeat and prompt, plain decoding runs first and then every
+(drafter, k) pair on the same prompt, so slow and fast phases of a noisy machine hit all of them alike
+(repeats interleaved). Throughputs are sums of tokens over sums of seconds within one repeat; speed-ups
+are ratios inside one repeat; the reported value is the median over repeats. A warm-up pass is run
+first and thrown away (allocator, kernel selection and page-cache effects).
+"""
+
+from __future__ import annotations
+
+import statistics
+import zlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from drafters.base import Drafter
+from eval.metrics import acceptance_stats, cost_model, expected_acceptance_length
+from eval.sampling import Sampling
+from eval.speculative import Generation, autoregressive_generate, speculative_generate
+
+ALL = "all"  # the aggregate over every category; reserved, no category may use the name
+
+
+@dataclass
+class EvalPlan:
+    """What to measure.
+
+    ks: draft lengths to sweep. temperatures: 0 = greedy. top_k / top_p apply to every non-greedy run.
+    repeats: timed passes over all prompts (medians over them). warmup: untimed prompts run first.
+    pays_off_at: the measured speed-up a configuration must reach to be called worth turning on.
+    """
+
+    ks: Sequence[int] = (2, 4)
+    temperatures: Sequence[float] = (0.0,)
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    repeats: int = 3
+    warmup: int = 1
+    seed: int = 0
+    pays_off_at: float = 1.05
+
+    def __post_init__(self) -> None:
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"every k (draft tokens per round) must be >= 1, got ks={list(self.ks)}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for t in self.temperatures:
+            Sampling(t, self.top_k, self.top_p)  # validates
+
+
+@dataclass
+class _Runs:
+    """Generations of one configuration, keyed by (repeat, category, prompt index)."""
+
+    by_key: dict[tuple[int, str, int], Generation] = field(default_factory=dict)
+
+    def select(self, category: str, repeat: int | None = None) -> list[Generation]:
+        return [g for (r, c, _), g in self.by_key.items() if (category in (ALL, c)) and (repeat in (None, r))]
+
+
+def _seed(*parts: object) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def evaluate(
+    target: PreTrainedModel,
+    drafters: Sequence[Drafter],
+    prompts: dict[str, list[torch.Tensor]],
+    plan: EvalPlan,
+    *,
+    eos_token_id: int | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """Run plain and speculative decoding on every prompt; return one result row per
+    (drafter, k, temperature, category), categories plus "all". The first drafter is the baseline.
+    """
+    if not drafters:
+        raise ValueError("no drafters to evaluate")
+    names = [d.name for d in drafters]
+    if len(set(names)) != len(names):
+        raise ValueError(f"drafter names must be unique, got {names}")
+    if ALL in prompts:
+        raise ValueError(f"category name {ALL!r} is reserved for the aggregate over all categories")
+    if not any(prompts.values()):
+        raise ValueError("no prompts to evaluate")
+    device = next(target.parameters()).device
+    items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
+    rows: list[dict] = []
+    total = len(plan.temperatures) * plan.repeats * len(items) * (1 + len(drafters) * len(plan.ks))
+    bar = tqdm(total=total, desc="eval", unit="gen", disable=not progress)
+    for temperature in plan.temperatures:
+        sampling = Sampling(temperature, plan.top_k, plan.top_p)
+        generator = torch.Generator(device=device)
+
+        def run(drafter: Drafter | None, k: int, prompt: torch.Tensor, seed: int) -> Generation:
+            generator.manual_seed(seed)
+            common = dict(sampling=sampling, max_new_tokens=plan.max_new_tokens, eos_token_id=eos_token_id,
+                          generator=generator, timed=True)
+            if drafter is None:
+                return autoregressive_generate(target, prompt, **common)
+            return speculative_generate(target, drafter, prompt, k=k, **common)
+
+        for _, _, prompt in items[: plan.warmup]:
+            run(None, 0, prompt, 0)
+            for drafter in drafters:
+                for k in plan.ks:
+                    run(drafter, k, prompt, 0)
+
+        plain = _Runs()
+        spec = {(d.name, k): _Runs() for d in drafters for k in plan.ks}
+        for rep in range(plan.repeats):
+            for category, i, prompt in items:
+                seed = _seed(plan.seed, temperature, rep, category, i)
+                plain.by_key[rep, category, i] = run(None, 0, prompt, seed)
+                bar.update()
+                for drafter in drafters:
+                    for k in plan.ks:
+                        spec[drafter.name, k].by_key[rep, category, i] = run(drafter, k, prompt, seed)
+                        bar.set_postfix_str(f"T={temperature} {category} {drafter.name} k={k}", refresh=False)
+                        bar.update()
+
+        for category in [*prompts, ALL]:
+            for drafter in drafters:
+                for k in plan.ks:
+                    rows.append(_row(drafter.name, k, sampling, category, plain, spec[drafter.name, k], plan))
+    bar.close()
+    _compare_with_baseline(rows, baseline=names[0])
+    _best_k_and_verdict(rows, plan.pays_off_at)
+    return rows
+
+
+def _tokens_per_s(gens: list[Generation]) -> float:
+    return sum(len(g.tokens) for g in gens) / sum(g.seconds for g in gens)
+
+
+def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, plan: EvalPlan) -> dict:
+    gens = spec.select(category)
+    rounds = [r for g in gens for r in g.rounds]
+    stats = acceptance_stats(rounds, k, sum(len(g.tokens) for g in gens), sum(g.target_forwards for g in gens))
+    steps = [s for g in plain.select(category) for s in g.step_s]
+    costs = cost_model(rounds, steps, k, stats.acceptance_length)
+    ar_tps = [_tokens_per_s(plain.select(category, r)) for r in range(plan.repeats)]
+    sd_tps = [_tokens_per_s(spec.select(category, r)) for r in range(plan.repeats)]
+    lossless = None
+    if sampling.greedy:
+        # Greedy speculative decoding must reproduce plain greedy decoding token for token.
+        lossless = all(spec.by_key[key].tokens == plain.by_key[key].tokens for key in spec.by_key
+                       if category in (ALL, key[1]))
+    return {
+        "drafter": drafter,
+        "k": k,
+        "temperature": sampling.temperature,
+        "category": category,
+        "prompts": len({key[1:] for key in spec.by_key if category in (ALL, key[1])}),
+        **stats.to_dict(),
+        "acceptance_length_iid": expected_acceptance_length(stats.acceptance_rate, k),
+        "ar_tokens_per_s": statistics.median(ar_tps),
+        "sd_tokens_per_s": statistics.median(sd_tps),
+        "speedup": statistics.median(s / a for s, a in zip(sd_tps, ar_tps)),
+        "cost_ratio": costs.cost_ratio,
+        "verify_overhead": costs.verify_overhead,
+        "predicted_speedup": costs.predicted_speedup,
+        "lossless": lossless,
+    }
+
+
+def _compare_with_baseline(rows: list[dict], baseline: str) -> None:
+    base = {(r["k"], r["temperature"], r["category"]): r for r in rows if r["drafter"] == baseline}
+    for r in rows:
+        b = base[r["k"], r["temperature"], r["category"]]
+        r["tau_vs_baseline"] = r["acceptance_length"] / b["acceptance_length"]
+        r["speedup_vs_baseline"] = r["speedup"] / b["speedup"]
+
+
+def _best_k_and_verdict(rows: list[dict], pays_off_at: float) -> None:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["drafter"], r["temperature"], r["category"]), []).append(r)
+    for group in groups.values():
+        best = max(group, key=lambda r: r["speedup"])
+        for r in group:
+            r["best_k"] = best["k"]
+            r["verdict"] = "pays off" if r["speedup"] >= pays_off_at else "turn it off"

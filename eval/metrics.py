@@ -1,0 +1,110 @@
+"""What a set of speculative rounds says: the acceptance distribution and the cost model.
+
+Acceptance is reported as a distribution, not only a mean: real acceptance is bimodal (many rounds
+accept nothing, many accept everything) and falls with draft position, and a mean hides both.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+from eval.speculative import Round
+
+
+@dataclass
+class AcceptanceStats:
+    """Acceptance over a set of rounds drafted with at most k guesses each.
+
+    accept_hist[a]: rounds that kept exactly a guesses (a = 0..k).
+    acceptance_rate: kept guesses / proposed guesses (a drafter that proposes nothing is not penalised
+        here; it is in acceptance_length).
+    position_acceptance[i]: P(guess i+1 kept | guesses 1..i kept and guess i+1 proposed); real
+        drafters fall with position, which an i.i.d. rate hides.
+    acceptance_length: tau = new tokens / target forwards (tokens a verification pass yields).
+    """
+
+    rounds: int
+    accept_hist: list[int]
+    mean_accepted: float
+    median_accepted: float
+    p10_accepted: float
+    p90_accepted: float
+    zero_accept_rate: float
+    full_hit_rate: float
+    acceptance_rate: float
+    position_acceptance: list[float | None]
+    acceptance_length: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def acceptance_stats(rounds: Sequence[Round], k: int, new_tokens: int, target_forwards: int) -> AcceptanceStats:
+    """Summarise rounds drafted with k guesses; new_tokens / target_forwards over the same generations."""
+    if not rounds:
+        raise ValueError("no rounds to summarise")
+    accepted = np.array([r.accepted for r in rounds])
+    proposed = np.array([r.proposed for r in rounds])
+    if (accepted > proposed).any() or (proposed > k).any():
+        raise ValueError("inconsistent rounds: accepted > proposed or proposed > k")
+    hist = np.bincount(accepted, minlength=k + 1)
+    positions: list[float | None] = []
+    for i in range(k):
+        reached = (accepted >= i) & (proposed > i)
+        positions.append(float((accepted[reached] > i).mean()) if reached.any() else None)
+    return AcceptanceStats(
+        rounds=len(rounds),
+        accept_hist=hist.tolist(),
+        mean_accepted=float(accepted.mean()),
+        median_accepted=float(np.median(accepted)),
+        p10_accepted=float(np.percentile(accepted, 10)),
+        p90_accepted=float(np.percentile(accepted, 90)),
+        zero_accept_rate=float((accepted == 0).mean()),
+        full_hit_rate=float((accepted == k).mean()),
+        acceptance_rate=float(accepted.sum() / proposed.sum()) if proposed.sum() else 0.0,
+        position_acceptance=positions,
+        acceptance_length=new_tokens / target_forwards,
+    )
+
+
+@dataclass
+class CostModel:
+    """Measured costs, in units of one 1-token target decoding step.
+
+    cost_ratio c: one draft step (a round's drafting time / k).
+    verify_overhead beta: a verification forward of k+1 positions, minus 1.
+    predicted_speedup: tau / (1 + k*c + beta), the speed-up these costs predict.
+    """
+
+    cost_ratio: float
+    verify_overhead: float | None
+    predicted_speedup: float | None
+
+
+def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, acceptance_length: float) -> CostModel:
+    """Estimate c and beta from the timed rounds and the timed plain-decoding steps of the same prompts.
+
+    Medians throughout: a noisy machine adds outliers, not a shift. beta comes only from rounds that
+    verified exactly k guesses (a model-free drafter may propose fewer).
+    """
+    if not target_step_s:
+        raise ValueError("no timed target steps: cannot express costs in target steps")
+    step = statistics.median(target_step_s)
+    c = statistics.median(r.draft_s for r in rounds) / k / step
+    full = [r.verify_s for r in rounds if r.proposed == k]
+    if not full:
+        return CostModel(c, None, None)
+    beta = statistics.median(full) / step - 1
+    return CostModel(c, beta, acceptance_length / (1 + k * c + beta))
+
+
+def expected_acceptance_length(alpha: float, k: int) -> float:
+    """tau for an i.i.d. per-guess acceptance rate alpha: (1 - alpha^(k+1)) / (1 - alpha)."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    return float(k + 1) if math.isclose(alpha, 1.0) else (1 - alpha ** (k + 1)) / (1 - alpha)

@@ -1,0 +1,221 @@
+"""The evaluation report: `report.json` (schema "draftsmith.eval/1", read by other tools), `report.md`
+(tables a person reads), and one accepted-count histogram PNG per category.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+SCHEMA = "draftsmith.eval/1"
+
+
+def hardware() -> dict:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+    }
+    return info
+
+
+def build_report(rows: list[dict], *, target: str, baseline: str, settings: dict) -> dict:
+    """The report.json document."""
+    return {
+        "schema": SCHEMA,
+        "target": target,
+        "baseline": baseline,
+        "hardware": hardware(),
+        "settings": settings,
+        "results": rows,
+    }
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+SUMMARY_COLUMNS = [
+    ("category", "category"),
+    ("drafter", "drafter"),
+    ("k", "k"),
+    ("T", "temperature"),
+    ("τ", "acceptance_length"),
+    ("mean acc", "mean_accepted"),
+    ("p10", "p10_accepted"),
+    ("zero-acc", "zero_accept_rate"),
+    ("full-hit", "full_hit_rate"),
+    ("c", "cost_ratio"),
+    ("β", "verify_overhead"),
+    ("pred ×", "predicted_speedup"),
+    ("speed-up ×", "speedup"),
+    ("τ vs base", "tau_vs_baseline"),
+    ("× vs base", "speedup_vs_baseline"),
+    ("lossless", "lossless"),
+    ("verdict", "verdict"),
+]
+
+
+def table(rows: list[dict], columns=SUMMARY_COLUMNS) -> str:
+    """A Markdown table of the given rows."""
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r[key]) for _, key in columns) + " |")
+    return "\n".join(lines)
+
+
+def _sorted(rows: list[dict]) -> list[dict]:
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    return sorted(rows, key=lambda r: (cats.index(r["category"]), r["temperature"], r["drafter"], r["k"]))
+
+
+def markdown(report: dict) -> str:
+    """report.md: settings, the summary table, the per-position acceptance and the verdicts."""
+    rows = _sorted(report["results"])
+    hw = report["hardware"]
+    out = [
+        "# draftsmith evaluation",
+        "",
+        f"- target: `{report['target']}`; baseline drafter: `{report['baseline']}`",
+        f"- hardware: {hw['gpu'] or hw['cpu']}, {hw['torch_threads']} torch threads, torch {hw['torch']}",
+        "- settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()),
+        "",
+        "τ = new tokens per target forward; c = one draft step / one target step; β = verify (k+1 positions)"
+        " / one step − 1; pred × = τ / (1 + k·c + β); speed-up × = speculative / plain tokens/s"
+        " (median over repeats of ratios measured side by side).",
+        "",
+        "## Summary",
+        "",
+        table(rows),
+        "",
+        "## Throughput",
+        "",
+        table(rows, [("category", "category"), ("drafter", "drafter"), ("k", "k"), ("T", "temperature"),
+                     ("prompts", "prompts"), ("rounds", "rounds"), ("plain tok/s", "ar_tokens_per_s"),
+                     ("spec tok/s", "sd_tokens_per_s"), ("speed-up ×", "speedup"), ("best k", "best_k")]),
+        "",
+        "## Acceptance by draft position",
+        "",
+        "P(guess i kept | guesses before it kept); histogram = rounds that kept 0, 1, …, k guesses.",
+        "",
+        "| category | drafter | k | T | by position | histogram | τ if i.i.d. |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        pos = " ".join(_fmt(p) for p in r["position_acceptance"])
+        out.append(f"| {r['category']} | {r['drafter']} | {r['k']} | {_fmt(r['temperature'])} | {pos} | "
+                   f"{r['accept_hist']} | {_fmt(r['acceptance_length_iid'])} |")
+    out += ["", "## Verdict per category (best k)", ""]
+    for r in rows:
+        if r["k"] == r["best_k"]:
+            out.append(f"- **{r['category']}**, {r['drafter']}, T={_fmt(r['temperature'])}: best k={r['k']}, "
+                       f"speed-up {_fmt(r['speedup'])}× → {r['verdict']}")
+    return "\n".join(out) + "\n"
+
+
+def console_summary(report: dict) -> str:
+    """A short fixed-width summary for the terminal."""
+    rows = _sorted(report["results"])
+    head = f"{'category':<14}{'drafter':<18}{'k':>3}{'T':>5}{'tau':>7}{'zero':>7}{'x':>7}{'pred':>7}{'vs base':>9}  verdict"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        pred = r["predicted_speedup"]
+        lines.append(
+            f"{r['category'][:13]:<14}{r['drafter'][:17]:<18}{r['k']:>3}{r['temperature']:>5.1f}"
+            f"{r['acceptance_length']:>7.2f}{r['zero_accept_rate']:>7.2f}{r['speedup']:>7.2f}"
+            f"{(pred if pred is not None else float('nan')):>7.2f}{r['speedup_vs_baseline']:>9.2f}  {r['verdict']}"
+        )
+    return "\n".join(lines)
+
+
+def plot_histograms(report: dict, out_dir: Path) -> list[Path]:
+    """One PNG per category: share of rounds that kept 0..k guesses, a panel per (temperature, k)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    paths = []
+    for category in dict.fromkeys(r["category"] for r in rows):
+        cat_rows = [r for r in rows if r["category"] == category]
+        panels = sorted({(r["temperature"], r["k"]) for r in cat_rows})
+        drafters = list(dict.fromkeys(r["drafter"] for r in cat_rows))
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+        for ax, (temperature, k) in zip(axes[0], panels):
+            width = 0.8 / len(drafters)
+            for j, name in enumerate(drafters):
+                r = next(r for r in cat_rows if r["drafter"] == name and r["k"] == k and r["temperature"] == temperature)
+                share = [h / r["rounds"] for h in r["accept_hist"]]
+                ax.bar([a + (j - (len(drafters) - 1) / 2) * width for a in range(k + 1)], share, width,
+                       label=f"{name} (τ={r['acceptance_length']:.2f})")
+            ax.set_title(f"{category}: k={k}, T={temperature:g}")
+            ax.set_xlabel("guesses kept per round")
+            ax.set_ylabel("share of rounds")
+            ax.set_xticks(range(k + 1))
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"accept_hist_{_safe(category)}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
+
+
+def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
+    """Write report.json, report.md and the histogram PNGs into out_dir; return their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "report.json", "md": out_dir / "report.md"}
+    # Write to a temporary name and rename, so a reader never sees a half-written report.
+    for key, text in (("json", json.dumps(report, indent=2) + "\n"), ("md", markdown(report))):
+        tmp = paths[key].with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(paths[key])
+    for p in plot_histograms(report, out_dir):
+        paths[p.stem] = p
+    return paths
+
+
+def log_to_wandb(report: dict, paths: dict[str, Path], *, project: str, entity: str | None, config: dict,
+                 run_dir: str | Path) -> None:
+    """Log the result rows and histograms to Weights & Biases; offline when there is no API key.
+
+    The key itself is never printed or logged: wandb reads it from the environment.
+    """
+    import wandb
+
+    mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    run = wandb.init(project=project, entity=entity, config=config, dir=str(run_dir), mode=mode, job_type="eval")
+    columns = [c for c in report["results"][0] if not isinstance(report["results"][0][c], list)]
+    run.log({
+        "results": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in report["results"]]),
+        **{f"accept_hist/{name}": wandb.Image(str(p)) for name, p in paths.items() if p.suffix == ".png"},
+    })
+    run.finish()

@@ -1,0 +1,88 @@
+"""Build everything an evaluation needs from plain arguments: models, drafters, prompts.
+
+`python -m eval` is a thin Hydra wrapper around `run_eval`; notebooks and tests can call these
+functions directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from drafters.base import Drafter
+from drafters.draft_lm import DraftLM
+from drafters.ngram import NgramDrafter
+from train import toyworld
+from train.data import load_records, prompt_ids
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DRAFTER_KINDS = ("draft_lm", "ngram")
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def load_target(name_or_path: str, *, device: torch.device, dtype: str = "float32",
+                trust_remote_code: bool = False) -> tuple[PreTrainedModel, object]:
+    """The target model and its tokenizer, from a hub id, a directory or the built-in toy world."""
+    path = toyworld.resolve(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype_of(dtype), trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return model.to(device).eval(), tokenizer
+
+
+def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remote_code: bool = False) -> Drafter:
+    """One drafter from its spec: {name, kind, path (draft_lm), max_ngram / min_ngram (ngram)}."""
+    kind, name = spec.get("kind"), spec.get("name")
+    if kind == "draft_lm":
+        if not spec.get("path"):
+            raise ValueError(f"drafter {name!r} (kind draft_lm) needs a path: a hub id or a directory")
+        return DraftLM.from_pretrained(toyworld.resolve(spec["path"]), target=target, target_tokenizer=tokenizer,
+                                       name=name, trust_remote_code=trust_remote_code)
+    if kind == "ngram":
+        return NgramDrafter(max_ngram=spec.get("max_ngram", 3), min_ngram=spec.get("min_ngram", 1), name=name)
+    raise ValueError(f"drafter {name!r}: unknown kind {kind!r}; known kinds: {list(DRAFTER_KINDS)}")
+
+
+def load_prompts(path: str, tokenizer, *, device: torch.device, split: str = "train", on_bad_record: str = "error",
+                 max_per_category: int | None = None, max_prompt_tokens: int | None = None
+                 ) -> dict[str, list[torch.Tensor]]:
+    """Prompt token ids per category, in file order, at most max_per_category each."""
+    records, summary = load_records(_resolve_data(path), split=split, on_bad_record=on_bad_record)
+    log.info("%s: %s", path, summary)
+    prompts: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for record in records:
+        if max_per_category is not None and len(prompts[record.category]) >= max_per_category:
+            continue
+        ids = prompt_ids(record, tokenizer, max_prompt_tokens)
+        prompts[record.category].append(torch.tensor(ids, device=device))
+    return dict(prompts)
+
+
+def _resolve_data(path: str) -> str:
+    """`toyworld://<preset>/company_logs/<file>` to a local file; anything else unchanged."""
+    if not path.startswith(toyworld.SCHEME):
+        return path
+    preset, _, rest = path[len(toyworld.SCHEME):].partition("/")
+    piece, _, file = rest.partition("/")
+    if preset not in toyworld.PRESETS:
+        raise ValueError(
+            f"{path!r} points into the built-in toy world, which has no preset {preset!r} "
+            f"(known: {sorted(toyworld.PRESETS)}); for your own traffic set data.path=FILE"
+        )
+    return os.path.join(toyworld.resolve(f"{toyworld.SCHEME}{preset}/{piece}"), file)

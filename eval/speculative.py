@@ -1,0 +1,228 @@
+"""The speculative decoding loop, and plain decoding to compare it with.
+
+Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling"), one round:
+
+1. The drafter proposes n <= k tokens x_1..x_n (with the distributions q_i it drew them from).
+2. The target scores the last committed token and all n guesses in ONE forward of n+1 positions,
+   giving p_1..p_{n+1}, on top of its KV cache of the committed prefix.
+3. Guess i is accepted with probability min(1, p_i(x_i) / q_i(x_i)), in order, until the first
+   rejection (greedy: accepted while it equals argmax p_i).
+4. At the first rejection j the target adds a token drawn from normalize(max(0, p_j - q_j)); if all n
+   passed, it adds a bonus token drawn from p_{n+1}. A round therefore yields accepted + 1 tokens.
+5. Rollback: the target's cache is cropped to the committed prefix (it never recomputes it), and the
+   drafter is told how many guesses were kept so it can crop its own state.
+
+The output distribution is exactly the target's (tests/eval/test_speculative.py checks greedy
+equality token for token and sampled outputs against the target's distribution).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from drafters.base import Drafter, Proposal
+from eval.sampling import Sampling, choose, probs_from_logits, sample
+
+
+@dataclass
+class Round:
+    """One draft-then-verify round: how many guesses were proposed and kept, and what each half cost."""
+
+    proposed: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class Generation:
+    """The new tokens of one generation and, for speculative decoding, its rounds."""
+
+    tokens: list[int]
+    seconds: float
+    target_forwards: int
+    rounds: list[Round] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)  # plain decoding: one entry per 1-token target step
+
+
+def _sync(device: torch.device) -> None:
+    # Kernels run asynchronously on accelerators; wall-clock timing of a phase needs them finished.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Greedy acceptance: keep guesses while they equal the target's argmax.
+
+    draft_tokens: (n,); target_logits: (n+1, V). Returns (accepted, next token), where the next token
+    is the target's argmax after the last kept guess (its correction, or the bonus token).
+    """
+    target_tokens = target_logits.argmax(-1)  # (n+1,)
+    n = draft_tokens.numel()
+    matches = (draft_tokens == target_tokens[:n]).int()
+    accepted = int(matches.cumprod(0).sum().item()) if n else 0
+    return accepted, int(target_tokens[accepted].item())
+
+
+def accept_sampled(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Lossless stochastic acceptance (steps 3-4 of the module docstring), vectorised.
+
+    draft_tokens: (n,); draft_probs: (n, V) or None for deterministic guesses (one-hot q);
+    target_probs: (n+1, V), already processed by the same `Sampling` as the draft's.
+    Returns (accepted, next token).
+    """
+    n = draft_tokens.numel()
+    if n == 0:
+        return 0, int(sample(target_probs[0], generator).item())
+    idx = torch.arange(n, device=target_probs.device)
+    p_x = target_probs[idx, draft_tokens]  # (n,)
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+        draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).to(target_probs.dtype)
+    else:
+        q_x = draft_probs[idx, draft_tokens]
+    u = torch.rand(n, device=target_probs.device, generator=generator)
+    # Accept iff u < p/q, written as u*q < p to avoid dividing by a zero q (a guess q could not draw).
+    keep = (u * q_x < p_x).int()
+    accepted = int(keep.cumprod(0).sum().item())
+    if accepted == n:
+        residual = target_probs[n]
+    else:
+        residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
+        total = residual.sum()
+        # Numerical guard: a rejection implies p != q, so the residual has mass; if rounding ate it all,
+        # p is the right fallback (it is what the residual tends to as p - q -> 0 elementwise).
+        residual = residual / total if total > 0 else target_probs[accepted]
+    return accepted, int(sample(residual, generator).item())
+
+
+def rollback(cache: DynamicCache, keep: int) -> None:
+    """Drop cached positions beyond the first `keep` (transformers 5: crop takes a negative count)."""
+    cache.crop(keep - cache.get_seq_length())
+
+
+def _forward(model: PreTrainedModel, ids: list[int], cache: DynamicCache, device: torch.device, keep_logits: int):
+    inputs = torch.tensor([ids], device=device)
+    return model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=keep_logits).logits[0]
+
+
+def _finish(new: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[list[int], bool]:
+    """Cut new tokens at the budget and after the first EOS; say whether generation is over."""
+    if eos_token_id is not None and eos_token_id in new:
+        return new[: new.index(eos_token_id) + 1][:max_new_tokens], True
+    return new[:max_new_tokens], len(new) >= max_new_tokens
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: PreTrainedModel,
+    drafter: Drafter,
+    prompt_ids: torch.Tensor,
+    *,
+    k: int,
+    sampling: Sampling,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    timed: bool = False,
+) -> Generation:
+    """Generate up to max_new_tokens after prompt_ids (T,) with drafter proposals verified by target.
+
+    With `timed`, each round's draft and verify phases are timed separately (device synchronised), so
+    the cost ratio c and the verification overhead can be measured in the same run.
+    """
+    if k < 1:
+        raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
+    if prompt_ids.numel() == 0:
+        raise ValueError("the prompt is empty: speculative decoding needs at least one token to start from")
+    device = prompt_ids.device
+    clock = time.perf_counter
+    t_start = clock()
+    prompt = prompt_ids.tolist()
+    cache = DynamicCache()
+    # Prefill all but the last prompt token: every round then starts by feeding exactly one committed
+    # token (the last one) followed by the guesses, so verification is one forward of n+1 positions.
+    if len(prompt) > 1:
+        _forward(target, prompt[:-1], cache, device, keep_logits=1)
+    last, length = prompt[-1], len(prompt)  # the last committed token, and how many are committed
+    drafter.start(prompt_ids)
+    new: list[int] = []
+    rounds: list[Round] = []
+    forwards = 0
+    while True:
+        if timed:
+            _sync(device)
+        t0 = clock()
+        proposal: Proposal = drafter.propose(k, sampling, generator)
+        if len(proposal) > k:
+            raise RuntimeError(f"drafter {drafter.name!r} proposed {len(proposal)} tokens, more than k={k}")
+        if timed:
+            _sync(device)
+        t1 = clock()
+        guesses = proposal.tokens.tolist()
+        logits = _forward(target, [last, *guesses], cache, device, keep_logits=len(guesses) + 1)
+        forwards += 1
+        if sampling.greedy:
+            accepted, next_token = accept_greedy(proposal.tokens, logits)
+        else:
+            target_probs = probs_from_logits(logits, sampling)
+            accepted, next_token = accept_sampled(proposal.tokens, proposal.probs, target_probs, generator)
+        t2 = clock()
+        rounds.append(Round(len(guesses), accepted, t1 - t0, t2 - t1))
+        # The cache now holds the committed tokens and all guesses; keep the committed and the accepted.
+        rollback(cache, length + accepted)
+        drafter.commit(accepted, next_token)
+        step = guesses[:accepted] + [next_token]
+        new, done = _finish(new + step, max_new_tokens, eos_token_id)
+        if done:
+            break
+        last, length = next_token, length + len(step)
+    _sync(device)
+    return Generation(new, clock() - t_start, forwards, rounds)
+
+
+@torch.inference_mode()
+def autoregressive_generate(
+    target: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    *,
+    sampling: Sampling,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+    timed: bool = False,
+) -> Generation:
+    """Plain target-only decoding with a KV cache, one token per forward: the reference and the baseline."""
+    if prompt_ids.numel() == 0:
+        raise ValueError("the prompt is empty: decoding needs at least one token to start from")
+    device = prompt_ids.device
+    clock = time.perf_counter
+    t_start = clock()
+    cache = DynamicCache()
+    logits = _forward(target, prompt_ids.tolist(), cache, device, keep_logits=1)[-1]
+    new: list[int] = []
+    steps: list[float] = []
+    forwards = 1
+    while True:
+        token = int(choose(logits, sampling, generator).item())
+        new.append(token)
+        if len(new) >= max_new_tokens or token == eos_token_id:
+            break
+        t0 = clock()
+        logits = _forward(target, [token], cache, device, keep_logits=1)[-1]
+        if timed:
+            _sync(device)
+            steps.append(clock() - t0)
+        forwards += 1
+    _sync(device)
+    return Generation(new, clock() - t_start, forwards, step_s=steps)

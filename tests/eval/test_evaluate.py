@@ -1,0 +1,64 @@
+"""evaluate() on tiny models: every row has the contract's keys and consistent numbers."""
+
+import pytest
+import torch
+
+from drafters.draft_lm import DraftLM
+from drafters.ngram import NgramDrafter
+from eval.evaluate import ALL, EvalPlan, evaluate
+from helpers import tiny_llama
+
+VOCAB = 48
+ROW_KEYS = {"drafter", "k", "temperature", "category", "prompts", "rounds", "accept_hist", "mean_accepted",
+            "median_accepted", "p10_accepted", "zero_accept_rate", "acceptance_rate", "acceptance_length",
+            "ar_tokens_per_s", "sd_tokens_per_s", "speedup", "cost_ratio", "verify_overhead",
+            "predicted_speedup", "lossless", "verdict", "tau_vs_baseline", "speedup_vs_baseline"}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_llama(VOCAB, seed=0, logit_scale=4.0)
+    drafters = [DraftLM(tiny_llama(VOCAB, seed=1, logit_scale=4.0), name="base"), DraftLM(target, name="self"),
+                NgramDrafter()]
+    g = torch.Generator().manual_seed(0)
+    prompts = {"a": [torch.randint(0, VOCAB, (6,), generator=g) for _ in range(2)],
+               "b": [torch.randint(0, VOCAB, (9,), generator=g)]}
+    return target, drafters, prompts
+
+
+def test_rows_cover_every_configuration(setup):
+    target, drafters, prompts = setup
+    plan = EvalPlan(ks=[1, 3], temperatures=[0.0, 1.0], max_new_tokens=12, repeats=2, warmup=1)
+    rows = evaluate(target, drafters, prompts, plan, progress=False)
+    assert len(rows) == 3 * 2 * 2 * 3  # drafters x ks x temperatures x (2 categories + all)
+    for r in rows:
+        assert ROW_KEYS <= set(r)
+        assert sum(r["accept_hist"]) == r["rounds"] and len(r["accept_hist"]) == r["k"] + 1
+        assert r["lossless"] is (True if r["temperature"] == 0 else None)
+        assert r["verdict"] in ("pays off", "turn it off")
+        if r["drafter"] == "base":
+            assert r["tau_vs_baseline"] == 1.0 and r["speedup_vs_baseline"] == 1.0
+    selfrows = [r for r in rows if r["drafter"] == "self" and r["temperature"] == 0.0]
+    for r in selfrows:  # drafting with the target itself: every guess is kept
+        assert r["acceptance_rate"] == 1.0 and r["zero_accept_rate"] == 0.0
+    agg = next(r for r in rows if r["category"] == ALL and r["drafter"] == "self" and r["k"] == 3 and r["temperature"] == 0)
+    assert agg["prompts"] == 3
+    assert agg["rounds"] == sum(r["rounds"] for r in selfrows if r["k"] == 3 and r["category"] != ALL)
+
+
+def test_reserved_category_and_empty_prompts_are_errors(setup):
+    target, drafters, prompts = setup
+    plan = EvalPlan(ks=[2], repeats=1, max_new_tokens=4)
+    with pytest.raises(ValueError, match="reserved"):
+        evaluate(target, drafters, {"all": prompts["a"]}, plan, progress=False)
+    with pytest.raises(ValueError, match="no prompts"):
+        evaluate(target, drafters, {"a": []}, plan, progress=False)
+    with pytest.raises(ValueError, match="unique"):
+        evaluate(target, [drafters[0], drafters[0]], prompts, plan, progress=False)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(ks=[0, 2]), "k .* must be >= 1"), (dict(ks=[]), "k"),
+                                           (dict(repeats=0), "repeats"), (dict(temperatures=[-1.0]), "temperature")])
+def test_bad_plans_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EvalPlan(**kwargs)

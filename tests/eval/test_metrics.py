@@ -1,0 +1,60 @@
+import math
+
+import pytest
+
+from eval.metrics import acceptance_stats, cost_model, expected_acceptance_length
+from eval.speculative import Round
+
+
+def rounds(accepted, proposed=None, k=4, draft_s=0.004, verify_s=0.012):
+    proposed = proposed or [k] * len(accepted)
+    return [Round(p, a, draft_s, verify_s) for a, p in zip(accepted, proposed)]
+
+
+def test_acceptance_stats_on_hand_built_rounds():
+    # 5 rounds at k=4: kept 0, 4, 2, 4, 0 -> tokens 1+5+3+5+1 = 15 in 5 forwards.
+    s = acceptance_stats(rounds([0, 4, 2, 4, 0]), k=4, new_tokens=15, target_forwards=5)
+    assert s.rounds == 5
+    assert s.accept_hist == [2, 0, 1, 0, 2]
+    assert s.mean_accepted == pytest.approx(2.0)
+    assert s.median_accepted == 2.0
+    assert s.p10_accepted == pytest.approx(0.0)
+    assert s.p90_accepted == pytest.approx(4.0)
+    assert s.zero_accept_rate == pytest.approx(0.4)
+    assert s.full_hit_rate == pytest.approx(0.4)
+    assert s.acceptance_rate == pytest.approx(10 / 20)
+    assert s.acceptance_length == pytest.approx(3.0)
+    # Position 1: 3 of 5 rounds kept it; position 2: 3 of 3 reached; position 3: 2 of 3; position 4: 2 of 2.
+    assert s.position_acceptance == pytest.approx([0.6, 1.0, 2 / 3, 1.0])
+
+
+def test_short_proposals_count_only_where_proposed():
+    # An n-gram drafter proposing 2, 0 and 4 tokens at k=4.
+    s = acceptance_stats(rounds([2, 0, 1], proposed=[2, 0, 4]), k=4, new_tokens=6, target_forwards=3)
+    assert s.acceptance_rate == pytest.approx(3 / 6)
+    assert s.position_acceptance[0] == pytest.approx(2 / 2)  # the empty proposal did not reach position 1
+    assert s.position_acceptance[2] is None  # nobody proposed a third token after keeping two
+
+
+def test_inconsistent_rounds_are_rejected():
+    with pytest.raises(ValueError, match="inconsistent"):
+        acceptance_stats(rounds([3], proposed=[2]), k=4, new_tokens=4, target_forwards=1)
+    with pytest.raises(ValueError, match="no rounds"):
+        acceptance_stats([], k=4, new_tokens=0, target_forwards=0)
+
+
+def test_cost_model():
+    # draft 4 guesses in 4 ms -> 1 ms each; target step 10 ms -> c = 0.1; verify 12 ms -> beta = 0.2.
+    cm = cost_model(rounds([1, 2, 3]), [0.010, 0.010, 0.011], k=4, acceptance_length=3.0)
+    assert cm.cost_ratio == pytest.approx(0.1)
+    assert cm.verify_overhead == pytest.approx(0.2)
+    assert cm.predicted_speedup == pytest.approx(3.0 / (1 + 4 * 0.1 + 0.2))
+    short = cost_model(rounds([1], proposed=[2]), [0.01], k=4, acceptance_length=1.5)
+    assert short.verify_overhead is None and short.predicted_speedup is None
+
+
+def test_expected_acceptance_length_matches_the_closed_form():
+    assert expected_acceptance_length(0.8, 5) == pytest.approx(3.69, abs=0.01)  # ANCHORS section 1
+    assert expected_acceptance_length(0.0, 5) == 1.0
+    assert expected_acceptance_length(1.0, 5) == 6.0
+    assert math.isclose(expected_acceptance_length(0.5, 1), 1.5)

@@ -1,0 +1,231 @@
+"""The loop is lossless: greedy equals target greedy token for token; sampling follows the target."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import DynamicCache
+
+import eval.speculative as spec
+from helpers import ScriptedDrafter, tiny_llama
+from drafters.draft_lm import DraftLM
+from drafters.ngram import NgramDrafter
+from eval.sampling import Sampling, probs_from_logits
+from eval.speculative import accept_greedy, accept_sampled, autoregressive_generate, rollback, speculative_generate
+
+VOCAB = 64
+GREEDY = Sampling()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(VOCAB, seed=0, logit_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    # A repetitive prompt gives the n-gram drafter something to find.
+    repetitive = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in (1, 4, 11)] + [repetitive]
+
+
+def reference(target, prompt, n=40, eos=None):
+    return autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=n, eos_token_id=eos).tokens
+
+
+POLICIES = {
+    "always": lambda pos: True,
+    "never": lambda pos: False,
+    "sometimes": lambda pos: pos % 3 != 2,
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_greedy_equals_target_with_stub_drafters(target, prompts, policy, k):
+    for prompt in prompts:
+        ref = reference(target, prompt)
+        drafter = ScriptedDrafter(ref, VOCAB, POLICIES[policy])
+        out = speculative_generate(target, drafter, prompt, k=k, sampling=GREEDY, max_new_tokens=40)
+        assert out.tokens == ref
+        accepted = [r.accepted for r in out.rounds]
+        if policy == "always":
+            assert all(a == k for a in accepted[:-1])  # the last round may be cut by the budget
+            assert out.target_forwards == -(-40 // (k + 1))
+        elif policy == "never":
+            assert set(accepted) == {0} and out.target_forwards == 40
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_equals_target_with_model_and_ngram_drafters(target, prompts, k):
+    other = tiny_llama(VOCAB, seed=3, logit_scale=4.0)
+    drafters = [DraftLM(target, name="self"), DraftLM(other, name="other"), NgramDrafter()]
+    for prompt, drafter in itertools.product(prompts, drafters):
+        ref = reference(target, prompt)
+        out = speculative_generate(target, drafter, prompt, k=k, sampling=GREEDY, max_new_tokens=40)
+        assert out.tokens == ref, drafter.name
+        if drafter.name == "self":  # the target drafting for itself is always right
+            assert all(r.accepted == k for r in out.rounds[:-1])
+
+
+def test_ngram_drafter_is_accepted_on_repetitive_text(target, prompts):
+    ref = reference(target, prompts[-1])
+    out = speculative_generate(target, NgramDrafter(), prompts[-1], k=4, sampling=GREEDY, max_new_tokens=40)
+    assert out.tokens == ref
+    # A random target falls into a loop within 40 tokens; the n-gram drafter must then be accepted.
+    assert max(r.accepted for r in out.rounds) >= 2
+
+
+def test_stops_after_eos(target, prompts):
+    ref = reference(target, prompts[1], n=40)
+    eos = ref[9]  # pretend the 10th generated token is EOS
+    expected = ref[: ref.index(eos) + 1]
+    for drafter in (DraftLM(target), ScriptedDrafter(ref, VOCAB, POLICIES["always"])):
+        out = speculative_generate(target, drafter, prompts[1], k=4, sampling=GREEDY, max_new_tokens=40,
+                                   eos_token_id=eos)
+        assert out.tokens == expected
+    assert reference(target, prompts[1], eos=eos) == expected
+
+
+def test_rejects_bad_arguments(target):
+    with pytest.raises(ValueError, match="k .* must be >= 1"):
+        speculative_generate(target, NgramDrafter(), torch.tensor([1, 2]), k=0, sampling=GREEDY, max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        speculative_generate(target, NgramDrafter(), torch.tensor([], dtype=torch.long), k=2, sampling=GREEDY,
+                             max_new_tokens=4)
+
+
+# --- acceptance rules on hand-built tensors ---------------------------------------------------------
+
+
+def test_accept_greedy_counts_the_matching_prefix():
+    logits = torch.full((4, 5), -1.0)
+    for pos, tok in enumerate([2, 3, 4, 1]):
+        logits[pos, tok] = 1.0
+    assert accept_greedy(torch.tensor([2, 3, 4]), logits) == (3, 1)  # all kept, bonus token 1
+    assert accept_greedy(torch.tensor([2, 0, 4]), logits) == (1, 3)  # correction at position 2
+    assert accept_greedy(torch.tensor([0, 3, 4]), logits) == (0, 2)
+    assert accept_greedy(torch.tensor([], dtype=torch.long), logits[:1]) == (0, 2)
+
+
+def test_accept_sampled_certain_cases():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    q = torch.tensor([[0.5, 0.5, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    # p(x)=1 >= q(x): always accepted, then the bonus from p[1].
+    assert accept_sampled(torch.tensor([1]), q, p, g) == (1, 2)
+    # p(x)=0: always rejected; the residual max(0, p - q) puts all mass on token 1.
+    assert accept_sampled(torch.tensor([0]), q, p, g) == (0, 1)
+    # Deterministic guess (q one-hot) of a token p gives probability 0: rejected, residual = p.
+    assert accept_sampled(torch.tensor([2]), None, p, g) == (0, 1)
+
+
+# --- distribution: sampled speculative decoding follows the target ----------------------------------
+
+
+def _exact_joint(target, prompt, sampling, vocab):
+    """p(x1, x2) of the target's first two sampled tokens, by enumeration."""
+    with torch.no_grad():
+        p1 = probs_from_logits(target(prompt[None]).logits[0, -1], sampling)
+        seqs = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
+        p2 = probs_from_logits(target(seqs).logits[:, -1], sampling)
+    return (p1[:, None] * p2).flatten()
+
+
+def _empirical_joint(target, drafter, prompt, sampling, vocab, k, n):
+    counts = torch.zeros(vocab * vocab)
+    g = torch.Generator().manual_seed(1234)
+    for _ in range(n):
+        out = speculative_generate(target, drafter, prompt, k=k, sampling=sampling, max_new_tokens=2, generator=g)
+        counts[out.tokens[0] * vocab + out.tokens[1]] += 1
+    return counts
+
+
+def _chi2_pvalue(counts, probs):
+    expected = probs * counts.sum()
+    keep = expected >= 5  # pool rare cells so the chi-square approximation holds
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+
+SMALL_V = 6
+SAMPLED = Sampling(temperature=1.0)
+N_SAMPLES = 2500
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    target = tiny_llama(SMALL_V, hidden=16, layers=1, seed=10, logit_scale=12.0)
+    draft = tiny_llama(SMALL_V, hidden=16, layers=1, seed=11, logit_scale=12.0)
+    return target, draft, torch.tensor([1, 4, 2])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("which", ["draft_lm", "ngram"])
+def test_sampled_output_follows_target_distribution(small_pair, k, which):
+    target, draft, prompt = small_pair
+    exact = _exact_joint(target, prompt, SAMPLED, SMALL_V)
+    drafter = DraftLM(draft) if which == "draft_lm" else NgramDrafter(max_ngram=1)
+    counts = _empirical_joint(target, drafter, prompt, SAMPLED, SMALL_V, k, N_SAMPLES)
+    assert _chi2_pvalue(counts, exact) > 1e-3
+
+
+def test_sampled_with_top_k_top_p_follows_processed_target(small_pair):
+    target, draft, prompt = small_pair
+    sampling = Sampling(temperature=0.8, top_k=4, top_p=0.9)
+    exact = _exact_joint(target, prompt, sampling, SMALL_V)
+    counts = _empirical_joint(target, DraftLM(draft), prompt, sampling, SMALL_V, 2, N_SAMPLES)
+    assert counts[exact == 0].sum() == 0  # never a token the processing removed
+    assert _chi2_pvalue(counts, exact) > 1e-3
+
+
+def _wrong_residual(draft_tokens, draft_probs, target_probs, generator=None):
+    """The classic bug: on rejection, resample from p instead of normalize(max(0, p - q))."""
+    accepted, token = accept_sampled(draft_tokens, draft_probs, target_probs, generator)
+    if accepted < draft_tokens.numel():
+        token = int(torch.multinomial(target_probs[accepted], 1, generator=generator).item())
+    return accepted, token
+
+
+def test_distribution_test_catches_a_wrong_residual(small_pair, monkeypatch):
+    target, draft, prompt = small_pair
+    monkeypatch.setattr(spec, "accept_sampled", _wrong_residual)
+    exact = _exact_joint(target, prompt, SAMPLED, SMALL_V)
+    counts = _empirical_joint(target, DraftLM(draft), prompt, SAMPLED, SMALL_V, 2, N_SAMPLES)
+    assert _chi2_pvalue(counts, exact) < 1e-3
+
+
+# --- rollback ---------------------------------------------------------------------------------------
+
+
+def test_rollback_gives_the_logits_of_a_recompute(target):
+    seq = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cache = DynamicCache()
+        target(input_ids=seq[:, :8], past_key_values=cache, use_cache=True)
+        target(input_ids=torch.tensor([[1, 2, 3, 4]]), past_key_values=cache, use_cache=True)  # rejected guesses
+        rollback(cache, 8)
+        assert cache.get_seq_length() == 8
+        rolled = target(input_ids=seq[:, 8:], past_key_values=cache, use_cache=True).logits
+        fresh = target(input_ids=seq).logits[:, 8:]
+    torch.testing.assert_close(rolled, fresh, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_lm_cache_matches_recompute_after_rounds(target, prompts):
+    other = tiny_llama(VOCAB, seed=3, logit_scale=4.0)
+    drafter = DraftLM(other)
+    speculative_generate(target, drafter, prompts[2], k=3, sampling=GREEDY, max_new_tokens=25)
+    # After generation the drafter's cache covers a prefix of its committed ids; continuing from the
+    # cache must give the same next-token logits as reading all ids from scratch.
+    fed = drafter.cache.get_seq_length()
+    with torch.no_grad():
+        cont = other(input_ids=torch.tensor([drafter.ids[fed:]]), past_key_values=drafter.cache).logits[0, -1]
+        fresh = other(input_ids=torch.tensor([drafter.ids])).logits[0, -1]
+    torch.testing.assert_close(cont, fresh, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,1 @@
+"""Training: company traffic in (`train.data`), the built-in toy world (`train.toyworld`)."""

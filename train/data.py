@@ -1,0 +1,213 @@
+"""Company traffic in: read and check records, and turn them into prompts.
+
+A record (one JSON object per line, or a Parquet row) is either
+
+- `messages`: a list of `{"role": "system" | "user" | "assistant", "content": str}` (multi-turn), or
+- `prompt` (str) with an optional `response` (str),
+
+with optional `id`, `category` (or `route`), `timestamp` and `model`. Records without a category are
+put in the category "uncategorized" and counted in a warning; "all" is reserved for the aggregate.
+
+Local JSONL files are checked line by line, so an error names the file, the line and the field.
+Anything else `datasets` can read (Parquet, a glob, a hub dataset id) is loaded with `datasets` and
+checked row by row.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+UNCATEGORIZED = "uncategorized"
+RESERVED_CATEGORIES = ("all",)
+
+
+class RecordError(ValueError):
+    """A record that cannot be used, with where it came from."""
+
+    def __init__(self, source: str, line: int | None, field_name: str | None, problem: str) -> None:
+        where = f"{source}:{line}" if line is not None else source
+        what = f" field {field_name!r}:" if field_name else ""
+        super().__init__(f"{where}:{what} {problem}")
+        self.source, self.line, self.field_name, self.problem = source, line, field_name, problem
+
+
+@dataclass
+class Record:
+    """One conversation from the traffic, checked."""
+
+    messages: list[dict]
+    category: str
+    id: str
+    source: str
+    line: int | None
+
+    @property
+    def prompt_messages(self) -> list[dict]:
+        """The conversation up to (not including) the last assistant turn: what a model is asked."""
+        last = max((i for i, m in enumerate(self.messages) if m["role"] == "assistant"), default=len(self.messages))
+        return self.messages[:last]
+
+
+@dataclass
+class LoadSummary:
+    """What loading skipped or defaulted, printed at the end."""
+
+    loaded: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    uncategorized: int = 0
+
+    def __str__(self) -> str:
+        parts = [f"{self.loaded} records loaded"]
+        if self.skipped:
+            parts.append(f"{sum(self.skipped.values())} skipped (" +
+                         ", ".join(f"{n}× {why}" for why, n in self.skipped.most_common()) + ")")
+        if self.uncategorized:
+            parts.append(f"{self.uncategorized} without a category put in {UNCATEGORIZED!r}")
+        return "; ".join(parts)
+
+
+def _check(raw: object, source: str, line: int | None) -> Record:
+    if not isinstance(raw, dict):
+        raise RecordError(source, line, None, f"expected a JSON object, got {type(raw).__name__}")
+    rid = raw.get("id")
+    if rid is not None and not isinstance(rid, (str, int)):
+        raise RecordError(source, line, "id", f"expected a string or integer, got {type(rid).__name__}")
+    category = raw.get("category", raw.get("route"))
+    if category is not None:
+        if not isinstance(category, str) or not category.strip():
+            raise RecordError(source, line, "category", f"expected a non-empty string, got {category!r}")
+        if category in RESERVED_CATEGORIES:
+            raise RecordError(source, line, "category", f"{category!r} is reserved for the aggregate over categories")
+    if raw.get("messages") is not None:
+        messages = raw["messages"]
+        if not isinstance(messages, list):
+            raise RecordError(source, line, "messages", f"expected a list, got {type(messages).__name__}")
+        if not messages:
+            raise RecordError(source, line, "messages", "empty conversation")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise RecordError(source, line, f"messages[{i}]", f"expected an object, got {type(m).__name__}")
+            if m.get("role") not in ROLES:
+                raise RecordError(source, line, f"messages[{i}].role", f"expected one of {ROLES}, got {m.get('role')!r}")
+            if not isinstance(m.get("content"), str):
+                raise RecordError(source, line, f"messages[{i}].content",
+                                  f"expected a string, got {type(m.get('content')).__name__}")
+        if not any(m["role"] == "user" for m in messages):
+            raise RecordError(source, line, "messages", "no user turn")
+    elif raw.get("prompt") is not None:
+        if not isinstance(raw["prompt"], str) or not raw["prompt"].strip():
+            raise RecordError(source, line, "prompt", f"expected a non-empty string, got {raw['prompt']!r}")
+        messages = [{"role": "user", "content": raw["prompt"]}]
+        response = raw.get("response")
+        if response is not None:
+            if not isinstance(response, str):
+                raise RecordError(source, line, "response", f"expected a string, got {type(response).__name__}")
+            messages.append({"role": "assistant", "content": response})
+    else:
+        raise RecordError(source, line, None, "a record needs 'messages' (chat) or 'prompt'")
+    return Record(messages, category or UNCATEGORIZED, str(rid) if rid is not None else f"{source}:{line}",
+                  source, line)
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
+    with open(path, "rb") as f:
+        for number, raw_line in enumerate(f, start=1):
+            try:
+                text = raw_line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise RecordError(str(path), number, None, f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            if not text.strip():
+                continue
+            try:
+                yield number, json.loads(text)
+            except json.JSONDecodeError as e:
+                raise RecordError(str(path), number, None, f"invalid JSON ({e.msg}, column {e.colno})") from None
+
+
+def _dataset_rows(spec: str, split: str) -> Iterator[tuple[int | None, object]]:
+    import datasets
+
+    builder = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}.get(Path(spec).suffix)
+    if builder:  # a file or a glob of files of a known format
+        ds = datasets.load_dataset(builder, data_files=spec, split=split, streaming=True)
+    else:  # a directory or a hub dataset id
+        ds = datasets.load_dataset(spec, split=split, streaming=True)
+    for i, row in enumerate(ds):
+        yield i, {k: v for k, v in row.items() if v is not None}
+
+
+def iter_records(spec: str, *, split: str = "train", on_bad_record: str = "error",
+                 summary: LoadSummary | None = None) -> Iterator[Record]:
+    """Yield checked records from a JSONL file, a glob of them, a Parquet file or a hub dataset id.
+
+    on_bad_record: "error" raises RecordError naming file, line and field; "skip" counts the record in
+    `summary` and goes on.
+    """
+    if on_bad_record not in ("error", "skip"):
+        raise ValueError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
+    summary = summary if summary is not None else LoadSummary()
+    paths = sorted(glob.glob(spec)) if glob.has_magic(spec) else ([spec] if Path(spec).exists() else [])
+    if paths and all(p.endswith(".jsonl") for p in paths):
+        sources = [(p, _jsonl_rows(Path(p))) for p in paths]
+    elif glob.has_magic(spec) and not paths:
+        raise FileNotFoundError(f"no files match {spec!r}")
+    else:
+        sources = [(spec, _dataset_rows(spec, split))]
+    for source, rows in sources:
+        while True:
+            try:
+                line, raw = next(rows)
+            except StopIteration:
+                break
+            except RecordError as e:  # unreadable line: the reader has already moved past it
+                if on_bad_record == "error":
+                    raise
+                summary.skipped[e.problem.split(" (")[0]] += 1
+                continue
+            try:
+                record = _check(raw, source, line)
+            except RecordError as e:
+                if on_bad_record == "error":
+                    raise
+                summary.skipped[e.problem.split(",")[0]] += 1
+                continue
+            summary.loaded += 1
+            summary.uncategorized += record.category == UNCATEGORIZED
+            yield record
+
+
+def load_records(spec: str, *, split: str = "train", on_bad_record: str = "error") -> tuple[list[Record], LoadSummary]:
+    """All records of `spec` (see `iter_records`), and what loading skipped; an empty result is an error."""
+    summary = LoadSummary()
+    records = list(iter_records(spec, split=split, on_bad_record=on_bad_record, summary=summary))
+    if not records:
+        raise ValueError(f"{spec}: no usable records ({summary})")
+    if summary.uncategorized:
+        log.warning("%s: %d records have no 'category' (or 'route'); they are reported as %r",
+                    spec, summary.uncategorized, UNCATEGORIZED)
+    return records, summary
+
+
+def prompt_ids(record: Record, tokenizer, max_prompt_tokens: int | None = None) -> list[int]:
+    """Token ids of the record's prompt through the tokenizer's chat template, ending with the
+    assistant-turn opener so the model answers."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; set one "
+            "(tokenizer.chat_template) to turn chat records into prompts"
+        )
+    ids = tokenizer.apply_chat_template(record.prompt_messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+        raise RecordError(record.source, record.line, "messages",
+                          f"prompt is {len(ids)} tokens, longer than the {max_prompt_tokens} the context allows")
+    return list(ids)

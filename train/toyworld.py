@@ -1,0 +1,333 @@
+"""The built-in toy world: a target, an off-the-shelf draft and company traffic, built on this machine.
+
+No model hub can be reached here, so draftsmith builds a small world that its real code paths load
+exactly as they would load a hub model and a user's logs (`from_pretrained` on a directory, `datasets`
+on JSONL). Everything is trained on text every Python installation has:
+
+- code: top-level functions of the standard library's own source;
+- prose: the English reference topics in `pydoc_data.topics`;
+- structured output: generated JSON records and tool calls.
+
+Pieces (under `$DRAFTSMITH_HOME/toyworld/<preset>-<hash>/`, default `~/.cache/draftsmith`):
+
+- `target/`: a Llama-architecture causal LM trained on all three kinds of text and on the company's
+  chat traffic, with a byte-level BPE tokenizer and a chat template;
+- `draft/`: a much smaller LM with the same tokenizer, trained on a general mix that
+  under-represents the company's traffic (mostly prose, no chats), so training on that traffic has
+  something to gain;
+- `company_logs/{train,eval}.jsonl`: chat records in categories code / json / prose, split by a hash
+  of the record id.
+
+A world is addressed as `toyworld://<preset>/<piece>` (e.g. `toyworld://toy/target`); `resolve`
+builds it on first use and caches it by a hash of its configuration, so changing the recipe rebuilds.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import sysconfig
+import time
+import zlib
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+SCHEME = "toyworld://"
+PIECES = ("target", "draft", "company_logs")
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CATEGORIES = ("code", "json", "prose")
+
+
+@dataclass(frozen=True)
+class LMSpec:
+    """A Llama-architecture LM and how long to train it."""
+
+    hidden_size: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate_size: int
+    steps: int
+    batch_size: int
+    lr: float = 3e-3
+
+
+@dataclass(frozen=True)
+class ToyWorldConfig:
+    """Everything that determines a toy world; its hash names the cache directory."""
+
+    vocab_size: int
+    seq_len: int
+    records_per_category: int
+    target: LMSpec
+    draft: LMSpec
+    eval_fraction: float = 0.1
+    seed: int = 0
+    version: int = 1  # bump when the recipe changes in a way the fields above do not show
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+PRESETS = {
+    # For tests: builds in seconds; the models are barely trained but share one tokenizer.
+    "tiny": ToyWorldConfig(
+        vocab_size=320,
+        seq_len=96,
+        records_per_category=60,
+        target=LMSpec(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128, steps=60, batch_size=8),
+        draft=LMSpec(hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64, steps=30, batch_size=8),
+    ),
+    # The default world.
+    "toy": ToyWorldConfig(
+        vocab_size=4096,
+        seq_len=256,
+        records_per_category=1000,
+        target=LMSpec(hidden_size=256, layers=6, heads=8, kv_heads=4, intermediate_size=704, steps=350, batch_size=16,
+                      lr=2e-3),
+        draft=LMSpec(hidden_size=96, layers=2, heads=4, kv_heads=2, intermediate_size=256, steps=250, batch_size=16),
+    ),
+}
+
+
+def home() -> Path:
+    """Where built worlds are cached: $DRAFTSMITH_HOME or ~/.cache/draftsmith."""
+    return Path(os.environ.get("DRAFTSMITH_HOME", Path.home() / ".cache" / "draftsmith"))
+
+
+def resolve(name_or_path: str) -> str:
+    """Map `toyworld://<preset>/<piece>` to a local directory (building the world if needed); pass
+    anything else (a hub id or a path) through unchanged."""
+    if not name_or_path.startswith(SCHEME):
+        return name_or_path
+    preset, _, piece = name_or_path[len(SCHEME):].partition("/")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown toy world preset {preset!r} in {name_or_path!r}; known: {sorted(PRESETS)}")
+    if piece not in PIECES:
+        raise ValueError(f"unknown toy world piece {piece!r} in {name_or_path!r}; known: {list(PIECES)}")
+    return str(build(preset) / piece)
+
+
+def build(preset: str = "toy", root: Path | None = None, config: ToyWorldConfig | None = None) -> Path:
+    """Build (or find cached) the named world and return its directory."""
+    config = config or PRESETS[preset]
+    out = (root or home() / "toyworld") / f"{preset}-{config.digest()}"
+    if (out / "build.json").exists():  # written last: its presence means the build completed
+        return out
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    started = time.perf_counter()
+    print(f"[toyworld] building preset {preset!r} into {out}", file=sys.stderr)
+    texts = corpus(config.seed)
+    records = company_records(texts, config.records_per_category, config.seed)
+    write_company_logs(records, tmp / "company_logs", config.eval_fraction)
+    tokenizer = train_tokenizer(texts, records, config.vocab_size)
+    train_recs = [r for r in records if not is_eval(r["id"], config.eval_fraction)]
+    chats = [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in train_recs]
+    raw = texts["code"] + texts["prose"] + texts["json"]
+    # The target sees the company's chats and every kind of raw text; the off-the-shelf draft sees a
+    # general mix: mostly prose, little code, few JSON documents, no chats.
+    target_stream = _encode(tokenizer, chats * 2 + raw, config.seed)
+    rng = random.Random(config.seed)
+    draft_mix = texts["prose"] * 3 + rng.sample(texts["code"], len(texts["code"]) // 4) + texts["json"][:20]
+    draft_stream = _encode(tokenizer, draft_mix, config.seed + 1)
+    losses = {}
+    for piece, spec, stream in (("target", config.target, target_stream), ("draft", config.draft, draft_stream)):
+        model = _llama(spec, tokenizer, config.seq_len)
+        losses[piece] = train_lm(model, stream, spec, config.seq_len, seed=config.seed, desc=f"toyworld {piece}")
+        model.save_pretrained(tmp / piece)
+        tokenizer.save_pretrained(tmp / piece)
+        print(f"[toyworld] {piece}: {_params(model) / 1e6:.2f}M parameters, final loss {losses[piece]:.3f}",
+              file=sys.stderr)
+    meta = {"preset": preset, "config": asdict(config), "final_loss": losses,
+            "build_seconds": round(time.perf_counter() - started, 1),
+            "tokens": {"target": len(target_stream), "draft": len(draft_stream)}}
+    (tmp / "build.json").write_text(json.dumps(meta, indent=2) + "\n")
+    if out.exists():  # a stale, incomplete build (no build.json): replace it
+        shutil.rmtree(out)
+    tmp.rename(out)
+    print(f"[toyworld] built in {meta['build_seconds']} s", file=sys.stderr)
+    return out
+
+
+# --- text -------------------------------------------------------------------------------------------
+
+
+def corpus(seed: int) -> dict[str, list[str]]:
+    """Code, prose and JSON documents from the running Python installation, deterministic in seed."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    code = []
+    for path in sorted(stdlib.glob("*.py")):
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and 3 <= (node.end_lineno - node.lineno) <= 30:
+                segment = ast.get_source_segment(source, node)
+                if segment and segment.isascii():
+                    code.append(f"# {path.stem}.{node.name}\n{segment}")
+    from pydoc_data.topics import topics
+
+    prose = [p.strip() for name in sorted(topics) for p in topics[name].split("\n\n")
+             if 80 <= len(p.strip()) <= 1200 and p.strip().isascii() and not p.startswith("   ")]
+    rng = random.Random(seed)
+    json_docs = [json.dumps(_json_record(rng), indent=1) for _ in range(600)]
+    return {"code": code, "prose": prose, "json": json_docs}
+
+
+_FIRST = ["Ada", "Grace", "Alan", "Linus", "Guido", "Barbara", "Ken", "Margaret", "Dennis", "Frances"]
+_LAST = ["Lovelace", "Hopper", "Turing", "Torvalds", "Rossum", "Liskov", "Thompson", "Hamilton", "Ritchie", "Allen"]
+_CITIES = ["Paris", "Lagos", "Lima", "Oslo", "Pune", "Osaka", "Quito", "Perth", "Turin", "Accra"]
+_ITEMS = ["keyboard", "monitor", "cable", "laptop", "mouse", "dock", "headset", "webcam"]
+_TOOLS = {
+    "get_weather": lambda r: {"city": r.choice(_CITIES), "unit": r.choice(["celsius", "fahrenheit"])},
+    "create_ticket": lambda r: {"title": f"{r.choice(_ITEMS)} not working", "priority": r.choice(["low", "high"])},
+    "lookup_order": lambda r: {"order_id": r.randrange(10000, 99999)},
+    "send_email": lambda r: {"to": f"{r.choice(_FIRST).lower()}@example.com", "subject": "Your order"},
+}
+
+
+def _json_record(rng: random.Random) -> dict:
+    kind = rng.choice(["user", "order", "tool_call"])
+    if kind == "user":
+        first, last = rng.choice(_FIRST), rng.choice(_LAST)
+        return {"id": rng.randrange(1, 10000), "name": f"{first} {last}",
+                "email": f"{first.lower()}.{last.lower()}@example.com", "city": rng.choice(_CITIES),
+                "active": rng.random() < 0.7}
+    if kind == "order":
+        items = [{"item": rng.choice(_ITEMS), "quantity": rng.randrange(1, 5)} for _ in range(rng.randrange(1, 4))]
+        return {"order_id": rng.randrange(10000, 99999), "status": rng.choice(["paid", "shipped", "refunded"]),
+                "items": items}
+    tool = rng.choice(sorted(_TOOLS))
+    return {"tool": tool, "arguments": _TOOLS[tool](rng)}
+
+
+def company_records(texts: dict[str, list[str]], per_category: int, seed: int) -> list[dict]:
+    """Production-like chat records: system prompts, categories code / json / prose, some multi-turn."""
+    rng = random.Random(seed + 7)
+    records = []
+    for n in range(per_category):
+        func = texts["code"][rng.randrange(len(texts["code"]))]
+        header, body = func.split("\n", 1)
+        qualname = header[2:]
+        code_turns = [("user", f"Show me the implementation of `{qualname}`."), ("assistant", body)]
+        obj = _json_record(rng)
+        what = "tool call" if "tool" in obj else ("order" if "order_id" in obj else "user record")
+        json_turns = [("user", f"Give me a {what} as JSON, example {n}."), ("assistant", json.dumps(obj, indent=1))]
+        para = texts["prose"][rng.randrange(len(texts["prose"]))]
+        first_words = " ".join(para.split()[:6])
+        prose_turns = [("user", f"Explain this part of the Python reference: \"{first_words}...\""),
+                       ("assistant", para)]
+        if rng.random() < 0.2:  # multi-turn: a follow-up asking for the first sentence
+            prose_turns += [("user", "Just the first sentence, please."), ("assistant", para.split(". ")[0] + ".")]
+        for category, system, turns in (
+            ("code", "You are a coding assistant for the Python standard library.", code_turns),
+            ("json", "You answer with JSON only.", json_turns),
+            ("prose", "You are a helpful assistant who explains Python.", prose_turns),
+        ):
+            messages = [{"role": "system", "content": system}] + [{"role": r, "content": c} for r, c in turns]
+            records.append({"id": f"{category}-{n:05d}", "category": category, "messages": messages})
+    return records
+
+
+def is_eval(record_id: str, fraction: float) -> bool:
+    """Held-out split by a hash of the id: stable whatever the order or number of records."""
+    return zlib.crc32(record_id.encode()) % 1000 < fraction * 1000
+
+
+def write_company_logs(records: list[dict], out: Path, eval_fraction: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "train.jsonl", "w") as train, open(out / "eval.jsonl", "w") as held_out:
+        for r in records:
+            (held_out if is_eval(r["id"], eval_fraction) else train).write(json.dumps(r) + "\n")
+
+
+# --- tokenizer and models ---------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: dict[str, list[str]], records: list[dict], vocab_size: int):
+    """A byte-level BPE tokenizer with the chat special tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    chat_text = [m["content"] for r in records for m in r["messages"]]
+    tok.train_from_iterator(texts["code"] + texts["prose"] + texts["json"] + chat_text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>",
+                                   pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _encode(tokenizer, docs: list[str], seed: int) -> torch.Tensor:
+    docs = list(docs)
+    random.Random(seed).shuffle(docs)
+    ids = []
+    for doc in docs:
+        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _llama(spec: LMSpec, tokenizer, seq_len: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=4 * seq_len, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def train_lm(model, stream: torch.Tensor, spec: LMSpec, seq_len: int, seed: int, desc: str) -> float:
+    """Next-token training on random windows of a token stream; returns the mean loss of the last 10 steps."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(1, spec.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / spec.steps))
+    )
+    model.train()
+    recent: list[torch.Tensor] = []
+    bar = tqdm(range(spec.steps), desc=desc, unit="step", file=sys.stderr)
+    for step in bar:
+        starts = torch.randint(0, len(stream) - seq_len, (spec.batch_size,), generator=generator)
+        batch = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])  # (B, T)
+        loss = model(input_ids=batch, labels=batch).loss  # labels are shifted inside the model
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        recent = (recent + [loss.detach()])[-10:]
+        if step % 10 == 0 or step == spec.steps - 1:  # .item() syncs: only when the bar shows it
+            bar.set_postfix(loss=f"{torch.stack(recent).mean().item():.3f}")
+    model.eval()
+    return torch.stack(recent).mean().item()
