@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import asdict, fields
 
 import hydra
 import torch
@@ -25,14 +26,13 @@ def run(cfg: DictConfig) -> dict:
     """Run the evaluation the config describes, write the report into cfg.out_dir, return it."""
     if not cfg.drafters:
         raise ValueError("no drafters configured: set `drafters` (the first one is the baseline)")
-    plan = EvalPlan(ks=list(cfg.ks), temperatures=list(cfg.temperatures), top_k=cfg.top_k, top_p=cfg.top_p,
-                    max_new_tokens=cfg.max_new_tokens, repeats=cfg.repeats, warmup=cfg.warmup, seed=cfg.seed,
-                    pays_off_at=cfg.pays_off_at)
+    plan = EvalPlan(**{f.name: OmegaConf.to_object(cfg[f.name]) if OmegaConf.is_config(cfg[f.name])
+                       else cfg[f.name] for f in fields(EvalPlan)})
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device)
     target, tokenizer = load_target(cfg.target.name_or_path, device=device, dtype=cfg.target.dtype,
-                                    trust_remote_code=cfg.target.trust_remote_code)
+                                    trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)
     drafters = [build_drafter(OmegaConf.to_container(spec, resolve=True), target=target, tokenizer=tokenizer,
                               trust_remote_code=cfg.target.trust_remote_code) for spec in cfg.drafters]
     data_path = cfg.data.eval_path or cfg.data.path
@@ -41,9 +41,7 @@ def run(cfg: DictConfig) -> dict:
                            max_prompt_tokens=cfg.data.max_prompt_tokens)
     log.info("prompts per category: %s", {c: len(p) for c, p in prompts.items()})
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id, progress=cfg.progress)
-    settings = {"data": data_path, "ks": plan.ks, "temperatures": plan.temperatures, "top_k": plan.top_k,
-                "top_p": plan.top_p, "max_new_tokens": plan.max_new_tokens, "repeats": plan.repeats,
-                "warmup": plan.warmup, "seed": plan.seed, "dtype": cfg.target.dtype, "device": str(device)}
+    settings = {"data": data_path, **asdict(plan), "dtype": cfg.target.dtype, "device": str(device)}
     report = build_report(rows, target=cfg.target.name_or_path, baseline=drafters[0].name, settings=settings)
     paths = write_report(report, cfg.out_dir)
     print(console_summary(report))

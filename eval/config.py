@@ -1,4 +1,5 @@
-"""Structured configs for the Hydra entry points: a mistyped key or a wrong type is an error.
+"""Structured configs for the Hydra entry points (`python -m eval`, `python -m train.prepare`,
+`python -m train`): a mistyped key or a wrong type is an error.
 
 Only the `__main__` entry points read these; the library (`eval.evaluate`, `drafters`) takes plain
 arguments.
@@ -12,6 +13,8 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from eval.evaluate import EvalPlan
+
 
 @dataclass
 class TargetConfig:
@@ -22,6 +25,7 @@ class TargetConfig:
     off_the_shelf_draft: Optional[str] = None  # the draft users would pick without draftsmith
     dtype: str = "float32"  # float32 | bfloat16 | float16
     trust_remote_code: bool = False  # never on unless the user turns it on
+    chat_template: Optional[str] = None  # a Jinja template (or a path to one) for tokenizers without one
 
 
 @dataclass
@@ -57,19 +61,13 @@ class TrackingConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(EvalPlan):
+    """`python -m eval`: the measurement plan (fields of eval.evaluate.EvalPlan, defaults there) plus
+    what to load and where to write."""
+
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     drafters: list[DrafterSpec] = field(default_factory=list)  # the first is the baseline
-    ks: list[int] = field(default_factory=lambda: [2, 4])
-    temperatures: list[float] = field(default_factory=lambda: [0.0])
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    repeats: int = 3
-    warmup: int = 1
-    seed: int = 0
-    pays_off_at: float = 1.05  # measured speed-up needed for the verdict "pays off"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: Optional[int] = None  # torch intra-op threads (None = torch's default)
     out_dir: str = "${hydra:runtime.output_dir}"
@@ -77,5 +75,130 @@ class EvalConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
+@dataclass
+class RegenerateConfig:
+    """Regeneration of every assistant turn by the target (see train/regenerate.py)."""
+
+    enabled: bool = True  # false: keep the logged responses (when they came from this target)
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+
+@dataclass
+class HiddenStatesConfig:
+    """Offline hidden-state cache (see train/hidden_states.py for the layer-index convention)."""
+
+    kind: Optional[str] = None  # eagle1 | eagle3 | mtp | medusa: picks default layers; null = no cache
+    layers: Optional[list[int]] = None  # explicit indices into output_hidden_states (overrides kind)
+    dtype: str = "float16"  # float16 | bfloat16 | float32
+    max_gib: Optional[float] = 20.0  # refuse to start when the estimate is larger
+
+
+@dataclass
+class PrepareConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
+    max_length: Optional[int] = None  # context for training examples; null = the target's max positions
+    batch_size: int = 8
+    seed: int = 0
+    device: str = "auto"
+    out_dir: str = "${hydra:runtime.output_dir}"
+    progress: bool = True
+
+
+
+
+# --- python -m train ----------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraSettings:
+    """LoRA through peft; merged into the weights when the drafter is saved."""
+
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: str = "all-linear"
+
+
+@dataclass
+class OnPolicySettings:
+    """On-policy data: sequences sampled from the draft, scored by the target (GKD, DistillSpec)."""
+
+    ratio: float = 0.0  # share of training steps on draft samples (0 = off-policy only)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+
+
+@dataclass
+class DrafterConfig:
+    """What to train. kind: draft_lm (a standalone draft LM)."""
+
+    kind: str = MISSING
+    init_from: Optional[str] = None  # hub id or directory of the model to start from
+    loss: str = "forward_kl"  # sft | forward_kl | reverse_kl | jsd | tvd
+    temperature: float = 1.0  # distillation temperature (both sides)
+    beta: float = 0.5  # JSD(beta)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    on_policy: OnPolicySettings = field(default_factory=OnPolicySettings)
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation, precision, checkpoints. batch_size is per process; the global batch is
+    batch_size x processes x grad_accum."""
+
+    max_steps: int = 200
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    max_grad_norm: float = 1.0
+    max_length: int = 512  # training sequences are truncated to this many tokens
+    precision: str = "no"  # no | bf16 | fp16 (accelerate mixed precision)
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    eval_every: int = 50
+    eval_examples: int = 64  # held-out examples for the acceptance estimate
+    resume: str = "none"  # none | auto (newest complete checkpoint in the run dir) | a checkpoint path
+    seed: int = 0
+    cpu: bool = False  # train on the CPU even when a GPU is present
+
+
+@dataclass
+class FinalEvalConfig:
+    """The evaluation instrument run at the end: off-the-shelf draft (baseline) vs the trained one."""
+
+    enabled: bool = True
+    ks: list[int] = field(default_factory=lambda: [4])
+    max_new_tokens: int = 64
+    repeats: int = 3
+    prompts_per_category: int = 8
+
+
+@dataclass
+class TrainConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    evaluate: FinalEvalConfig = field(default_factory=FinalEvalConfig)
+    data_cache: str = "runs/prepared"  # regenerated + tokenized data, shared by runs on the same data
+    out_dir: str = "${hydra:runtime.output_dir}"
+    progress: bool = True
+
+
 def register() -> None:
-    ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+    cs = ConfigStore.instance()
+    cs.store(name="eval_schema", node=EvalConfig)
+    cs.store(name="prepare_schema", node=PrepareConfig)
+    cs.store(name="train_schema", node=TrainConfig)

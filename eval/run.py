@@ -1,7 +1,7 @@
 """Build everything an evaluation needs from plain arguments: models, drafters, prompts.
 
-`python -m eval` is a thin Hydra wrapper around `run_eval`; notebooks and tests can call these
-functions directly.
+`python -m eval` (eval/__main__.py) and `python -m train.prepare` are thin Hydra wrappers around these;
+notebooks and tests can call them directly.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -37,12 +38,18 @@ def dtype_of(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_target(name_or_path: str, *, device: torch.device, dtype: str = "float32",
-                trust_remote_code: bool = False) -> tuple[PreTrainedModel, object]:
-    """The target model and its tokenizer, from a hub id, a directory or the built-in toy world."""
+def load_target(name_or_path: str, *, device: torch.device, dtype: str = "float32", trust_remote_code: bool = False,
+                chat_template: str | None = None) -> tuple[PreTrainedModel, object]:
+    """The target model and its tokenizer, from a hub id, a directory or the built-in toy world.
+
+    chat_template: a Jinja template, or a path to a file holding one, replacing the tokenizer's own.
+    """
     path = toyworld.resolve(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype_of(dtype), trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if chat_template:
+        template = Path(chat_template)
+        tokenizer.chat_template = template.read_text() if template.suffix == ".jinja" else chat_template
     return model.to(device).eval(), tokenizer
 
 
@@ -63,7 +70,7 @@ def load_prompts(path: str, tokenizer, *, device: torch.device, split: str = "tr
                  max_per_category: int | None = None, max_prompt_tokens: int | None = None
                  ) -> dict[str, list[torch.Tensor]]:
     """Prompt token ids per category, in file order, at most max_per_category each."""
-    records, summary = load_records(_resolve_data(path), split=split, on_bad_record=on_bad_record)
+    records, summary = load_records(resolve_data(path), split=split, on_bad_record=on_bad_record)
     log.info("%s: %s", path, summary)
     prompts: dict[str, list[torch.Tensor]] = defaultdict(list)
     for record in records:
@@ -74,7 +81,7 @@ def load_prompts(path: str, tokenizer, *, device: torch.device, split: str = "tr
     return dict(prompts)
 
 
-def _resolve_data(path: str) -> str:
+def resolve_data(path: str) -> str:
     """`toyworld://<preset>/company_logs/<file>` to a local file; anything else unchanged."""
     if not path.startswith(toyworld.SCHEME):
         return path

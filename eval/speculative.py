@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from drafters.base import Drafter, Proposal
-from eval.sampling import Sampling, choose, probs_from_logits, sample
+from eval.sampling import Sampling, choose, probs_from_logits
 
 
 @dataclass
@@ -64,9 +64,10 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     """
     target_tokens = target_logits.argmax(-1)  # (n+1,)
     n = draft_tokens.numel()
-    matches = (draft_tokens == target_tokens[:n]).int()
-    accepted = int(matches.cumprod(0).sum().item()) if n else 0
-    return accepted, int(target_tokens[accepted].item())
+    accepted = (draft_tokens == target_tokens[:n]).int().cumprod(0).sum()  # 0-d, stays on device
+    # One host sync per round: read both numbers together.
+    a, token = torch.stack([accepted, target_tokens[accepted]]).tolist()
+    return a, token
 
 
 def accept_sampled(
@@ -75,35 +76,32 @@ def accept_sampled(
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> tuple[int, int]:
-    """Lossless stochastic acceptance (steps 3-4 of the module docstring), vectorised.
+    """Lossless stochastic acceptance (steps 3-4 of the module docstring), vectorised, one host sync.
 
     draft_tokens: (n,); draft_probs: (n, V) or None for deterministic guesses (one-hot q);
     target_probs: (n+1, V), already processed by the same `Sampling` as the draft's.
     Returns (accepted, next token).
     """
     n = draft_tokens.numel()
-    if n == 0:
-        return 0, int(sample(target_probs[0], generator).item())
     idx = torch.arange(n, device=target_probs.device)
-    p_x = target_probs[idx, draft_tokens]  # (n,)
     if draft_probs is None:
-        q_x = torch.ones_like(p_x)
         draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).to(target_probs.dtype)
-    else:
-        q_x = draft_probs[idx, draft_tokens]
+    p_x = target_probs[idx, draft_tokens]  # (n,)
+    q_x = draft_probs[idx, draft_tokens]  # (n,)
     u = torch.rand(n, device=target_probs.device, generator=generator)
     # Accept iff u < p/q, written as u*q < p to avoid dividing by a zero q (a guess q could not draw).
-    keep = (u * q_x < p_x).int()
-    accepted = int(keep.cumprod(0).sum().item())
-    if accepted == n:
-        residual = target_probs[n]
-    else:
-        residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
-        total = residual.sum()
-        # Numerical guard: a rejection implies p != q, so the residual has mass; if rounding ate it all,
-        # p is the right fallback (it is what the residual tends to as p - q -> 0 elementwise).
-        residual = residual / total if total > 0 else target_probs[accepted]
-    return accepted, int(sample(residual, generator).item())
+    accepted = (u * q_x < p_x).int().cumprod(0).sum()  # 0-d
+    # The distribution of the target's token for every possible outcome: the residual
+    # normalize(max(0, p_i - q_i)) after a rejection at i, or p_{n+1} (the bonus) after none.
+    residual = (target_probs[:n] - draft_probs).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    # Numerical guard: a rejection implies p != q, so the residual has mass; if rounding ate it all,
+    # p is the right fallback (what the residual tends to as p - q -> 0 elementwise).
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), target_probs[:n])
+    outcomes = torch.cat([residual, target_probs[n:]])  # (n+1, V)
+    token = torch.multinomial(outcomes[accepted], 1, generator=generator)[0]
+    a, t = torch.stack([accepted, token]).tolist()
+    return a, t
 
 
 def rollback(cache: DynamicCache, keep: int) -> None:

@@ -13,7 +13,8 @@ For each drafter, on the same prompts, k and budget, interleaved per prompt and 
 3. transformers' `generate(assistant_model=..., num_assistant_tokens=k)` with the assistant's
    schedule made constant and its confidence early-exit off, so both draft exactly k per round.
 It checks that all three produce identical tokens, and reports medians of per-repeat throughputs, the
-ratios measured side by side, the cost-model prediction from `eval.evaluate`, and peak memory.
+ratios measured side by side, the cost-model prediction from `eval.evaluate`, and the peak
+resident memory of a fresh process running each loop.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
+import multiprocessing
 import time
 from pathlib import Path
 
@@ -52,42 +53,24 @@ def first_layers_draft(target, n_layers: int):
     return draft.eval()
 
 
-class PeakRSS:
-    """Peak resident memory above the level at entry, sampled every 2 ms (CPU); CUDA uses the allocator."""
+def _peak_rss_mb(method: str, target_path: str, draft: str, layers: int, prompts: list[list[int]], k: int,
+                 n: int, eos: int) -> float:
+    """Peak resident memory (MB) of a fresh process that loads the pair and runs one method on all prompts.
 
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.peak = device, 0
+    Run in its own process so each method's peak is its own (ru_maxrss never goes down).
+    """
+    import resource
 
-    @staticmethod
-    def _rss() -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-            return self
-        self.base, self._stop = self._rss(), threading.Event()
-
-        def watch():
-            while not self._stop.is_set():
-                self.peak = max(self.peak, self._rss() - self.base)
-                time.sleep(0.002)
-
-        self._thread = threading.Thread(target=watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+    target, _ = load_target(target_path, device=torch.device("cpu"))
+    model = target if draft == "self" else first_layers_draft(target, layers)
+    for p in prompts:
+        ids = torch.tensor(p)
+        if method == "ours":
+            speculative_generate(target, DraftLM(model), ids, k=k, sampling=Sampling(), max_new_tokens=n,
+                                 eos_token_id=eos)
         else:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, self._rss() - self.base)
+            hf_assisted(target, model, ids, k, n, eos)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def hf_assisted(target, draft, prompt, k, max_new_tokens, eos):
@@ -151,12 +134,10 @@ def main() -> None:
                 times[key].append(secs)
                 tokens[key].append(count)
         tps = {key: [c / s for c, s in zip(tokens[key], times[key])] for key in times}
-        with PeakRSS(device) as mem_ours:
-            for prompt in flat:
-                speculative_generate(target, ours, prompt, k=k, sampling=greedy, max_new_tokens=n, eos_token_id=eos)
-        with PeakRSS(device) as mem_hf:
-            for prompt in flat:
-                hf_assisted(target, draft, prompt, k, n, eos)
+        spawn = multiprocessing.get_context("spawn")
+        with spawn.Pool(1, maxtasksperchild=1) as pool:  # a fresh process per measurement
+            mem = {m: pool.apply(_peak_rss_mb, (m, args.target, name, args.layers, [p.tolist() for p in flat], k, n,
+                                                eos)) for m in ("ours", "hf")}
         rows = evaluate(target, [ours], prompts, EvalPlan(ks=[k], max_new_tokens=n, repeats=args.repeats),
                         eos_token_id=eos, progress=False)
         agg = next(r for r in rows if r["category"] == ALL)
@@ -172,7 +153,7 @@ def main() -> None:
             "acceptance_length": agg["acceptance_length"],
             "cost_ratio": agg["cost_ratio"],
             "verify_overhead": agg["verify_overhead"],
-            "peak_rss_mb": {"ours": mem_ours.peak / 2**20, "hf": mem_hf.peak / 2**20},
+            "peak_rss_mb": mem,
         }
         r = results["drafters"][name]
         print(f"{name:>13}: identical={identical}  tok/s plain {r['tokens_per_s']['plain']:.0f}, "

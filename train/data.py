@@ -119,18 +119,21 @@ def _check(raw: object, source: str, line: int | None) -> Record:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object) per non-blank line; an unreadable line yields a RecordError as the
+    object, so the caller can skip it and go on."""
     with open(path, "rb") as f:
         for number, raw_line in enumerate(f, start=1):
             try:
                 text = raw_line.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise RecordError(str(path), number, None, f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+                yield number, RecordError(str(path), number, None, f"not valid UTF-8 ({e.reason} at byte {e.start})")
+                continue
             if not text.strip():
                 continue
             try:
                 yield number, json.loads(text)
             except json.JSONDecodeError as e:
-                raise RecordError(str(path), number, None, f"invalid JSON ({e.msg}, column {e.colno})") from None
+                yield number, RecordError(str(path), number, None, f"invalid JSON ({e.msg}, column {e.colno})")
 
 
 def _dataset_rows(spec: str, split: str) -> Iterator[tuple[int | None, object]]:
@@ -162,23 +165,21 @@ def iter_records(spec: str, *, split: str = "train", on_bad_record: str = "error
         raise FileNotFoundError(f"no files match {spec!r}")
     else:
         sources = [(spec, _dataset_rows(spec, split))]
+    seen: dict[str, str] = {}
     for source, rows in sources:
-        while True:
+        for line, raw in rows:
             try:
-                line, raw = next(rows)
-            except StopIteration:
-                break
-            except RecordError as e:  # unreadable line: the reader has already moved past it
-                if on_bad_record == "error":
-                    raise
-                summary.skipped[e.problem.split(" (")[0]] += 1
-                continue
-            try:
+                if isinstance(raw, RecordError):
+                    raise raw
                 record = _check(raw, source, line)
+                if record.id in seen:
+                    # Duplicate ids make resumable caches and held-out splits ambiguous.
+                    raise RecordError(source, line, "id", f"duplicate id {record.id!r} (first at {seen[record.id]})")
+                seen[record.id] = f"{source}:{line}"
             except RecordError as e:
                 if on_bad_record == "error":
                     raise
-                summary.skipped[e.problem.split(",")[0]] += 1
+                summary.skipped[e.problem.split(" (")[0].split(",")[0]] += 1
                 continue
             summary.loaded += 1
             summary.uncategorized += record.category == UNCATEGORIZED
@@ -211,3 +212,61 @@ def prompt_ids(record: Record, tokenizer, max_prompt_tokens: int | None = None) 
         raise RecordError(record.source, record.line, "messages",
                           f"prompt is {len(ids)} tokens, longer than the {max_prompt_tokens} the context allows")
     return list(ids)
+
+
+@dataclass
+class Example:
+    """One tokenized conversation for training.
+
+    input_ids: the whole conversation through the chat template.
+    loss_mask: 1 on the tokens a drafter learns (every assistant turn, including its end-of-turn
+        token), 0 on system and user turns and template scaffolding.
+    """
+
+    id: str
+    category: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def tokenize_record(record: Record, tokenizer, max_length: int | None = None) -> Example:
+    """Tokenize a conversation with the chat template and mask everything but the assistant turns.
+
+    Each assistant turn's characters are located by rendering the conversation up to that turn with
+    the generation prompt (where the answer starts) and through that turn (where it ends); a token is
+    masked in when its characters overlap that span (a token merging the template's last newline
+    with the answer's first characters counts as the answer's). This needs a template whose rendering
+    of a prefix is a prefix of the whole; one that is not (e.g. one that drops past reasoning blocks)
+    is an error, never a wrong mask.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+                         "set one (tokenizer.chat_template) to train on chat records")
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("locating assistant tokens needs a fast tokenizer (character offsets)")
+    text = _render(tokenizer, record.messages, add_generation_prompt=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [0] * len(ids)
+    for i, message in enumerate(record.messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, record.messages[:i], add_generation_prompt=True)
+        through = _render(tokenizer, record.messages[: i + 1], add_generation_prompt=False)
+        if not (text.startswith(before) and text.startswith(through)):
+            raise RecordError(record.source, record.line, f"messages[{i}]",
+                              "the chat template does not render this conversation's prefixes as prefixes; "
+                              "cannot locate the assistant turn to mask")
+        start, end = len(before), len(through)
+        for j, (a, b) in enumerate(offsets):
+            if a < end and b > start:
+                mask[j] = 1
+    if max_length is not None and len(ids) > max_length:
+        raise RecordError(record.source, record.line, "messages",
+                          f"conversation is {len(ids)} tokens, longer than the context of {max_length}")
+    return Example(record.id, record.category, ids, mask)
+

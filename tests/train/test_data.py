@@ -55,12 +55,12 @@ def test_bad_record_names_file_line_and_field(tmp_path, line, problem, field):
 
 
 def test_skip_mode_counts_bad_records(tmp_path):
-    path = write_jsonl(tmp_path, [GOOD, b"not json", {"messages": []}, GOOD, b"", {"prompt": "no category"}])
+    path = write_jsonl(tmp_path, [GOOD, b"not json", {"messages": []}, b"\xff", b"", {"prompt": "no category"}])
     records, summary = load_records(str(path), on_bad_record="skip")
-    assert len(records) == 3 and summary.loaded == 3
-    assert sum(summary.skipped.values()) == 2
+    assert len(records) == 2 and summary.loaded == 2
+    assert summary.skipped == {"invalid JSON": 1, "empty conversation": 1, "not valid UTF-8": 1}
     assert summary.uncategorized == 1 and records[-1].category == UNCATEGORIZED
-    assert "2 skipped" in str(summary) and "uncategorized" in str(summary)
+    assert "3 skipped" in str(summary) and "uncategorized" in str(summary)
 
 
 def test_empty_file_is_an_error(tmp_path):
@@ -71,8 +71,8 @@ def test_empty_file_is_an_error(tmp_path):
 
 
 def test_glob_and_missing_files(tmp_path):
-    write_jsonl(tmp_path, [GOOD], "a.jsonl")
-    write_jsonl(tmp_path, [GOOD, GOOD], "b.jsonl")
+    write_jsonl(tmp_path, [{"prompt": "a"}], "a.jsonl")
+    write_jsonl(tmp_path, [{"prompt": "b"}, {"prompt": "c"}], "b.jsonl")
     records, _ = load_records(str(tmp_path / "*.jsonl"))
     assert len(records) == 3
     with pytest.raises(FileNotFoundError):
@@ -105,3 +105,37 @@ def test_prompt_ids_use_the_chat_template(tiny_world):
     with pytest.raises(ValueError, match="no chat template"):
         prompt_ids(records[0], tok)
 
+
+
+def test_duplicate_ids_are_errors_or_skipped(tmp_path):
+    path = write_jsonl(tmp_path, [GOOD, {"prompt": "x"}, GOOD])
+    with pytest.raises(RecordError, match=r"duplicate id 'a1' \(first at .*:1\)") as info:
+        load_records(str(path))
+    assert info.value.line == 3 and info.value.field_name == "id"
+    records, summary = load_records(str(path), on_bad_record="skip")
+    assert len(records) == 2 and sum(summary.skipped.values()) == 1
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tiny_world):
+    from transformers import AutoTokenizer
+
+    from train.data import Record, tokenize_record
+
+    tok = AutoTokenizer.from_pretrained(tiny_world / "target")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"},
+                {"role": "assistant", "content": "Green, or maybe red."}]
+    ex = tokenize_record(Record(messages, "prose", "r", "mem", 1), tok)
+    assert len(ex.input_ids) == len(ex.loss_mask)
+    spans, current = [], []
+    for token, m in zip(ex.input_ids, ex.loss_mask):
+        if m:
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    spans += [current] if current else []
+    # Each masked span is one assistant turn: its content and the end-of-turn token the model must learn.
+    assert [tok.decode(s) for s in spans] == ["Blue.<|end|>\n", "Green, or maybe red.<|end|>\n"]
+    with pytest.raises(RecordError, match="longer than the context"):
+        tokenize_record(Record(messages, "prose", "r", "mem", 1), tok, max_length=10)

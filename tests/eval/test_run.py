@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+from eval.run import build_drafter, dtype_of, load_prompts, load_target, resolve_data
+
+
+def test_configured_chat_template_replaces_the_tokenizers(tiny_world, tmp_path):
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    _, tok = load_target(str(tiny_world / "target"), device=torch.device("cpu"), chat_template=template)
+    assert tok.chat_template == template
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    _, tok = load_target(str(tiny_world / "target"), device=torch.device("cpu"), chat_template=str(path))
+    assert tok.chat_template == template
+
+
+def test_prompts_per_category_are_capped(tiny_world):
+    _, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
+    prompts = load_prompts("toyworld://tiny/company_logs/eval.jsonl", tok, device=torch.device("cpu"),
+                           max_per_category=2)
+    assert set(prompts) == {"code", "json", "prose"} and all(len(p) == 2 for p in prompts.values())
+
+
+def test_clear_errors_for_bad_names(tiny_world):
+    with pytest.raises(ValueError, match="no preset 'mymodel'.*data.path=FILE"):
+        resolve_data("toyworld://mymodel/company_logs/eval.jsonl")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        dtype_of("fp8")
+    target, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs a path"):
+        build_drafter({"name": "d", "kind": "draft_lm"}, target=target, tokenizer=tok)

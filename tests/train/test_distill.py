@@ -1,0 +1,143 @@
+"""`python -m train drafter=draft_lm`: configs compose, training improves the draft, resume is exact,
+two processes agree."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from safetensors.torch import load_file
+
+from train.__main__ import train
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+ROOT = CONF.parent
+
+
+def groups(name):
+    return sorted(p.stem for p in (CONF / name).glob("*.yaml"))
+
+
+def make_cfg(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("target", groups("target"))
+@pytest.mark.parametrize("trainer", groups("trainer"))
+@pytest.mark.parametrize("tracking", groups("tracking"))
+def test_every_train_config_composes(target, trainer, tracking):
+    cfg = make_cfg(f"target={target}", f"trainer={trainer}", f"tracking={tracking}")
+    assert cfg.drafter.init_from == cfg.target.off_the_shelf_draft
+
+
+@pytest.mark.parametrize("experiment", groups("experiment"))
+def test_every_experiment_composes(experiment):
+    assert make_cfg(f"experiment={experiment}").trainer.max_steps > 0
+
+
+def test_config_errors_are_clear(tiny_world, tmp_path):
+    with pytest.raises(ConfigCompositionException):
+        make_cfg("trainer.max_step=3")  # typo of max_steps
+    with pytest.raises(ConfigCompositionException):
+        make_cfg("trainer.lr=fast")
+    with pytest.raises(ValueError, match="drafter.loss must be one of"):
+        train(make_cfg("experiment=smoke", "drafter.loss=kl", f"out_dir={tmp_path}"))
+    with pytest.raises(ValueError, match="on-policy data needs a divergence"):
+        train(make_cfg("experiment=smoke", "drafter.loss=sft", "drafter.on_policy.ratio=0.5", f"out_dir={tmp_path}"))
+
+
+def smoke(tmp_path, *overrides):
+    return make_cfg("experiment=smoke", "progress=false", f"out_dir={tmp_path / 'run'}",
+                    f"data_cache={tmp_path / 'data'}", *overrides)
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("loss", ["sft", "forward_kl", "reverse_kl", "jsd", "tvd"])
+def test_a_few_steps_lower_the_loss_and_raise_acceptance(tiny_world, tmp_path, loss):
+    summary = train(smoke(tmp_path, f"drafter.loss={loss}", "trainer.max_steps=12", "trainer.eval_every=6",
+                          "trainer.lr=5e-3", "evaluate.enabled=false"))
+    rows = metrics(tmp_path / "run")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    evals = [r["heldout_acceptance"] for r in rows if "heldout_acceptance" in r]
+    assert len(evals) == 2 and summary["best"]["acceptance"] == max(evals)
+    if loss != "sft":
+        # The divergences pull q towards p, so sum min(p, q) rises. SFT fits the target's sampled tokens
+        # and sharpens q, which need not raise it against a flat (barely trained) tiny target.
+        assert evals[-1] > evals[0]
+    assert (tmp_path / "run" / "best" / "model.safetensors").exists()
+
+
+def test_on_policy_and_lora(tiny_world, tmp_path):
+    summary = train(smoke(tmp_path, "drafter.loss=tvd", "drafter.on_policy.ratio=1.0", "drafter.lora.enabled=true",
+                          "drafter.lora.r=4", "trainer.max_steps=4", "evaluate.enabled=false"))
+    rows = metrics(tmp_path / "run")
+    assert all(r["on_policy"] for r in rows)
+    # The saved best model has the LoRA merged in: a plain Llama checkpoint without adapter keys.
+    best = load_file(str(tmp_path / "run" / "best" / "model.safetensors"))
+    assert not any("lora" in k for k in best)
+    assert summary["steps"] == 4
+
+
+def test_end_to_end_writes_the_evaluation_report(tiny_world, tmp_path):
+    summary = train(smoke(tmp_path))
+    report = json.loads(Path(summary["report"]).read_text())
+    assert report["baseline"] == "off_the_shelf"
+    assert {r["drafter"] for r in report["results"]} == {"off_the_shelf", "trained_forward_kl"}
+
+
+def _launch(tmp_path, *overrides, env=None):
+    cmd = [sys.executable, "-m", "train", "experiment=smoke", "progress=false", "evaluate.enabled=false",
+           f"hydra.run.dir={tmp_path / 'run'}", f"data_cache={tmp_path / 'data'}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env or os.environ.copy())
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_match_an_uninterrupted_run(tiny_world, tmp_path):
+    steps = ["trainer.max_steps=10", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=20",
+             "drafter.on_policy.ratio=0.3", "drafter.loss=jsd"]
+    full = _launch(tmp_path / "full", *steps)
+    assert full.wait(timeout=600) == 0, full.stdout.read()[-3000:]
+
+    kill_after = random.Random(os.getpid()).randint(2, 7)
+    victim = _launch(tmp_path / "killed", *steps)
+    checkpoints = tmp_path / "killed" / "run" / "checkpoints"
+    deadline = time.time() + 600
+    while not (checkpoints / f"step-{kill_after:06d}").exists():
+        assert victim.poll() is None and time.time() < deadline, "training ended before it could be killed"
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    resumed = _launch(tmp_path / "killed", *steps, "trainer.resume=auto")
+    out = resumed.stdout.read()
+    assert resumed.wait(timeout=600) == 0, out[-3000:]
+    assert "resumed from" in out
+    a = load_file(str(tmp_path / "full" / "run" / "checkpoints" / "step-000010" / "model.safetensors"))
+    b = load_file(str(checkpoints / "step-000010" / "model.safetensors"))
+    # Bit-for-bit: the same data order, the same on-policy draws, the same optimizer state, one process.
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_end_with_identical_weights(tiny_world, tmp_path):
+    # `--cpu --num_processes 2` silently starts one process; --multi_gpu with Accelerator(cpu=True) runs
+    # two gloo ranks on a machine without GPUs.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", str(29500 + os.getpid() % 1000),
+           "-m", "train", "experiment=smoke", "progress=false", "evaluate.enabled=false",
+           f"hydra.run.dir={tmp_path / 'run'}", f"data_cache={tmp_path / 'data'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert len(summary["rank_checksums"]) == 2 and len(set(summary["rank_checksums"])) == 1

@@ -1,0 +1,60 @@
+"""Each objective against values computed by hand on two-token vocabularies."""
+
+import math
+
+import pytest
+import torch
+
+from train.losses import DIVERGENCES, acceptance_estimate, divergence, greedy_agreement, sft
+
+
+def logits_of(*probs):
+    """(1, T, V) logits whose softmax is the given distributions."""
+    return torch.tensor([probs]).log()
+
+
+P = logits_of([0.5, 0.5], [0.9, 0.1])
+Q = logits_of([0.25, 0.75], [0.9, 0.1])
+MASK = torch.tensor([[1, 0]])  # only the first position counts
+
+
+def test_forward_and_reverse_kl_by_hand():
+    fkl = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    rkl = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
+    assert divergence("forward_kl", Q, P, MASK).item() == pytest.approx(fkl, rel=1e-5)
+    assert divergence("reverse_kl", Q, P, MASK).item() == pytest.approx(rkl, rel=1e-5)
+
+
+def test_jsd_and_tvd_by_hand():
+    beta = 0.3
+    m = [beta * 0.5 + (1 - beta) * 0.25, beta * 0.5 + (1 - beta) * 0.75]
+    kl_pm = 0.5 * math.log(0.5 / m[0]) + 0.5 * math.log(0.5 / m[1])
+    kl_qm = 0.25 * math.log(0.25 / m[0]) + 0.75 * math.log(0.75 / m[1])
+    assert divergence("jsd", Q, P, MASK, beta=beta).item() == pytest.approx(beta * kl_pm + (1 - beta) * kl_qm, rel=1e-5)
+    assert divergence("tvd", Q, P, MASK).item() == pytest.approx(0.25, rel=1e-5)
+    assert acceptance_estimate(Q, P, MASK).item() == pytest.approx(0.75, rel=1e-5)  # = 1 - TV
+
+
+@pytest.mark.parametrize("kind", DIVERGENCES)
+def test_zero_when_distributions_are_equal(kind):
+    assert divergence(kind, P, P, torch.ones(1, 2)).item() == pytest.approx(0.0, abs=1e-6)
+    # ... and the masked-out position (where Q == P) does not count, so Q vs P is positive.
+    assert divergence(kind, Q, P, MASK).item() > 0
+
+
+def test_temperature_flattens_both_sides():
+    hot = divergence("forward_kl", Q, P, MASK, temperature=2.0).item()
+    assert 0 < hot < divergence("forward_kl", Q, P, MASK).item()
+    with pytest.raises(ValueError, match="temperature"):
+        divergence("forward_kl", Q, P, MASK, temperature=0)
+
+
+def test_sft_agreement_and_errors():
+    tokens = torch.tensor([[1, 0]])
+    assert sft(Q, tokens, MASK).item() == pytest.approx(-math.log(0.75), rel=1e-5)
+    target, draft = logits_of([0.6, 0.4], [0.2, 0.8]), logits_of([0.3, 0.7], [0.1, 0.9])
+    assert greedy_agreement(draft, target, torch.ones(1, 2)).item() == pytest.approx(0.5)  # agree at position 2 only
+    with pytest.raises(ValueError, match="unknown divergence"):
+        divergence("kl", Q, P, MASK)
+    with pytest.raises(ValueError, match="beta"):
+        divergence("jsd", Q, P, MASK, beta=1.0)

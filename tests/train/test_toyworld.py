@@ -1,0 +1,54 @@
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from train import toyworld
+
+
+def test_tiny_world_has_every_piece(tiny_world):
+    meta = json.loads((tiny_world / "build.json").read_text())
+    assert meta["preset"] == "tiny" and meta["build_seconds"] < 60
+    tok_t = AutoTokenizer.from_pretrained(tiny_world / "target")
+    tok_d = AutoTokenizer.from_pretrained(tiny_world / "draft")
+    assert tok_t.get_vocab() == tok_d.get_vocab() and tok_t.chat_template == toyworld.CHAT_TEMPLATE
+    target = AutoModelForCausalLM.from_pretrained(tiny_world / "target")
+    draft = AutoModelForCausalLM.from_pretrained(tiny_world / "draft")
+    assert draft.num_parameters() < target.num_parameters()
+    assert target.config.vocab_size == len(tok_t) == draft.config.vocab_size
+    train = [json.loads(line) for line in (tiny_world / "company_logs" / "train.jsonl").open()]
+    held_out = [json.loads(line) for line in (tiny_world / "company_logs" / "eval.jsonl").open()]
+    assert {r["category"] for r in train} == set(toyworld.CATEGORIES) == {r["category"] for r in held_out}
+    assert not {r["id"] for r in train} & {r["id"] for r in held_out}
+    assert all(toyworld.is_eval(r["id"], 0.1) for r in held_out)
+
+
+def test_resolve_uses_the_cache(tiny_world):
+    assert toyworld.resolve("toyworld://tiny/target") == str(tiny_world / "target")
+    assert toyworld.resolve("some/hub-id") == "some/hub-id"
+    with pytest.raises(ValueError, match="unknown toy world preset 'huge'"):
+        toyworld.resolve("toyworld://huge/target")
+    with pytest.raises(ValueError, match="unknown toy world piece"):
+        toyworld.resolve("toyworld://tiny/weights")
+
+
+def test_corpus_and_records_are_deterministic():
+    texts = toyworld.corpus(0)
+    assert all(len(texts[kind]) > 100 for kind in ("code", "prose", "json"))
+    assert toyworld.corpus(0) == texts and toyworld.corpus(1)["json"] != texts["json"]
+    assert toyworld.company_records(texts, 5, 0) == toyworld.company_records(texts, 5, 0)
+    assert toyworld.company_records(texts, 5, 0) != toyworld.company_records(texts, 5, 1)
+
+
+@pytest.mark.slow
+def test_build_is_deterministic(tmp_path, tiny_world):
+    from safetensors.torch import load_file
+
+    again = toyworld.build("tiny", root=tmp_path)
+    for piece in ("target", "draft"):
+        a = load_file(str(tiny_world / piece / "model.safetensors"))
+        b = load_file(str(again / piece / "model.safetensors"))
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), piece
+    for split in ("train", "eval"):
+        assert (tiny_world / "company_logs" / f"{split}.jsonl").read_text() == \
+            (again / "company_logs" / f"{split}.jsonl").read_text()

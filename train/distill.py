@@ -1,0 +1,405 @@
+"""Recipe: fine-tune or distil a standalone draft LM for a target, on Accelerate.
+
+    python -m train drafter=draft_lm                       # toy world, forward KL from the off-the-shelf draft
+    python -m train drafter=draft_lm drafter.loss=tvd drafter.on_policy.ratio=0.5
+    accelerate launch --multi_gpu --num_processes 2 -m train drafter=draft_lm hydra.run.dir=runs/ddp
+
+setup -> train -> save_checkpoint / evaluate_heldout (every N steps) -> finish -> cleanup.
+
+Objectives (`drafter.loss`, see train/losses.py): `sft` on the target's regenerated responses
+(sequence-level distillation), or token-level `forward_kl`, `reverse_kl`, `jsd` (beta) and `tvd`
+against the target's logits computed online; `drafter.on_policy.ratio` replaces that share of steps by
+sequences the draft samples itself, scored by the target. The best checkpoint is chosen by the
+held-out acceptance estimate sum_x min(p, q), not by the loss.
+
+Data order is a seeded permutation per epoch and every random choice is seeded by the step, so a run
+resumed from a checkpoint continues exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from train import checkpoint
+from train.losses import DIVERGENCES, acceptance_estimate, divergence, greedy_agreement, sft
+
+log = logging.getLogger(__name__)
+LOSSES = ("sft", *DIVERGENCES)
+
+
+def _pad(rows: list[list[int]], value: int, left: bool = False) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([([value] * (width - len(r)) + r) if left else (r + [value] * (width - len(r))) for r in rows])
+
+
+class DistillRecipe:
+    """One training run of a standalone draft LM (see the module docstring)."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir)
+        self.step = 0
+        self.best: dict | None = None
+        self._perms: dict[int, torch.Tensor] = {}  # the current epoch's permutation of the training set
+
+    # --- setup ------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        self._setup_accelerator()
+        self._setup_data()
+        self._setup_models()
+        self._setup_optimizer()
+        self._setup_tracking()
+        self._maybe_resume()
+
+    def _setup_accelerator(self) -> None:
+        from accelerate import Accelerator
+
+        t = self.cfg.trainer
+        if self.cfg.drafter.loss not in LOSSES:
+            raise ValueError(f"drafter.loss must be one of {list(LOSSES)}, got {self.cfg.drafter.loss!r}")
+        if self.cfg.drafter.loss == "sft" and self.cfg.drafter.on_policy.ratio > 0:
+            raise ValueError("on-policy data needs a divergence loss (the target scores the draft's samples); "
+                             "drafter.loss=sft has no target logits to learn from")
+        if not 0 <= self.cfg.drafter.on_policy.ratio <= 1:
+            raise ValueError(f"drafter.on_policy.ratio must be in [0, 1], got {self.cfg.drafter.on_policy.ratio}")
+        self.acc = Accelerator(cpu=t.cpu or not torch.cuda.is_available(), mixed_precision=t.precision)
+        self.device = self.acc.device
+        self.is_main = self.acc.is_main_process
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(t.seed)
+        random.seed(t.seed)
+
+    def _setup_data(self) -> None:
+        import datasets
+
+        from eval.run import load_target, resolve_data
+        from eval.sampling import Sampling
+        from train.data import load_records
+        from train.prepare import prepare
+
+        cfg = self.cfg
+        # The target is loaded once here; prepare() regenerates with it and training scores with it.
+        self.target, self.tokenizer = load_target(cfg.target.name_or_path, device=self.device, dtype=cfg.target.dtype,
+                                                  trust_remote_code=cfg.target.trust_remote_code,
+                                                  chat_template=cfg.target.chat_template)
+        self.target.requires_grad_(False)
+        regen = OmegaConf.to_container(cfg.regenerate, resolve=True)
+        sampling = Sampling(regen["temperature"], regen["top_k"], regen["top_p"])
+        self.data_dirs = {}
+        for split, path in (("train", cfg.data.path), ("eval", cfg.data.eval_path or cfg.data.path)):
+            key = zlib.crc32(json.dumps([cfg.target.name_or_path, path, regen]).encode())
+            directory = Path(cfg.data_cache) / f"{cfg.target.name}-{split}-{key:08x}"
+            self.data_dirs[split] = directory
+            with self.acc.main_process_first():  # rank 0 regenerates; the others then read its cache
+                if not (directory / "prepare.json").exists():
+                    records, summary = load_records(resolve_data(path), split=cfg.data.split,
+                                                    on_bad_record=cfg.data.on_bad_record)
+                    log.info("%s: %s", path, summary)
+                    prepare(records, self.target, self.tokenizer, directory, sampling=sampling,
+                            regenerate_responses=regen["enabled"], max_new_tokens=regen["max_new_tokens"],
+                            on_bad_record=cfg.data.on_bad_record, progress=cfg.progress and self.is_main)
+        self.train_set = datasets.load_from_disk(str(self.data_dirs["train"] / "tokenized"))
+        held_out = datasets.load_from_disk(str(self.data_dirs["eval"] / "tokenized"))
+        self.eval_set = held_out.select(range(min(len(held_out), cfg.trainer.eval_examples)))
+
+    def _setup_models(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from drafters.draft_lm import check_same_vocabulary
+
+        d = self.cfg.drafter
+        if d.kind != "draft_lm":
+            raise ValueError(f"this recipe trains drafter.kind=draft_lm, got {d.kind!r}")
+        if not d.init_from:
+            raise ValueError("drafter.init_from is not set: the draft model to start from (hub id or directory)")
+        from train import toyworld
+
+        self.init_path = toyworld.resolve(d.init_from)
+        model = AutoModelForCausalLM.from_pretrained(self.init_path, dtype=torch.float32,
+                                                     trust_remote_code=self.cfg.target.trust_remote_code)
+        check_same_vocabulary(self.tokenizer, None, self.target.get_output_embeddings().weight.shape[0],
+                              model.get_output_embeddings().weight.shape[0], d.init_from)
+        if d.lora.enabled:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=d.lora.r, lora_alpha=d.lora.alpha, lora_dropout=d.lora.dropout,
+                                                     target_modules=d.lora.target_modules, task_type="CAUSAL_LM"))
+        self.model = model.to(self.device)
+
+    def _setup_optimizer(self) -> None:
+        t = self.cfg.trainer
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+
+        def schedule(step: int) -> float:
+            if step < t.warmup_steps:
+                return (step + 1) / t.warmup_steps
+            progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+            return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.model, self.optimizer = self.acc.prepare(self.model, self.optimizer)
+
+    def _setup_tracking(self) -> None:
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.wandb = None
+        if self.cfg.tracking.wandb and self.is_main:
+            import os
+
+            import wandb
+
+            self.wandb = wandb.init(project=self.cfg.tracking.project, entity=self.cfg.tracking.entity,
+                                    dir=str(self.out), config=OmegaConf.to_container(self.cfg, resolve=True),
+                                    mode="online" if os.environ.get("WANDB_API_KEY") else "offline", job_type="train")
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.trainer.resume
+        if resume == "none":
+            return
+        path = checkpoint.latest(self.out / "checkpoints") if resume == "auto" else Path(resume)
+        if path is None:
+            log.info("trainer.resume=auto: no complete checkpoint in %s, starting from scratch", self.out)
+            return
+        state = checkpoint.load(path, self.acc.unwrap_model(self.model), self.optimizer, self.scheduler)
+        self.step = state["step"]
+        self.best = state.get("best")
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # --- data -------------------------------------------------------------------------------------
+
+    def _batch_indices(self, step: int) -> list[int]:
+        """This process's example indices for micro-batches of `step`: a seeded permutation per epoch,
+        the global batch split across processes. A function of the step alone, so resume is exact."""
+        t = self.cfg.trainer
+        global_batch = t.batch_size * self.acc.num_processes * t.grad_accum
+        n = len(self.train_set)
+        out = []
+        for pos in range(step * global_batch, (step + 1) * global_batch):
+            epoch, offset = divmod(pos, n)
+            if epoch not in self._perms:
+                self._perms = {epoch: torch.randperm(n, generator=torch.Generator().manual_seed(t.seed * 100_003 + epoch))}
+            out.append(int(self._perms[epoch][offset]))
+        return out[self.acc.process_index :: self.acc.num_processes]
+
+    def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        rows = self.train_set.select(indices) if indices else []
+        limit = self.cfg.trainer.max_length
+        ids = [r["input_ids"][:limit] for r in rows]
+        masks = [r["loss_mask"][:limit] for r in rows]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        return {"input_ids": _pad(ids, pad).to(self.device),
+                "attention_mask": _pad([[1] * len(i) for i in ids], 0).to(self.device),
+                "loss_mask": _pad(masks, 0).to(self.device)}
+
+    @torch.no_grad()
+    def _on_policy(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+        """Replace the responses by the draft's own samples: prompt = everything before the first
+        assistant token; the loss covers the sampled tokens (through EOS)."""
+        op = self.cfg.drafter.on_policy
+        prompts = []
+        for ids, attn, mask in zip(batch["input_ids"], batch["attention_mask"], batch["loss_mask"]):
+            first = int(mask.nonzero()[0]) if mask.any() else int(attn.sum())
+            prompts.append(ids[:first].tolist())
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        inputs = _pad(prompts, pad, left=True).to(self.device)
+        attn = _pad([[1] * len(p) for p in prompts], 0, left=True).to(self.device)
+        torch.manual_seed(self.cfg.trainer.seed * 7_919 + step)  # the draws depend on the step only
+        model = self.acc.unwrap_model(self.model)
+        out = model.generate(input_ids=inputs, attention_mask=attn, do_sample=True, temperature=op.temperature,
+                             max_new_tokens=op.max_new_tokens, pad_token_id=pad,
+                             eos_token_id=self.tokenizer.eos_token_id)
+        gen = out[:, inputs.shape[1]:]
+        # Keep generated tokens through the first EOS; HF pads finished rows with pad_token_id.
+        eos = (gen == self.tokenizer.eos_token_id).int()
+        after_eos = (eos.cumsum(1) - eos) > 0
+        gen_mask = ~after_eos
+        mask = torch.cat([torch.zeros_like(inputs), gen_mask.long()], dim=1)
+        full_attn = torch.cat([attn, gen_mask.long()], dim=1)
+        return {"input_ids": out, "attention_mask": full_attn, "loss_mask": mask}
+
+    # --- training ---------------------------------------------------------------------------------
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        d = self.cfg.drafter
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        # Logits at position t predict token t+1: the mask of the predicted token selects the position.
+        mask = batch["loss_mask"][:, 1:]
+        if d.loss == "sft":
+            return sft(logits[:, :-1], batch["input_ids"][:, 1:], mask)
+        with torch.no_grad():
+            target_logits = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return divergence(d.loss, logits[:, :-1], target_logits[:, :-1], mask, temperature=d.temperature, beta=d.beta)
+
+    def train(self) -> None:
+        t = self.cfg.trainer
+        bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step",
+                   disable=not (self.cfg.progress and self.is_main), file=sys.stderr)
+        tokens, started = 0, time.perf_counter()
+        self.model.train()
+        while self.step < t.max_steps:
+            on_policy = random.Random(t.seed * 1_000_003 + self.step).random() < self.cfg.drafter.on_policy.ratio
+            indices = self._batch_indices(self.step)
+            micro = [indices[i * t.batch_size:(i + 1) * t.batch_size] for i in range(t.grad_accum)]
+            total = torch.zeros((), device=self.device)
+            for i, chunk in enumerate(micro):
+                batch = self._collate(chunk)
+                if on_policy:
+                    batch = self._on_policy(batch, self.step)
+                tokens += int(batch["attention_mask"].sum())
+                # Gradients are synchronised across processes only on the last micro-batch.
+                ctx = self.acc.no_sync(self.model) if i < len(micro) - 1 else contextlib.nullcontext()
+                with ctx:
+                    loss = self._loss(batch) / len(micro)
+                    self.acc.backward(loss)
+                total += loss.detach()
+            grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            record = {"step": self.step, "loss": self.acc.reduce(total, "mean").item(), "on_policy": on_policy,
+                      "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                      "tokens_per_s": tokens * self.acc.num_processes / (time.perf_counter() - started)}
+            if self.step % t.eval_every == 0 or self.step == t.max_steps:
+                record.update(self.evaluate_heldout())
+            self._log(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}",
+                            acc=f"{self.best['acceptance'] if self.best else float('nan'):.3f}", refresh=False)
+            bar.update()
+            if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                self.save_checkpoint()
+        bar.close()
+
+    @torch.no_grad()
+    def evaluate_heldout(self) -> dict:
+        """Expected acceptance sum_x min(p, q) and greedy top-1 agreement with the target on held-out
+        assistant tokens; keeps the best model by the acceptance estimate."""
+        self.model.eval()
+        acc_sum = agree_sum = count = 0.0
+        bs = self.cfg.trainer.batch_size
+        for start in range(0, len(self.eval_set), bs):
+            rows = self.eval_set.select(range(start, min(start + bs, len(self.eval_set))))
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+            ids = _pad([r["input_ids"][: self.cfg.trainer.max_length] for r in rows], pad).to(self.device)
+            attn = _pad([[1] * min(len(r["input_ids"]), self.cfg.trainer.max_length) for r in rows], 0).to(self.device)
+            mask = _pad([r["loss_mask"][: self.cfg.trainer.max_length] for r in rows], 0).to(self.device)[:, 1:]
+            q = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            p = self.target(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            n = float(mask.sum())
+            acc_sum += float(acceptance_estimate(q, p, mask)) * n
+            agree_sum += float(greedy_agreement(q, p, mask)) * n
+            count += n
+        self.model.train()
+        result = {"heldout_acceptance": acc_sum / count, "heldout_top1": agree_sum / count}
+        if self.best is None or result["heldout_acceptance"] > self.best["acceptance"]:
+            self.best = {"acceptance": result["heldout_acceptance"], "top1": result["heldout_top1"], "step": self.step}
+            self._save_best()
+        return result
+
+    def _save_best(self) -> None:
+        """The best model so far, in Hugging Face format (LoRA merged) with the target's tokenizer."""
+        self.acc.wait_for_everyone()
+        if not self.is_main:
+            return
+        model = self.acc.unwrap_model(self.model)
+        if self.cfg.drafter.lora.enabled:
+            import copy
+
+            model = copy.deepcopy(model).merge_and_unload()
+        tmp = self.out / "best.tmp"
+        model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        (tmp / "best.json").write_text(json.dumps(self.best) + "\n")
+        final = self.out / "best"
+        if final.exists():
+            import shutil
+
+            shutil.rmtree(final)
+        tmp.rename(final)
+
+    def save_checkpoint(self) -> None:
+        self.acc.wait_for_everyone()
+        if self.is_main:
+            checkpoint.save(self.out / "checkpoints", self.step, self.acc.unwrap_model(self.model), self.optimizer,
+                            self.scheduler, extra={"best": self.best}, keep=self.cfg.trainer.keep_checkpoints)
+        self.acc.wait_for_everyone()
+
+    def _log(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])
+
+    # --- the end ----------------------------------------------------------------------------------
+
+    def finish(self) -> dict:
+        """Check that every process holds the same weights, then run the evaluation instrument
+        (off-the-shelf draft as baseline, the best trained draft as candidate)."""
+        checksum = torch.tensor([sum(float(p.detach().double().sum()) for p in self.acc.unwrap_model(self.model).parameters())],
+                                dtype=torch.float64, device=self.device)
+        sums = self.acc.gather(checksum).tolist()
+        summary = {"steps": self.step, "best": self.best, "rank_checksums": sums}
+        if len(set(sums)) != 1:
+            raise RuntimeError(f"processes ended with different weights (checksums {sums})")
+        if self.is_main:
+            if self.cfg.evaluate.enabled:
+                summary["report"] = self._final_eval()
+            (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def _final_eval(self) -> str:
+        from drafters.draft_lm import DraftLM
+        from eval.evaluate import EvalPlan, evaluate
+        from eval.report import build_report, console_summary, write_report
+        from eval.run import load_prompts
+
+        e, cfg = self.cfg.evaluate, self.cfg
+        self.target.eval()
+        prompts = load_prompts(cfg.data.eval_path or cfg.data.path, self.tokenizer, device=self.device,
+                               max_per_category=e.prompts_per_category, max_prompt_tokens=cfg.data.max_prompt_tokens)
+        drafters = [DraftLM.from_pretrained(self.init_path, target=self.target, target_tokenizer=self.tokenizer,
+                                            name="off_the_shelf"),
+                    DraftLM.from_pretrained(self.out / "best", target=self.target, target_tokenizer=self.tokenizer,
+                                            name=f"trained_{cfg.drafter.loss}")]
+        plan = EvalPlan(ks=list(e.ks), max_new_tokens=e.max_new_tokens, repeats=e.repeats, seed=cfg.trainer.seed)
+        rows = evaluate(self.target, drafters, prompts, plan, eos_token_id=self.tokenizer.eos_token_id,
+                        progress=cfg.progress)
+        report = build_report(rows, target=cfg.target.name_or_path, baseline="off_the_shelf",
+                              settings={"data": cfg.data.eval_path or cfg.data.path, "ks": list(e.ks),
+                                        "max_new_tokens": e.max_new_tokens, "repeats": e.repeats})
+        paths = write_report(report, self.out)
+        print(console_summary(report))
+        print(f"\nreport: {paths['md']}")
+        return str(paths["json"])
+
+    def cleanup(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.acc.end_training()
+
+
+def run(cfg: DictConfig) -> dict:
+    """setup, train, finish, cleanup: what `python -m train drafter=draft_lm` does."""
+    recipe = DistillRecipe(cfg)
+    recipe.setup()
+    try:
+        recipe.train()
+        return recipe.finish()
+    finally:
+        recipe.cleanup()

@@ -1,0 +1,88 @@
+"""Distillation objectives for a draft model, over the positions a loss mask selects.
+
+p is the target's next-token distribution and q the draft's, both at the same temperature. The
+expected acceptance of a draft token at one position is exactly sum_x min(p(x), q(x)) = 1 - TV(p, q)
+(DistillSpec, Zhou et al. 2023), so total variation is the divergence tied most directly to
+acceptance; the others are smoother surrogates:
+
+- forward KL(p || q): mass-covering, the classic distillation loss;
+- reverse KL(q || p): mode-seeking;
+- JSD(beta) = beta * KL(p || m) + (1 - beta) * KL(q || m), m = beta * p + (1 - beta) * q (GKD, Agarwal
+  et al. 2024); beta -> 0 behaves like forward KL, beta -> 1 like reverse KL (after scaling by 1/beta,
+  1/(1-beta));
+- sft: cross-entropy on the target's tokens (sequence-level distillation, no logits needed).
+
+Every function takes logits (B, T, V) and a mask (B, T) and returns the mean over masked positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd")
+
+
+def _masked_mean(per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(per_position.dtype)
+    return (per_position * mask).sum() / mask.sum().clamp_min(1)
+
+
+def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    # float32 for the softmax: bf16 log-probabilities make small divergences round to noise.
+    return F.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def sft(draft_logits: torch.Tensor, target_tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the draft on the target's tokens (B, T) at the masked positions."""
+    nll = F.cross_entropy(draft_logits.float().flatten(0, 1), target_tokens.flatten(), reduction="none")
+    return _masked_mean(nll.view_as(target_tokens), mask)
+
+
+def divergence(
+    kind: str,
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+) -> torch.Tensor:
+    """One of forward_kl, reverse_kl, jsd (with beta), tvd between target p and draft q per position."""
+    if temperature <= 0:
+        raise ValueError(f"distillation temperature must be > 0, got {temperature}")
+    log_q = _log_probs(draft_logits, temperature)
+    log_p = _log_probs(target_logits, temperature)
+    if kind == "forward_kl":
+        per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif kind == "reverse_kl":
+        per_position = (log_q.exp() * (log_q - log_p)).sum(-1)
+    elif kind == "jsd":
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"JSD beta must be in (0, 1), got {beta}")
+        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
+        kl_pm = (log_p.exp() * (log_p - log_m)).sum(-1)
+        kl_qm = (log_q.exp() * (log_q - log_m)).sum(-1)
+        per_position = beta * kl_pm + (1 - beta) * kl_qm
+    elif kind == "tvd":
+        per_position = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    else:
+        raise ValueError(f"unknown divergence {kind!r}; known: {list(DIVERGENCES)}")
+    return _masked_mean(per_position, mask)
+
+
+@torch.no_grad()
+def acceptance_estimate(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """Expected per-token acceptance sum_x min(p, q) at the masked positions (1 - TV)."""
+    p = _log_probs(target_logits, temperature).exp()
+    q = _log_probs(draft_logits, temperature).exp()
+    return _masked_mean(torch.minimum(p, q).sum(-1), mask)
+
+
+@torch.no_grad()
+def greedy_agreement(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Share of masked positions where the draft's argmax equals the target's (greedy acceptance)."""
+    return _masked_mean((draft_logits.argmax(-1) == target_logits.argmax(-1)).float(), mask)
