@@ -392,6 +392,9 @@ class DistillRecipe:
         if self.wandb is not None:
             self.wandb.finish()
         self.acc.end_training()
+        if torch.distributed.is_initialized():
+            # Without this, gloo ranks can hang at interpreter exit after the work is done.
+            torch.distributed.destroy_process_group()
 
 
 def run(cfg: DictConfig) -> dict:

@@ -137,7 +137,7 @@ def test_two_cpu_processes_end_with_identical_weights(tiny_world, tmp_path):
            "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", str(29500 + os.getpid() % 1000),
            "-m", "train", "experiment=smoke", "progress=false", "evaluate.enabled=false",
            f"hydra.run.dir={tmp_path / 'run'}", f"data_cache={tmp_path / 'data'}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert len(summary["rank_checksums"]) == 2 and len(set(summary["rank_checksums"])) == 1
