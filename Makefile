@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/python -m eval
+	$(BIN)/python -m train experiment=demo
 
 test: install
 	$(BIN)/python -m pytest

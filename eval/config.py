@@ -36,7 +36,8 @@ class DataConfig:
     eval_path: Optional[str] = None  # held-out traffic for evaluation; defaults to `path`
     split: str = "train"  # split name for hub datasets
     on_bad_record: str = "error"  # error | skip
-    max_prompts_per_category: Optional[int] = None  # first N per category (None = all)
+    max_prompts_per_category: Optional[int] = None  # evaluation: first N prompts per category (None = all)
+    max_records: Optional[int] = None  # training and preparation: first N records (None = all)
     max_prompt_tokens: int = 1024  # longer prompts are an error naming the record
 
 

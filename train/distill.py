@@ -101,7 +101,8 @@ class DistillRecipe:
         sampling = Sampling(regen["temperature"], regen["top_k"], regen["top_p"])
         self.data_dirs = {}
         for split, path in (("train", cfg.data.path), ("eval", cfg.data.eval_path or cfg.data.path)):
-            key = zlib.crc32(json.dumps([cfg.target.name_or_path, path, regen]).encode())
+            limit = cfg.data.max_records if split == "train" else None
+            key = zlib.crc32(json.dumps([cfg.target.name_or_path, path, regen, limit]).encode())
             directory = Path(cfg.data_cache) / f"{cfg.target.name}-{split}-{key:08x}"
             self.data_dirs[split] = directory
             with self.acc.main_process_first():  # rank 0 regenerates; the others then read its cache
@@ -109,7 +110,7 @@ class DistillRecipe:
                     records, summary = load_records(resolve_data(path), split=cfg.data.split,
                                                     on_bad_record=cfg.data.on_bad_record)
                     log.info("%s: %s", path, summary)
-                    prepare(records, self.target, self.tokenizer, directory, sampling=sampling,
+                    prepare(records[:limit], self.target, self.tokenizer, directory, sampling=sampling,
                             regenerate_responses=regen["enabled"], max_new_tokens=regen["max_new_tokens"],
                             on_bad_record=cfg.data.on_bad_record, progress=cfg.progress and self.is_main)
         self.train_set = datasets.load_from_disk(str(self.data_dirs["train"] / "tokenized"))

@@ -124,6 +124,7 @@ def run(cfg: DictConfig) -> PrepareSummary:
     records, loaded = load_records(resolve_data(cfg.data.path), split=cfg.data.split,
                                    on_bad_record=cfg.data.on_bad_record)
     log.info("%s: %s", cfg.data.path, loaded)
+    records = records[: cfg.data.max_records]
     hs = cfg.hidden_states
     layers = None
     if hs.kind or hs.layers:

@@ -141,3 +141,15 @@ def test_two_cpu_processes_end_with_identical_weights(tiny_world, tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert len(summary["rank_checksums"]) == 2 and len(set(summary["rank_checksums"])) == 1
+
+
+@pytest.mark.slow
+def test_multirun_sweep_lands_in_separate_directories(tiny_world, tmp_path):
+    cmd = [sys.executable, "-m", "train", "-m", "experiment=smoke", "drafter.loss=sft,tvd", "trainer.max_steps=2",
+           "progress=false", "evaluate.enabled=false", f"data_cache={tmp_path / 'data'}",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert len(runs) == 2 and all((tmp_path / "sweep" / r / "train_summary.json").exists() for r in runs)
+    assert any("drafter.loss=sft" in r for r in runs) and any("drafter.loss=tvd" in r for r in runs)
