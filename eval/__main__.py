@@ -57,7 +57,7 @@ def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except (ValueError, FileNotFoundError) as e:  # bad input the user can fix: say what, not a traceback
-        log.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -6,6 +6,7 @@ A thin Hydra wrapper: `train(cfg)` picks the recipe for `drafter.kind` and is wh
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import hydra
@@ -13,7 +14,6 @@ from omegaconf import DictConfig
 
 from eval.config import register
 
-log = logging.getLogger("train")
 register()
 
 RECIPES = {"draft_lm": "train.distill"}
@@ -33,8 +33,18 @@ def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
     except (ValueError, FileNotFoundError) as e:  # bad input the user can fix: say what, not a traceback
-        log.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # All ranks have passed a final barrier and every file is written. Tearing gloo down through
+        # destructors can deadlock (the DDP reducer's process group destructor waits on a lock held by
+        # a group already shut down), so a distributed run leaves without running them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
 
 
 if __name__ == "__main__":

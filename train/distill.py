@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -394,13 +395,19 @@ class DistillRecipe:
             self.wandb.finish()
         self.acc.end_training()
         if torch.distributed.is_initialized():
-            # Without this, gloo ranks can hang at interpreter exit after the work is done.
-            torch.distributed.destroy_process_group()
+            self.acc.wait_for_everyone()  # every rank done; the entry point then exits (see train/__main__.py)
+
+
+_KEEP_ALIVE: list = []
 
 
 def run(cfg: DictConfig) -> dict:
     """setup, train, finish, cleanup: what `python -m train drafter=draft_lm` does."""
     recipe = DistillRecipe(cfg)
+    if torch.distributed.is_initialized() or "LOCAL_RANK" in os.environ:
+        # Keep a distributed run's recipe (and its DDP reducer) alive until the process exits: freeing
+        # the reducer joins gloo threads that wait for a peer that may already be gone (see __main__).
+        _KEEP_ALIVE.append(recipe)
     recipe.setup()
     try:
         recipe.train()

@@ -147,7 +147,7 @@ def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except (ValueError, FileNotFoundError, OSError) as e:  # bad input the user can fix: no traceback
-        log.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -150,6 +150,8 @@ def test_multirun_sweep_lands_in_separate_directories(tiny_world, tmp_path):
            f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    runs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
-    assert len(runs) == 2 and all((tmp_path / "sweep" / r / "train_summary.json").exists() for r in runs)
-    assert any("drafter.loss=sft" in r for r in runs) and any("drafter.loss=tvd" in r for r in runs)
+    runs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert len(runs) == 2 and all((r / "train_summary.json").exists() for r in runs)
+    losses = [next(o for o in (r / ".hydra" / "overrides.yaml").read_text().split() if o.startswith("drafter.loss"))
+              for r in runs]
+    assert losses == ["drafter.loss=sft", "drafter.loss=tvd"]
