@@ -36,7 +36,7 @@ import sys
 import sysconfig
 import time
 import zlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
