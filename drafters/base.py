@@ -10,9 +10,13 @@ A round of speculative decoding, seen from the drafter:
    `next_token` (its correction, or the bonus token when all guesses were kept). The drafter rolls its
    own state back to the accepted prefix; it never recomputes the prefix.
 
-Drafters that read the target's features (EAGLE, MTP, Medusa heads) will receive them through extra
-keyword arguments of `start` and `commit`; the loop passes nothing else, so a drafter owns its state
-entirely and the loop needs no knowledge of what kind of drafter it drives.
+Drafters that read the target's features (EAGLE, MTP, Medusa heads; drafters/heads.py) declare
+`feature_layers`, indices into Hugging Face `output_hidden_states`. The loop then also passes
+`features` (n, len(layers), d) to `start` (every prompt position but the last) and `commit` (the
+positions the verification pass committed: the previous last token and the kept guesses), each
+position exactly once. Nothing else crosses: a drafter owns its state entirely, and the loop needs no
+knowledge of what kind of drafter it drives. Proposals are chains; nothing here rules out a tree
+drafter later (it would return a tree with its proposal and the loop would verify it with a mask).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from drafters.base import Drafter, Proposal
+from drafters.heads import features_of
 from eval.sampling import Sampling, choose, probs_from_logits
 
 
@@ -114,6 +115,15 @@ def _forward(model: PreTrainedModel, ids: list[int], cache: DynamicCache, device
     return model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=keep_logits).logits[0]
 
 
+def _forward_with_features(model, ids, cache, device, keep_logits, layers):
+    """Logits and, for drafters that read them, the hidden states at `layers` of every fed position:
+    (logits (keep, V), features (len(ids), len(layers), d))."""
+    inputs = torch.tensor([ids], device=device)
+    out = model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=keep_logits,
+                output_hidden_states=True)
+    return out.logits[0], features_of(out.hidden_states, layers)[0]
+
+
 def _finish(new: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[list[int], bool]:
     """Cut new tokens at the budget and after the first EOS; say whether generation is over."""
     if eos_token_id is not None and eos_token_id in new:
@@ -148,12 +158,24 @@ def speculative_generate(
     t_start = clock()
     prompt = prompt_ids.tolist()
     cache = DynamicCache()
+    # Drafters that read the target's hidden states (EAGLE, MTP, Medusa heads) name the layers; the
+    # target then returns them with its logits and the drafter gets those of committed positions.
+    layers = getattr(drafter, "feature_layers", None)
     # Prefill all but the last prompt token: every round then starts by feeding exactly one committed
     # token (the last one) followed by the guesses, so verification is one forward of n+1 positions.
-    if len(prompt) > 1:
-        _forward(target, prompt[:-1], cache, device, keep_logits=1)
+    if layers:
+        features = None
+        if len(prompt) > 1:
+            features = _forward_with_features(target, prompt[:-1], cache, device, 1, layers)[1]
+        else:  # nothing prefilled: no features yet
+            d = target.config.hidden_size
+            features = torch.empty(0, len(layers), d, device=device, dtype=target.dtype)
+        drafter.start(prompt_ids, features)
+    else:
+        if len(prompt) > 1:
+            _forward(target, prompt[:-1], cache, device, keep_logits=1)
+        drafter.start(prompt_ids)
     last, length = prompt[-1], len(prompt)  # the last committed token, and how many are committed
-    drafter.start(prompt_ids)
     new: list[int] = []
     rounds: list[Round] = []
     forwards = 0
@@ -168,7 +190,11 @@ def speculative_generate(
             _sync(device)
         t1 = clock()
         guesses = proposal.tokens.tolist()
-        logits = _forward(target, [last, *guesses], cache, device, keep_logits=len(guesses) + 1)
+        if layers:
+            logits, features = _forward_with_features(target, [last, *guesses], cache, device, len(guesses) + 1,
+                                                      layers)
+        else:
+            logits = _forward(target, [last, *guesses], cache, device, keep_logits=len(guesses) + 1)
         forwards += 1
         if sampling.greedy:
             accepted, next_token = accept_greedy(proposal.tokens, logits)
@@ -179,7 +205,10 @@ def speculative_generate(
         rounds.append(Round(len(guesses), accepted, t1 - t0, t2 - t1))
         # The cache now holds the committed tokens and all guesses; keep the committed and the accepted.
         rollback(cache, length + accepted)
-        drafter.commit(accepted, next_token)
+        if layers:  # features of the committed positions: the last token and the kept guesses
+            drafter.commit(accepted, next_token, features[: accepted + 1])
+        else:
+            drafter.commit(accepted, next_token)
         step = guesses[:accepted] + [next_token]
         new, done = _finish(new + step, max_new_tokens, eos_token_id)
         if done:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafters.base import Proposal
-from eval.sampling import Sampling
+from eval.sampling import Sampling, probs_from_logits
+from eval.speculative import speculative_generate
 
 def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, logit_scale: float = 1.0,
                eos: int | None = None) -> LlamaForCausalLM:
@@ -46,3 +48,34 @@ class ScriptedDrafter:
 
     def commit(self, n_accepted, next_token):
         self.committed += n_accepted + 1
+
+
+# --- distribution checks: sampled speculative decoding must follow the target ---------------------
+
+
+def exact_joint(target, prompt, sampling, vocab):
+    """p(x1, x2) of the target's first two sampled tokens, by enumeration."""
+    with torch.no_grad():
+        p1 = probs_from_logits(target(prompt[None]).logits[0, -1], sampling)
+        seqs = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
+        p2 = probs_from_logits(target(seqs).logits[:, -1], sampling)
+    return (p1[:, None] * p2).flatten()
+
+
+def empirical_joint(target, drafter, prompt, sampling, vocab, k, n):
+    counts = torch.zeros(vocab * vocab)
+    g = torch.Generator().manual_seed(1234)
+    for _ in range(n):
+        out = speculative_generate(target, drafter, prompt, k=k, sampling=sampling, max_new_tokens=2, generator=g)
+        counts[out.tokens[0] * vocab + out.tokens[1]] += 1
+    return counts
+
+
+def chi2_pvalue(counts, probs):
+    expected = probs * counts.sum()
+    keep = expected >= 5  # pool rare cells so the chi-square approximation holds
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue

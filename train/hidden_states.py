@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from drafters.heads import check_layers, features_of
 from eval.run import DTYPES
 from train.data import Example
 
@@ -37,13 +38,13 @@ from train.data import Example
 def default_layers(kind: str, num_layers: int) -> list[int]:
     """The feature layers a head reads by default (indices in the convention of the module docstring).
 
-    eagle1, medusa, mtp: the last hidden state [n]. eagle3: a low, a middle and a high layer,
+    eagle1, medusa, mtp: the last hidden state [n]. eagle3 (alias eagle): a low, a middle and a high layer,
     [2, n//2, n-3] as EAGLE-3 and vLLM choose; on targets too shallow for three distinct layers there,
     [1, n//2, n-1].
     """
     if kind in ("eagle1", "medusa", "mtp"):
         return [num_layers]
-    if kind == "eagle3":
+    if kind in ("eagle3", "eagle"):
         layers = [2, num_layers // 2, num_layers - 3]
         if len(set(layers)) < 3 or min(layers) < 1:
             layers = [1, num_layers // 2, num_layers - 1]
@@ -53,19 +54,12 @@ def default_layers(kind: str, num_layers: int) -> list[int]:
     raise ValueError(f"unknown head kind {kind!r}; known: eagle1, eagle3, mtp, medusa")
 
 
-def _check_layers(layers: list[int], num_layers: int) -> None:
-    bad = [i for i in layers if not 0 <= i <= num_layers]
-    if bad or not layers:
-        raise ValueError(f"hidden-state layer indices must be in 0..{num_layers} (the index into "
-                         f"output_hidden_states of a {num_layers}-layer model), got {layers}")
-
-
 @torch.no_grad()
 def capture(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers: list[int]) -> torch.Tensor:
     """Hidden states of `layers` for a batch: (B, T) ids -> (B, T, len(layers), d) in the target's dtype."""
-    _check_layers(layers, target.config.num_hidden_layers)
+    check_layers(layers, target.config.num_hidden_layers)
     out = target.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-    return torch.stack([out.hidden_states[i] for i in layers], dim=2)
+    return features_of(out.hidden_states, layers)
 
 
 def bytes_per_token(hidden_size: int, n_layers: int, dtype: str) -> int:
@@ -115,7 +109,7 @@ def write_shards(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hidden = target.config.hidden_size
-    _check_layers(layers, target.config.num_hidden_layers)
+    check_layers(layers, target.config.num_hidden_layers)
     need = estimate_bytes(examples, hidden, len(layers), dtype)
     per_token = bytes_per_token(hidden, len(layers), dtype)
     if max_bytes is not None and need > max_bytes:

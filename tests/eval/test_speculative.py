@@ -6,11 +6,10 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import DynamicCache
 
 import eval.speculative as spec
-from helpers import ScriptedDrafter, tiny_llama
+from helpers import ScriptedDrafter, chi2_pvalue, empirical_joint, exact_joint, tiny_llama
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
 from eval.sampling import Sampling, probs_from_logits
@@ -127,34 +126,6 @@ def test_accept_sampled_certain_cases():
 # --- distribution: sampled speculative decoding follows the target ----------------------------------
 
 
-def _exact_joint(target, prompt, sampling, vocab):
-    """p(x1, x2) of the target's first two sampled tokens, by enumeration."""
-    with torch.no_grad():
-        p1 = probs_from_logits(target(prompt[None]).logits[0, -1], sampling)
-        seqs = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
-        p2 = probs_from_logits(target(seqs).logits[:, -1], sampling)
-    return (p1[:, None] * p2).flatten()
-
-
-def _empirical_joint(target, drafter, prompt, sampling, vocab, k, n):
-    counts = torch.zeros(vocab * vocab)
-    g = torch.Generator().manual_seed(1234)
-    for _ in range(n):
-        out = speculative_generate(target, drafter, prompt, k=k, sampling=sampling, max_new_tokens=2, generator=g)
-        counts[out.tokens[0] * vocab + out.tokens[1]] += 1
-    return counts
-
-
-def _chi2_pvalue(counts, probs):
-    expected = probs * counts.sum()
-    keep = expected >= 5  # pool rare cells so the chi-square approximation holds
-    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
-
-
 SMALL_V = 6
 SAMPLED = Sampling(temperature=1.0)
 N_SAMPLES = 2500
@@ -171,19 +142,19 @@ def small_pair():
 @pytest.mark.parametrize("which", ["draft_lm", "ngram"])
 def test_sampled_output_follows_target_distribution(small_pair, k, which):
     target, draft, prompt = small_pair
-    exact = _exact_joint(target, prompt, SAMPLED, SMALL_V)
+    exact = exact_joint(target, prompt, SAMPLED, SMALL_V)
     drafter = DraftLM(draft) if which == "draft_lm" else NgramDrafter(max_ngram=1)
-    counts = _empirical_joint(target, drafter, prompt, SAMPLED, SMALL_V, k, N_SAMPLES)
-    assert _chi2_pvalue(counts, exact) > 1e-3
+    counts = empirical_joint(target, drafter, prompt, SAMPLED, SMALL_V, k, N_SAMPLES)
+    assert chi2_pvalue(counts, exact) > 1e-3
 
 
 def test_sampled_with_top_k_top_p_follows_processed_target(small_pair):
     target, draft, prompt = small_pair
     sampling = Sampling(temperature=0.8, top_k=4, top_p=0.9)
-    exact = _exact_joint(target, prompt, sampling, SMALL_V)
-    counts = _empirical_joint(target, DraftLM(draft), prompt, sampling, SMALL_V, 2, N_SAMPLES)
+    exact = exact_joint(target, prompt, sampling, SMALL_V)
+    counts = empirical_joint(target, DraftLM(draft), prompt, sampling, SMALL_V, 2, N_SAMPLES)
     assert counts[exact == 0].sum() == 0  # never a token the processing removed
-    assert _chi2_pvalue(counts, exact) > 1e-3
+    assert chi2_pvalue(counts, exact) > 1e-3
 
 
 def _wrong_residual(draft_tokens, draft_probs, target_probs, generator=None):
@@ -197,9 +168,9 @@ def _wrong_residual(draft_tokens, draft_probs, target_probs, generator=None):
 def test_distribution_test_catches_a_wrong_residual(small_pair, monkeypatch):
     target, draft, prompt = small_pair
     monkeypatch.setattr(spec, "accept_sampled", _wrong_residual)
-    exact = _exact_joint(target, prompt, SAMPLED, SMALL_V)
-    counts = _empirical_joint(target, DraftLM(draft), prompt, SAMPLED, SMALL_V, 2, N_SAMPLES)
-    assert _chi2_pvalue(counts, exact) < 1e-3
+    exact = exact_joint(target, prompt, SAMPLED, SMALL_V)
+    counts = empirical_joint(target, DraftLM(draft), prompt, SAMPLED, SMALL_V, 2, N_SAMPLES)
+    assert chi2_pvalue(counts, exact) < 1e-3
 
 
 # --- rollback ---------------------------------------------------------------------------------------

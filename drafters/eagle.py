@@ -1,0 +1,243 @@
+"""EAGLE-3 (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test"): one decoder layer drafting from fused low/middle/high target features.
+
+Entry e of the head's sequence pairs the target's features at position e (the layers in
+`config.feature_layers`, concatenated and fused by `fc`: 3d -> d) with the embedding of token e+1;
+inside the layer q/k/v read [input_layernorm(embedding); hidden_norm(feature)] (2d wide), and the
+layer's output o_e, through `norm` and the output head, predicts token e+2. Drafting continues on the
+head's own outputs: the next entry pairs o_e (in place of fused features) with the guessed token.
+
+Training-time test: the head is trained unrolled for `config.ttt_steps` steps. Step s at anchor e sees
+the step-0 entries 0..e (the target's real features) and its own step 1..s entries for that anchor,
+exactly what it sees at inference when drafting the (s+1)-th token after position e; its loss is
+the cross-entropy against the target's distribution, weighted by `ttt_decay ** s` (token loss only).
+
+Draft vocabulary (optional, `draft_vocab_size`): the output head keeps only the most frequent target
+tokens of the training traffic. `d2t[d]` holds OFFSETS (target id = d + d2t[d]); `t2d` is a boolean
+mask over the target vocabulary; `check_vocab_maps` rejects inconsistent maps. Module and buffer
+names follow the EAGLE-3 checkpoints SGLang and vLLM load (`fc`, `midlayer.*`, `norm`, `d2t`, `t2d`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from drafters.base import Proposal
+from drafters.heads import FeatureDrafter
+from drafters.layers import Attention, KVCache, SharedTarget, causal_mask, soft_cross_entropy, step_stats
+from eval.sampling import Sampling, probs_from_logits, sample
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int, always: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t (offsets, int64 [size]) and t2d (bool [V]) for the `size` most frequent target tokens.
+
+    counts: (V,) token frequencies in the training traffic; `always` (e.g. EOS) are kept whatever
+    their count. Draft ids follow target-id order, so offsets are >= 0.
+    """
+    vocab = counts.numel()
+    if not 0 < size <= vocab:
+        raise ValueError(f"draft_vocab_size must be in 1..{vocab} (the target's vocabulary), got {size}")
+    score = counts.double().clone()
+    score[list(always)] = float("inf")
+    # Most frequent first, lower id first among equals (a stable sort of ids by descending count).
+    order = torch.sort(-score, stable=True).indices[:size]
+    kept = torch.sort(order).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    return kept - torch.arange(size), t2d
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """Raise ValueError unless d2t and t2d describe the same vocabulary; return the target ids."""
+    if d2t.dim() != 1 or t2d.dim() != 1 or t2d.dtype != torch.bool:
+        raise ValueError("d2t must be a 1-d integer tensor of offsets and t2d a 1-d boolean mask")
+    target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    if int(t2d.sum()) != d2t.numel():
+        raise ValueError(f"t2d marks {int(t2d.sum())} target tokens but d2t maps {d2t.numel()} draft tokens")
+    if target_ids.min() < 0 or target_ids.max() >= t2d.numel():
+        raise ValueError(f"d2t maps draft ids outside the target vocabulary 0..{t2d.numel() - 1}")
+    if (target_ids[1:] <= target_ids[:-1]).any():
+        raise ValueError("d2t maps two draft ids to the same target id, or out of order")
+    if not t2d.to(target_ids.device)[target_ids].all():
+        raise ValueError("d2t maps a draft id to a target token that t2d does not mark: d2t and t2d disagree")
+    return target_ids
+
+
+def vocabulary_coverage(token_ids: list[int], t2d: torch.Tensor) -> float:
+    """Share of the given target tokens that the draft vocabulary can propose."""
+    if not token_ids:
+        return float("nan")
+    return float(t2d.cpu()[torch.tensor(token_ids)].float().mean())
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.self_attn = Attention(config, input_size=2 * d)
+        self.mlp = LlamaMLP(config)
+        self.hidden_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+
+    def forward(self, embeds, hidden, cos, sin, mask, cache=None, base=None, diagonal=()):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h, kv = self.self_attn(x, cos, sin, mask, cache, base, diagonal)
+        h = hidden + h
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class Eagle3(nn.Module):
+    """The head. config: a Llama config from drafters.heads.head_config with `ttt_steps`, `ttt_decay`
+    and optionally `draft_vocab_size`."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.fc = nn.Linear(len(config.feature_layers) * config.target_hidden_size, d, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.rotary = LlamaRotaryEmbedding(config)
+        size = getattr(config, "draft_vocab_size", None) or config.vocab_size
+        self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        self.shared: SharedTarget | None = None
+
+    def attach(self, target) -> None:
+        self.shared = SharedTarget(target)
+
+    def set_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        check_vocab_maps(d2t, t2d)
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"maps of shape {tuple(d2t.shape)}/{tuple(t2d.shape)} do not fit a head with "
+                             f"{self.d2t.numel()} draft and {self.t2d.numel()} target tokens")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @property
+    def reduced(self) -> bool:
+        return self.d2t.numel() < self.t2d.numel()
+
+    def target_ids(self) -> torch.Tensor:
+        return check_vocab_maps(self.d2t, self.t2d)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary: the target's output head (only the kept rows) on norm(h)."""
+        weight = self.shared.lm_head.weight[self.target_ids()] if self.reduced else None
+        return self.shared.logits(self.norm(h), weight)
+
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Inference: entries (hidden (1, q, d), tokens (q,)) at `positions` on top of `cache`."""
+        cos, sin = self.rotary(hidden, positions[None])
+        q = hidden.shape[1]
+        mask = causal_mask(q, len(cache), hidden.device) if q > 1 else None
+        embeds = self.shared.embed_tokens(tokens[None], hidden.dtype)
+        return self.midlayer(embeds, hidden, cos, sin, mask, cache=cache)[0]
+
+    def unroll(self, features, input_ids, attention_mask) -> list[torch.Tensor]:
+        """Training-time test over whole sequences: draft-vocabulary logits (B, T-1, N) of each step.
+
+        Step s, entry e: the head's (s+1)-th draft after position e, i.e. its guess for token e+s+2,
+        given the target's features at 0..e, tokens through e+s+1 and its own outputs of steps < s.
+        """
+        B, T = input_ids.shape
+        S, E = self.config.ttt_steps, T - 1
+        ids = torch.cat([input_ids, input_ids.new_zeros(B, S)], dim=1)  # tokens past the end: padding
+        key_valid = attention_mask[:, 1:].bool().clone()
+        key_valid[:, 0] = True  # never a query with no key at all (padding rows are masked out of the loss)
+        mask = causal_mask(E, 0, input_ids.device, key_valid)
+        hidden = self.fc(features[:, :-1])
+        base, diagonal, logits = None, [], []
+        for s in range(S):
+            positions = torch.arange(s, s + E, device=input_ids.device)[None]
+            cos, sin = self.rotary(hidden, positions)
+            embeds = self.shared.embed_tokens(ids[:, 1 + s: 1 + s + E], hidden.dtype)
+            out, kv = self.midlayer(embeds, hidden, cos, sin, mask, base=base, diagonal=diagonal)
+            if s == 0:
+                base = kv
+            else:
+                diagonal = [*diagonal, kv]
+            logits.append(self.draft_logits(out))
+            hidden = out
+        return logits
+
+    def forward(self, features, input_ids, attention_mask, loss_mask, target_probs):
+        """Training loss: features (B, T, L*d_target); input_ids, attention_mask, loss_mask (B, T);
+        target_probs (B, T, V), the target's next-token distribution at each position.
+        Returns (loss, [stats per step])."""
+        B, T = input_ids.shape
+        S, E = self.config.ttt_steps, T - 1
+        pad = lambda t: torch.cat([t, t.new_zeros((B, S + 1, *t.shape[2:]))], dim=1)  # noqa: E731
+        lmask, valid, probs = pad(loss_mask), pad(attention_mask), pad(target_probs)
+        target_ids = self.target_ids() if self.reduced else None
+        loss, stats = 0.0, []
+        for s, logits in enumerate(self.unroll(features, input_ids, attention_mask)):
+            p = probs[:, 1 + s: 1 + s + E]  # the target's distribution of token e+s+2
+            m = lmask[:, 2 + s: 2 + s + E].bool() & valid[:, 2 + s: 2 + s + E].bool()
+            p_draft = p
+            if target_ids is not None:  # the target's distribution restricted to the draft vocabulary
+                p_draft = p[..., target_ids]
+                p_draft = p_draft / p_draft.sum(-1, keepdim=True).clamp_min(1e-12)
+            loss = loss + self.config.ttt_decay ** s * soft_cross_entropy(logits, p_draft, m)
+            q = torch.softmax(logits.detach().float(), -1)
+            if target_ids is not None:
+                q = q.new_zeros(p.shape).index_copy_(-1, target_ids, q)
+            stats.append(step_stats(q, p, m))
+        return loss, stats
+
+    def drafter(self, name: str = "eagle") -> "Eagle3Drafter":
+        return Eagle3Drafter(self, name)
+
+
+class Eagle3Drafter(FeatureDrafter):
+    """Drafts a chain of k tokens with an EAGLE-3 head, with its own KV cache rolled back on commit."""
+
+    def start(self, prompt_ids, features=None) -> None:
+        super().start(prompt_ids, features)
+        self.cache = KVCache()
+        self.fed = 0  # entries in the cache built from the target's real features
+        self.target_ids = self.head.target_ids() if self.head.reduced else None
+
+    @torch.inference_mode()
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+        head, m = self.head, len(self.ids) - 1
+        if m == 0:  # a one-token prompt: no features yet, nothing to draft from
+            self.guesses = []
+            return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
+        new = self.pending.shape[0]
+        tokens = torch.tensor(self.ids[m - new + 1: m + 1], device=self.device)
+        out = head.step(head.fc(self.pending)[None], tokens, torch.arange(m - new, m, device=self.device), self.cache)
+        self.pending, self.fed = self.pending[:0], m
+        h = out[:, -1:]
+        guesses, dists = [], []
+        for s in range(k):
+            logits = head.draft_logits(h)[0, -1]
+            token, q = _pick(logits, sampling, generator, self.target_ids, head.config.vocab_size)
+            guesses.append(token)
+            dists.append(q)
+            if s < k - 1:
+                h = head.step(h, token.view(1), torch.tensor([m + s], device=self.device), self.cache)
+        self.guesses = torch.stack(guesses).tolist()
+        return Proposal(torch.stack(guesses), None if sampling.greedy else torch.stack(dists))
+
+    def commit(self, n_accepted: int, next_token: int, features=None) -> None:
+        self.cache.crop(self.fed)  # draft entries were built on the head's own outputs: drop them
+        super().commit(n_accepted, next_token, features)
+
+
+def _pick(logits, sampling, generator, target_ids, vocab_size):
+    """A guess (as a target id) and, when sampling, the full-vocabulary distribution it came from."""
+    if sampling.greedy:
+        d = logits.argmax(-1)
+        return (d if target_ids is None else target_ids[d]), None
+    q = probs_from_logits(logits, sampling)
+    d = sample(q, generator)
+    if target_ids is None:
+        return d, q
+    return target_ids[d], q.new_zeros(vocab_size).index_copy_(0, target_ids, q)
+
+
+HEAD = Eagle3

@@ -1,0 +1,116 @@
+"""EAGLE-1 (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"):
+one decoder layer that extrapolates the target's last-layer feature.
+
+Entry e of the head's sequence is fc([embedding of token e+1; target feature at e]) (2d -> d), run
+through one Llama decoder layer; its output o_e is trained to be the target's feature at e+1
+(smooth-L1 feature regression) and, through the target's own output head, to predict token e+2
+(cross-entropy against the target's distribution, weight `token_loss_weight`). Drafting continues on
+the head's own outputs: the next entry pairs o_e with the guessed token.
+
+The feature is `output_hidden_states[n]` of an n-layer target, the (final-normed) state its output
+head reads, so o_e needs no norm of its own before that head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from drafters.base import Proposal
+from drafters.heads import FeatureDrafter
+from drafters.layers import DecoderLayer, KVCache, SharedTarget, causal_mask, soft_cross_entropy, step_stats
+from eval.sampling import Sampling, probs_from_logits, sample
+
+
+class Eagle1(nn.Module):
+    """The head. config: drafters.heads.head_config(..., token_loss_weight=...), one feature layer."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if len(config.feature_layers) != 1:
+            raise ValueError(f"EAGLE-1 reads one feature layer (the last), got {list(config.feature_layers)}")
+        self.config = config
+        d = config.hidden_size
+        self.fc = nn.Linear(d + config.target_hidden_size, d, bias=False)
+        self.layer = DecoderLayer(config)
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.shared: SharedTarget | None = None
+
+    def attach(self, target) -> None:
+        self.shared = SharedTarget(target)
+
+    def _entries(self, hidden, tokens, positions, mask, cache=None):
+        embeds = self.shared.embed_tokens(tokens, hidden.dtype)
+        cos, sin = self.rotary(hidden, positions)
+        return self.layer(self.fc(torch.cat([embeds, hidden], dim=-1)), cos, sin, mask, cache)
+
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Inference: entries (hidden (1, q, d), tokens (q,)) at `positions` on top of `cache`."""
+        q = hidden.shape[1]
+        mask = causal_mask(q, len(cache), hidden.device) if q > 1 else None
+        return self._entries(hidden, tokens[None], positions[None], mask, cache)
+
+    def forward(self, features, input_ids, attention_mask, loss_mask, target_probs):
+        """Training loss (teacher forced): feature regression + token loss. Shapes as in drafters/eagle.py."""
+        B, T = input_ids.shape
+        E = T - 1
+        key_valid = attention_mask[:, 1:].bool().clone()
+        key_valid[:, 0] = True
+        mask = causal_mask(E, 0, input_ids.device, key_valid)
+        positions = torch.arange(E, device=input_ids.device)[None]
+        out = self._entries(features[:, :-1], input_ids[:, 1:], positions, mask)
+        # Entry e predicts the feature at e+1 and the token at e+2 (whose distribution is target_probs[e+1]).
+        m = torch.zeros_like(loss_mask[:, 1:], dtype=torch.bool)
+        m[:, :-1] = loss_mask[:, 2:].bool() & attention_mask[:, 2:].bool()
+        regression = F.smooth_l1_loss(out.float(), features[:, 1:].float(), reduction="none").mean(-1)
+        regression = (regression * m).sum() / m.sum().clamp_min(1)
+        logits = self.shared.logits(out)
+        p = target_probs[:, 1:]
+        loss = regression + self.config.token_loss_weight * soft_cross_entropy(logits, p, m)
+        return loss, [step_stats(torch.softmax(logits.detach(), -1), p, m)]
+
+    def drafter(self, name: str = "eagle1") -> "Eagle1Drafter":
+        return Eagle1Drafter(self, name)
+
+
+class Eagle1Drafter(FeatureDrafter):
+    """Drafts a chain of k tokens with an EAGLE-1 head, with its own KV cache rolled back on commit."""
+
+    def start(self, prompt_ids, features=None) -> None:
+        super().start(prompt_ids, features)
+        self.cache = KVCache()
+        self.fed = 0
+
+    @torch.inference_mode()
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+        head, m = self.head, len(self.ids) - 1
+        if m == 0:
+            self.guesses = []
+            return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
+        new = self.pending.shape[0]
+        tokens = torch.tensor(self.ids[m - new + 1: m + 1], device=self.device)
+        h = head.step(self.pending[None], tokens, torch.arange(m - new, m, device=self.device), self.cache)[:, -1:]
+        self.pending, self.fed = self.pending[:0], m
+        guesses, dists = [], []
+        for s in range(k):
+            logits = head.shared.logits(h)[0, -1]
+            if sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                q = probs_from_logits(logits, sampling)
+                token = sample(q, generator)
+                dists.append(q)
+            guesses.append(token)
+            if s < k - 1:
+                h = head.step(h, token.view(1), torch.tensor([m + s], device=self.device), self.cache)
+        self.guesses = torch.stack(guesses).tolist()
+        return Proposal(torch.stack(guesses), torch.stack(dists) if dists else None)
+
+    def commit(self, n_accepted: int, next_token: int, features=None) -> None:
+        self.cache.crop(self.fed)
+        super().commit(n_accepted, next_token, features)
+
+
+HEAD = Eagle1

@@ -1,0 +1,138 @@
+"""What every feature-reading head shares: its config, saving and loading, and the drafter state.
+
+A head (EAGLE-3 in drafters/eagle.py, EAGLE-1 in eagle1.py, MTP in mtp.py, Medusa in medusa.py) is
+an `nn.Module` whose `forward` is its training loss, so Accelerate/DDP wrap it like any model, plus a
+`drafter(name)` that drafts with it inside the speculative loop.
+
+Features: a drafter declares `feature_layers`, indices into Hugging Face `output_hidden_states`
+(train/hidden_states.py documents the convention). The loop then runs the target with hidden states
+and hands the drafter, through `start` and `commit`, the features of every committed position exactly
+once: `features_of` below is the one function that selects them, in training and in the loop alike.
+
+Saved heads are a directory: `config.json` (a Llama config of the head's one layer, plus
+`draftsmith_kind`, `feature_layers`, `target_hidden_size`, `draft_vocab_size` and the kind's own
+settings) and `model.safetensors` (the head's own weights only: the target's embedding and output
+head are shared at load time, never stored).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+from transformers import LlamaConfig
+
+KINDS = {"eagle": "drafters.eagle", "eagle1": "drafters.eagle1", "mtp": "drafters.mtp", "medusa": "drafters.medusa"}
+
+
+def features_of(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
+    """(B, T, len(layers), d): the hidden states at `layers` of a forward with output_hidden_states."""
+    return torch.stack([hidden_states[i] for i in layers], dim=2)
+
+
+def check_layers(layers: list[int], num_layers: int) -> None:
+    bad = [i for i in layers if not 0 <= i <= num_layers]
+    if bad or not layers:
+        raise ValueError(f"hidden-state layer indices must be in 0..{num_layers} (the index into "
+                         f"output_hidden_states of a {num_layers}-layer model), got {layers}")
+
+
+def head_config(target_config, kind: str, feature_layers: list[int], **settings) -> LlamaConfig:
+    """A one-layer Llama config with the target's attention/MLP geometry and RoPE, plus the head's settings."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown head kind {kind!r}; known: {sorted(KINDS)}")
+    check_layers(feature_layers, target_config.num_hidden_layers)
+    d = target_config.hidden_size
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size, hidden_size=d, intermediate_size=target_config.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=getattr(target_config, "head_dim", None) or d // target_config.num_attention_heads,
+        rms_norm_eps=target_config.rms_norm_eps, hidden_act=target_config.hidden_act,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rope_parameters=getattr(target_config, "rope_parameters", None), tie_word_embeddings=False,
+        draftsmith_kind=kind, feature_layers=list(feature_layers), target_hidden_size=d, **settings,
+    )
+
+
+def head_class(kind: str) -> type[nn.Module]:
+    if kind not in KINDS:
+        raise ValueError(f"unknown head kind {kind!r}; known: {sorted(KINDS)}")
+    return importlib.import_module(KINDS[kind]).HEAD
+
+
+def build_head(kind: str, target, feature_layers: list[int], **settings) -> nn.Module:
+    """A freshly initialised head of `kind` for `target` (attached to its embedding and output head)."""
+    config = head_config(target.config, kind, feature_layers, **settings)
+    head = head_class(kind)(config)
+    head.attach(target)
+    return head
+
+
+def save_head(head: nn.Module, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    head.config.save_pretrained(out)
+    save_model(head, str(out / "model.safetensors"))
+    return out
+
+
+def load_head(path: str | Path, target, dtype: torch.dtype | None = None) -> nn.Module:
+    """A saved head, checked against `target` and attached to it, in eval mode on the target's device."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a saved head: no config.json")
+    raw = json.loads((path / "config.json").read_text())
+    kind = raw.get("draftsmith_kind")
+    if kind not in KINDS:
+        raise ValueError(f"{path}/config.json: field draftsmith_kind is {kind!r}, expected one of {sorted(KINDS)}")
+    config = LlamaConfig.from_pretrained(path)
+    for field, expected in (("target_hidden_size", target.config.hidden_size), ("vocab_size", target.config.vocab_size)):
+        if getattr(config, field) != expected:
+            raise ValueError(f"{path}/config.json: field {field} is {getattr(config, field)} but the target has "
+                             f"{expected}; this head was trained for another target")
+    check_layers(list(config.feature_layers), target.config.num_hidden_layers)
+    head = head_class(kind)(config)
+    load_model(head, str(path / "model.safetensors"))
+    device = next(target.parameters()).device
+    head = head.to(device=device, dtype=dtype or torch.float32).eval()
+    head.attach(target)
+    return head
+
+
+class FeatureDrafter:
+    """Drafter state shared by the heads: the committed ids and the features not yet read.
+
+    The loop calls `start(prompt_ids, features)` with the features of every prompt position but the
+    last (the target has not processed the last one yet), and `commit(n, token, features)` with the
+    features of the positions its verification pass committed. So `len(self.ids) - 1` features have
+    been delivered at any time, the last `len(self.pending)` of them still unread by the head.
+    """
+
+    def __init__(self, head: nn.Module, name: str) -> None:
+        self.head, self.name = head, name
+        self.feature_layers = list(head.config.feature_layers)
+        self.device = next(head.parameters()).device
+        self.dtype = next(head.parameters()).dtype
+
+    def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
+        self.ids: list[int] = prompt_ids.tolist()
+        self.pending = self._flat(features, len(self.ids) - 1)
+        self.guesses: list[int] = []
+
+    def commit(self, n_accepted: int, next_token: int, features: torch.Tensor | None = None) -> None:
+        self.pending = torch.cat([self.pending, self._flat(features, n_accepted + 1)])
+        self.ids.extend(self.guesses[:n_accepted])
+        self.ids.append(next_token)
+
+    def _flat(self, features: torch.Tensor | None, expected: int) -> torch.Tensor:
+        """(n, len(layers), d) -> (n, len(layers) * d) in the head's dtype, checking the count."""
+        if features is None:
+            raise ValueError(f"drafter {self.name!r} reads the target's hidden states, but the loop passed none")
+        if features.shape[0] != expected:
+            raise ValueError(f"drafter {self.name!r} expected features for {expected} positions, got {features.shape[0]}")
+        return features.flatten(1).to(self.dtype)

@@ -1,0 +1,160 @@
+"""Pieces the feature-reading heads (EAGLE-3, EAGLE-1, MTP) share.
+
+- `KVCache`: a head's own key/value cache as two tensors; rollback is a slice.
+- `Attention`: Llama attention (RoPE, grouped-query) whose input width may differ from the hidden size
+  (EAGLE-3 feeds [embedding; feature], 2d wide), used three ways: over a whole training sequence, one
+  drafting step on top of a `KVCache`, and in EAGLE-3's training-time test, where each position also
+  attends to the head's own earlier draft entries for that position ("diagonal" keys).
+- `DecoderLayer`: the standard pre-norm Llama block on that attention.
+- `SharedTarget`: the target's embedding and output head, referenced, never copied or trained.
+- `causal_mask`: the boolean masks all of the above use (True = may attend).
+
+Module names follow Hugging Face Llama (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...)
+so the weights map one to one onto the formats serving engines load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+
+
+class KVCache:
+    """Keys and values of one attention layer, (1, kv_heads, L, head_dim) each."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, keep: int) -> None:
+        """Roll back to the first `keep` positions."""
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :keep], self.v[:, :, :keep]
+
+
+def causal_mask(q_len: int, past: int, device: torch.device, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """(B or 1, 1, q_len, past + q_len) bool: query i (at position past + i) sees keys 0..past + i.
+
+    key_valid: optional (B, past + q_len) bool, False for padding keys."""
+    mask = torch.ones(q_len, past + q_len, dtype=torch.bool, device=device).tril(past)[None, None]
+    if key_valid is not None:
+        mask = mask & key_valid[:, None, None, :]
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, config, input_size: int | None = None) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or d // self.heads
+        width = input_size or d
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        base: tuple[torch.Tensor, torch.Tensor] | None = None,
+        diagonal: list[tuple[torch.Tensor, torch.Tensor]] = (),
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x: (B, T, width). Returns the output (B, T, d) and this call's rotated (keys, values).
+
+        Sequence mode (base None): keys are the cache's (if any) followed by x's own; `mask` is
+        (B|1, 1, T, keys) or None for a single query. Training-time-test mode (base given): position t
+        attends to base keys under `mask` (B|1, 1, T, T) plus, position by position, the keys in
+        `diagonal` and its own key (the head's earlier draft entries for that position, then this one).
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        own = (k, v)
+        if base is None:
+            keys, values = cache.append(k, v) if cache is not None else (k, v)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 enable_gqa=self.kv_heads != self.heads)
+        else:
+            out = self._ttt_attention(q, base, [*diagonal, own], mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), own
+
+    def _ttt_attention(self, q, base, diagonal, mask):
+        rep = self.heads // self.kv_heads
+        k0, v0 = (t.repeat_interleave(rep, dim=1) for t in base)
+        scale = self.head_dim ** -0.5
+        scores = (q @ k0.transpose(-1, -2)) * scale  # (B, H, T, T)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        diag_k = torch.stack([k.repeat_interleave(rep, dim=1) for k, _ in diagonal], dim=-2)  # (B, H, T, S, hd)
+        diag_v = torch.stack([v.repeat_interleave(rep, dim=1) for _, v in diagonal], dim=-2)
+        diag_scores = (q.unsqueeze(-2) * diag_k).sum(-1) * scale  # (B, H, T, S)
+        probs = torch.softmax(torch.cat([scores, diag_scores], dim=-1).float(), dim=-1).to(q.dtype)
+        T = scores.shape[-1]
+        return probs[..., :T] @ v0 + (probs[..., T:].unsqueeze(-1) * diag_v).sum(-2)
+
+
+class DecoderLayer(nn.Module):
+    """The pre-norm Llama block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
+        h, _ = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedTarget:
+    """The frozen target's token embedding and output head, shared by reference (a plain object, so
+    the head's state dict, optimizer and checkpoints never contain them)."""
+
+    def __init__(self, target) -> None:
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+
+    def embed_tokens(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.embed(ids).to(dtype)
+
+    def logits(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Output-head logits (fp32) of features h; `weight` replaces the head's rows (a draft vocabulary)."""
+        w = self.lm_head.weight if weight is None else weight
+        bias = getattr(self.lm_head, "bias", None) if weight is None else None
+        return F.linear(h.to(w.dtype), w, bias).float()
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over masked positions of -sum_x p(x) log q(x): the token loss against the target's distribution."""
+    per_pos = -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+    mask = mask.float()
+    return (per_pos * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+@torch.no_grad()
+def step_stats(draft_probs_full: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums (over masked positions) of the sampling acceptance estimate sum_x min(p, q) and of greedy
+    top-1 agreement, plus the count: summed across batches and processes, then divided."""
+    mask = mask.bool()
+    accept = torch.minimum(draft_probs_full, target_probs).sum(-1)
+    agree = (draft_probs_full.argmax(-1) == target_probs.argmax(-1)).float()
+    return {"accept": accept[mask].sum(), "top1": agree[mask].sum(), "count": mask.sum().float()}

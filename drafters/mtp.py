@@ -1,0 +1,177 @@
+"""Multi-token prediction, DeepSeek-V3 style (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", 2.2):
+a chain of `depth` modules sharing the target's embedding and output head.
+
+Module k (1-based) at position i combines RMSNorm(h^{k-1}_i) with RMSNorm(embedding of token i+k)
+through `eh_proj` (2d -> d) and one Llama decoder layer, giving h^k_i, which through its own `norm` and
+the target's output head predicts token i+k+1. h^0 is the target's last-layer feature. Every module
+attends causally over its own sequence, so training is one teacher-forced pass per module; loss:
+cross-entropy against the target's distribution, module k weighted by `module_decay ** (k-1)`.
+
+Drafting after committed tokens x_0..x_m (features h^0 for positions 0..m-1): module k's output at
+position m-1 is guess g_k, so a round drafts min(k, depth) tokens. Module k's entries at positions
+i <= m-k use committed tokens only ("stable"): they are cached once. Entries m-k+1..m-1 read guesses
+(tokens after x_m) and are recomputed each round on top of the stable cache, then dropped: that is
+this drafter's rollback, and it makes drafting exactly the training computation with the guesses in
+place of the unknown tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+from drafters.base import Proposal
+from drafters.heads import FeatureDrafter
+from drafters.layers import DecoderLayer, KVCache, SharedTarget, causal_mask, soft_cross_entropy, step_stats
+from eval.sampling import Sampling, probs_from_logits, sample
+
+
+class MTPModule(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.enorm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.hnorm = LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps)
+        self.eh_proj = nn.Linear(d + config.target_hidden_size, d, bias=False)
+        self.block = DecoderLayer(config)
+        self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, embeds, cos, sin, mask, cache=None):
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        return self.block(x, cos, sin, mask, cache)
+
+
+class MTP(nn.Module):
+    """The modules. config: drafters.heads.head_config(..., depth=D, module_decay=...)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if len(config.feature_layers) != 1:
+            raise ValueError(f"MTP reads one feature layer (the last), got {list(config.feature_layers)}")
+        self.config = config
+        self.layers = nn.ModuleList(MTPModule(config) for _ in range(config.depth))
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.shared: SharedTarget | None = None
+
+    def attach(self, target) -> None:
+        self.shared = SharedTarget(target)
+
+    def run(self, k: int, hidden, tokens, positions, mask, cache=None) -> torch.Tensor:
+        """Module k (0-based) on (hidden (B, q, d), tokens (B, q)) at positions (B|1, q)."""
+        cos, sin = self.rotary(hidden, positions)
+        return self.layers[k](hidden, self.shared.embed_tokens(tokens, hidden.dtype), cos, sin, mask, cache)
+
+    def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        return self.shared.logits(self.layers[k].norm(h))
+
+    def unroll(self, features, input_ids, attention_mask) -> list[torch.Tensor]:
+        """Every module over whole sequences (teacher forced): logits (B, T, V) of module k at position i
+        predict token i+k+1 (k 1-based)."""
+        B, T = input_ids.shape
+        ids = torch.cat([input_ids, input_ids.new_zeros(B, self.config.depth)], dim=1)
+        key_valid = attention_mask.bool().clone()
+        key_valid[:, 0] = True
+        mask = causal_mask(T, 0, input_ids.device, key_valid)
+        positions = torch.arange(T, device=input_ids.device)[None]
+        hidden, logits = features, []
+        for k in range(1, self.config.depth + 1):
+            hidden = self.run(k - 1, hidden, ids[:, k: k + T], positions, mask)
+            logits.append(self.logits(k - 1, hidden))
+        return logits
+
+    def forward(self, features, input_ids, attention_mask, loss_mask, target_probs):
+        """Training loss; shapes as in drafters/eagle.py. Returns (loss, [stats per module])."""
+        B, T = input_ids.shape
+        D = self.config.depth
+        pad = lambda t: torch.cat([t, t.new_zeros((B, D + 1, *t.shape[2:]))], dim=1)  # noqa: E731
+        lmask, valid, probs = pad(loss_mask), pad(attention_mask), pad(target_probs)
+        loss, stats = 0.0, []
+        for k, logits in enumerate(self.unroll(features, input_ids, attention_mask), start=1):
+            p = probs[:, k: k + T]  # position i+k: the target's distribution of token i+k+1
+            m = lmask[:, k + 1: k + 1 + T].bool() & valid[:, k + 1: k + 1 + T].bool()
+            loss = loss + self.config.module_decay ** (k - 1) * soft_cross_entropy(logits, p, m)
+            stats.append(step_stats(torch.softmax(logits.detach(), -1), p, m))
+        return loss, stats
+
+    def drafter(self, name: str = "mtp") -> "MTPDrafter":
+        return MTPDrafter(self, name)
+
+
+class MTPDrafter(FeatureDrafter):
+    """Drafts min(k, depth) tokens; module caches hold stable entries only (see the module docstring).
+
+    Module j (0-based here) has stable entries for positions 0..m-j-1 and tentative ones for
+    max(m-j, 0)..m-1. `outputs[j]` keeps module j's stable outputs from position `base[j]` on, as
+    long as module j+1 has not consumed them into its own cache.
+    """
+
+    def start(self, prompt_ids, features=None) -> None:
+        super().start(prompt_ids, features)
+        depth = self.head.config.depth
+        self.caches = [KVCache() for _ in range(depth)]
+        self.outputs = [self.pending[:0] for _ in range(depth)]
+        self.base = [0] * depth
+
+    def _run(self, j: int, hidden: torch.Tensor, tokens: list[int], lo: int) -> torch.Tensor:
+        """Module j on entries at positions lo..lo+q-1 on top of its cache (which must hold lo entries)."""
+        q, cache = hidden.shape[0], self.caches[j]
+        assert len(cache) == lo, (len(cache), lo)
+        mask = causal_mask(q, lo, self.device) if q > 1 else None
+        positions = torch.arange(lo, lo + q, device=self.device)[None]
+        ids = torch.tensor([tokens], device=self.device)
+        return self.head.run(j, hidden[None], ids, positions, mask, cache)[0]
+
+    def _stable(self, j: int, lo: int, hi: int) -> torch.Tensor:
+        return self.outputs[j][lo - self.base[j]: hi - self.base[j]]
+
+    @torch.inference_mode()
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+        head, m = self.head, len(self.ids) - 1
+        depth = head.config.depth
+        if m == 0:
+            self.guesses = []
+            return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
+        ids = list(self.ids)  # committed tokens, then each guess as it is made
+        guesses, dists = [], []
+        tentative = self.pending[:0]
+        for j in range(min(k, depth)):
+            # Stable entries not cached yet: positions c..m-j-1, every input committed.
+            c, end = len(self.caches[j]), m - j
+            if end > c:
+                hidden = self.pending if j == 0 else self._stable(j - 1, c, end)
+                out = self._run(j, hidden, ids[c + j + 1: end + j + 1], c)
+                if j < depth - 1:  # the last module's outputs feed nobody
+                    self.outputs[j] = torch.cat([self.outputs[j], out])
+            if j == 0:
+                self.pending = self.pending[:0]
+                last = self._stable(0, m - 1, m)  # module 0's entry m-1 is stable
+                tentative = self.pending[:0]
+            else:
+                # Tentative entries max(m-j, 0)..m-1: module j-1's outputs there (stable, then its own
+                # tentative ones) and tokens that include guesses. Computed, read, then dropped.
+                lo = max(m - j, 0)
+                hidden = torch.cat([self._stable(j - 1, lo, max(m - j + 1, 0)), tentative])
+                keep = len(self.caches[j])
+                tentative = self._run(j, hidden, ids[lo + j + 1: m + j + 1], lo)
+                self.caches[j].crop(keep)
+                last = tentative[-1:]
+            logits = head.logits(j, last)[-1]
+            if sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                q = probs_from_logits(logits, sampling)
+                token = sample(q, generator)
+                dists.append(q)
+            guesses.append(token)
+            ids.append(int(token))
+        # Forget stable outputs the next module has cached (it never reads below its cache length).
+        for j in range(depth - 1):
+            drop = len(self.caches[j + 1]) - self.base[j]
+            if drop > 0:
+                self.outputs[j], self.base[j] = self.outputs[j][drop:], self.base[j] + drop
+        self.guesses = [int(t) for t in guesses]
+        return Proposal(torch.stack(guesses), torch.stack(dists) if dists else None)
+
+
+HEAD = MTP

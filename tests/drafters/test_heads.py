@@ -1,0 +1,323 @@
+"""Feature-reading heads (EAGLE-3, EAGLE-1, MTP, Medusa): losses, masks, lossless drafting, and that
+drafting in the loop is the computation the head was trained on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_coverage
+from drafters.heads import build_head, load_head, save_head
+from eval.sampling import Sampling
+from eval.speculative import autoregressive_generate, speculative_generate
+from helpers import chi2_pvalue, empirical_joint, exact_joint, tiny_llama
+from train.hidden_states import capture, default_layers
+
+VOCAB = 64
+GREEDY = Sampling()
+SETTINGS = {
+    "eagle": dict(ttt_steps=4, ttt_decay=0.8),
+    "eagle1": dict(token_loss_weight=0.1),
+    "mtp": dict(depth=4, module_decay=0.8),
+    "medusa": dict(num_heads=4, num_layers=1, head_decay=0.8),
+}
+KINDS = sorted(SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(VOCAB, hidden=32, layers=4, seed=0, logit_scale=4.0).requires_grad_(False)
+
+
+def make_head(kind, target, seed=0, **overrides):
+    torch.manual_seed(seed)
+    layers = default_layers(kind, target.config.num_hidden_layers)
+    head = build_head(kind, target, layers, **{**SETTINGS[kind], **overrides})
+    with torch.no_grad():  # random heads are near-uniform; sharpen them so ties and near-ties are rare
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return head.eval()
+
+
+def batch(target, layers, seed=0, B=3, T=24):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (B, T), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 17:] = 0  # a padded row
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, 6:] = 1  # "assistant" tokens from position 6
+    loss_mask *= attn
+    feats = capture(target, ids, attn, layers).flatten(2)
+    with torch.no_grad():
+        probs = torch.softmax(target(input_ids=ids, attention_mask=attn).logits, -1)
+    return feats, ids, attn, loss_mask, probs
+
+
+# --- training losses ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_step_lowers_the_loss(target, kind):
+    head = make_head(kind, target).train()
+    args = batch(target, head.config.feature_layers)
+    opt = torch.optim.SGD([p for p in head.parameters() if p.requires_grad], lr=0.05)
+    frozen = [p.clone() for p in target.parameters()]
+    before, stats = head(*args)
+    assert torch.isfinite(before) and all(s["count"] > 0 for s in stats)
+    before.backward()
+    opt.step()
+    after, _ = head(*args)
+    assert after < before
+    # The target's embedding and output head are shared with the head, not trained through it.
+    assert all(torch.equal(a, b) for a, b in zip(frozen, target.parameters()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loss_ignores_padding_and_non_assistant_tokens(target, kind):
+    head = make_head(kind, target)
+    feats, ids, attn, loss_mask, probs = batch(target, head.config.feature_layers)
+    loss, stats = head(feats, ids, attn, loss_mask, probs)
+    # Step s predicts token (position + s + 2 for EAGLE, + s + 1 for the others): the count is the
+    # number of assistant tokens it can reach.
+    shift = 2 if kind.startswith("eagle") else 1
+    for s, st in enumerate(stats):
+        assert int(st["count"]) == int(loss_mask[:, shift + s:].sum()), (kind, s)
+    # Changing what sits in the padding must not change the loss.
+    ids2, feats2 = ids.clone(), feats.clone()
+    ids2[1, 17:] = (ids2[1, 17:] + 1) % VOCAB
+    feats2[1, 17:] += 1.0
+    loss2, _ = head(feats2, ids2, attn, loss_mask, probs)
+    torch.testing.assert_close(loss, loss2)
+
+
+# --- in the loop -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in (1, 2, 9)]
+
+
+def _heads(target):
+    yield from ((kind, make_head(kind, target)) for kind in KINDS)
+    yield "eagle_reduced", _reduced_eagle(target)
+
+
+def _reduced_eagle(target, size=40):
+    head = make_head("eagle", target, draft_vocab_size=size)
+    counts = torch.arange(VOCAB, 0, -1).float()  # the lowest ids are the "most frequent"
+    head.set_vocabulary(*draft_vocabulary(counts, size))
+    return head
+
+
+def _trained_to_self(target, head, steps=60):
+    """A few steps on the target's own text, so that some guesses are accepted and rollback is exercised."""
+    g = torch.Generator().manual_seed(7)
+    starts = torch.randint(0, VOCAB, (8, 1), generator=g)
+    with torch.no_grad():
+        ids = target.generate(starts, max_new_tokens=23, do_sample=False, pad_token_id=0)
+    attn = torch.ones_like(ids)
+    feats = capture(target, ids, attn, list(head.config.feature_layers)).flatten(2)
+    with torch.no_grad():
+        probs = torch.softmax(target(input_ids=ids).logits, -1)
+    head.train()
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(steps):
+        loss, _ = head(feats, ids, attn, attn, probs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_equals_target_greedy_with_every_head(target, prompts, k):
+    for name, head in _heads(target):
+        head = _trained_to_self(target, head) if k == 3 else head
+        accepted = 0
+        for prompt in prompts:
+            ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=30).tokens
+            out = speculative_generate(target, head.drafter(name), prompt, k=k, sampling=GREEDY, max_new_tokens=30)
+            assert out.tokens == ref, (name, k, prompt.tolist())
+            accepted += sum(r.accepted for r in out.rounds)
+        if k == 3:  # trained briefly on the target's text: the accept-and-roll-back path is exercised
+            assert accepted > 0, name
+
+
+SMALL_V = 6
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    return tiny_llama(SMALL_V, hidden=16, layers=4, seed=10, logit_scale=12.0)
+
+
+@pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
+def test_sampled_output_follows_target_distribution(small_target, kind):
+    torch.manual_seed(3)
+    if kind == "eagle_reduced":
+        head = make_head("eagle", small_target, draft_vocab_size=4)
+        head.set_vocabulary(*draft_vocabulary(torch.tensor([5.0, 1, 4, 3, 0, 2]), 4))
+    else:
+        head = make_head(kind, small_target)
+    prompt = torch.tensor([1, 4, 2])
+    sampling = Sampling(temperature=1.0)
+    exact = exact_joint(small_target, prompt, sampling, SMALL_V)
+    counts = empirical_joint(small_target, head.drafter(kind), prompt, sampling, SMALL_V, 2, 2000)
+    assert chi2_pvalue(counts, exact) > 1e-3
+
+
+def _reference_guesses(head, kind, ids, feats, guesses):
+    """What the head's training computation (or, for EAGLE-1, a cache-free recompute) drafts after the
+    committed `ids` given the features `feats` (m, L*d) of positions 0..m-1 and the drafter's guesses."""
+    m, n = len(ids) - 1, len(guesses)
+    seq = torch.tensor([ids + guesses])
+    padded = torch.cat([feats, feats.new_zeros(len(guesses) + 1, feats.shape[1])])[None]
+    attn = torch.ones_like(seq)
+    with torch.no_grad():
+        if kind in ("eagle", "eagle_reduced"):  # training-time test, anchor m-1
+            steps = head.unroll(padded[:, : seq.shape[1]], seq, attn)[:n]
+            drafts = torch.stack([s[0, m - 1].argmax() for s in steps])
+            return (head.target_ids()[drafts] if head.reduced else drafts).tolist()
+        if kind == "mtp":  # every module teacher forced; module j at position m-1 is guess j+1
+            return [int(s[0, m - 1].argmax()) for s in head.unroll(padded[:, : seq.shape[1]], seq, attn)[:n]]
+        if kind == "medusa":
+            return head.logits(feats[m - 1], n=n).argmax(-1).tolist()
+        if kind == "eagle1":  # recompute from scratch, no cache, one draft at a time
+            from drafters.layers import KVCache
+
+            hidden, out = feats[None], []
+            for s in range(n):
+                tokens = torch.tensor(ids[1:] + guesses[:s])
+                o = head.step(hidden, tokens, torch.arange(hidden.shape[1]), KVCache())
+                out.append(int(head.shared.logits(o[:, -1]).argmax()))
+                hidden = torch.cat([hidden, o[:, -1:]], dim=1)
+            return out
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
+def test_drafting_with_cache_and_rollback_is_the_training_computation(target, kind):
+    """Random rounds of propose / commit (random acceptance, random corrections): every proposal must
+    equal what the head computes from scratch on the committed sequence, so neither the cache, nor
+    the rollback, nor the positions drift from training."""
+    head = _reduced_eagle(target) if kind == "eagle_reduced" else make_head(kind, target)
+    layers = list(head.config.feature_layers)
+    rng = random.Random(0)
+    drafter = head.drafter(kind)
+    ids = [rng.randrange(VOCAB) for _ in range(7)]
+    feats_of = lambda seq: capture(target, torch.tensor([seq]), None, layers)[0].flatten(1)  # noqa: E731
+    drafter.start(torch.tensor(ids), capture(target, torch.tensor([ids[:-1]]), None, layers)[0])
+    for _ in range(12):
+        k = rng.choice([1, 2, 3, 4])
+        guesses = drafter.propose(k, GREEDY).tokens.tolist()
+        assert guesses == _reference_guesses(head, kind, ids, feats_of(ids)[:-1], guesses), (kind, len(ids))
+        a = rng.randrange(len(guesses) + 1)
+        nxt = rng.randrange(VOCAB)
+        new_ids = ids + guesses[:a] + [nxt]
+        f = capture(target, torch.tensor([new_ids[:-1]]), None, layers)[0]
+        drafter.commit(a, nxt, f[len(ids) - 1:])
+        ids = new_ids
+
+
+class _Recorder:
+    """Wraps a head drafter and records every feature the loop hands it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.feature_layers = inner, "recorder", inner.feature_layers
+        self.seen: list[torch.Tensor] = []
+
+    def start(self, prompt_ids, features):
+        self.seen = [features]
+        self.inner.start(prompt_ids, features)
+
+    def propose(self, k, sampling, generator=None):
+        return self.inner.propose(k, sampling, generator)
+
+    def commit(self, n, token, features):
+        self.seen.append(features)
+        self.inner.commit(n, token, features)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_loop_features_are_the_training_features_at_the_same_layers(target, prompts, kind):
+    """The hidden states the loop passes are those train/hidden_states.capture (training, offline
+    shards) computes for the same positions and layer indices: a drift by one layer fails here."""
+    head = _trained_to_self(target, make_head(kind, target))
+    layers = list(head.config.feature_layers)
+    recorder = _Recorder(head.drafter(kind))
+    prompt = prompts[2]
+    out = speculative_generate(target, recorder, prompt, k=3, sampling=GREEDY, max_new_tokens=20)
+    seq = recorder.inner.ids  # everything committed (the output may stop inside the last round)
+    assert seq[: len(prompt) + len(out.tokens)] == prompt.tolist() + out.tokens
+    seen = torch.cat(recorder.seen)  # one row per committed position but the last
+    assert seen.shape[0] == len(seq) - 1
+    expected = capture(target, torch.tensor([seq[:-1]]), None, layers)[0]
+    torch.testing.assert_close(seen, expected, rtol=1e-4, atol=1e-5)
+    shifted = capture(target, torch.tensor([seq[:-1]]), None, [i - 1 for i in layers])[0]
+    assert not torch.allclose(seen, shifted, atol=1e-3)
+
+
+# --- draft vocabulary --------------------------------------------------------------------------------
+
+
+def test_draft_vocabulary_round_trip_and_coverage():
+    counts = torch.zeros(50)
+    counts[[3, 7, 8, 20, 41, 49]] = torch.tensor([9.0, 5, 5, 7, 1, 2])
+    d2t, t2d = draft_vocabulary(counts, 4, always=[49])
+    target_ids = check_vocab_maps(d2t, t2d)
+    assert target_ids.tolist() == [3, 7, 20, 49]  # the 3 most frequent (7 before 8 on a tie) plus EOS
+    assert (d2t >= 0).all() and d2t.dtype == torch.int64
+    # draft id -> target id -> draft id
+    draft_of_target = torch.cumsum(t2d.long(), 0) - 1
+    assert draft_of_target[target_ids].tolist() == list(range(4))
+    assert vocabulary_coverage([3, 3, 7, 8], t2d) == 0.75
+
+
+def test_a_wrong_vocabulary_map_is_caught(target):
+    d2t, t2d = draft_vocabulary(torch.arange(20.0), 5)
+    shifted = d2t.clone()
+    shifted[2] += 1  # off by one: maps to a token t2d does not mark
+    with pytest.raises(ValueError, match="disagree|same target id"):
+        check_vocab_maps(shifted, t2d)
+    fewer = t2d.clone()
+    fewer[int(d2t[0])] = False
+    with pytest.raises(ValueError, match="marks 4 target tokens"):
+        check_vocab_maps(d2t, fewer)
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        check_vocab_maps(d2t + 100, torch.ones(5, dtype=torch.bool))
+    head = make_head("eagle", target, draft_vocab_size=5)
+    bad = torch.zeros(VOCAB, dtype=torch.bool)
+    bad[:4] = True
+    with pytest.raises(ValueError):
+        head.set_vocabulary(torch.zeros(5, dtype=torch.long), bad)
+
+
+# --- saving and loading ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_and_load_round_trip(target, tmp_path, kind):
+    head = _reduced_eagle(target) if kind == "eagle" else make_head(kind, target)
+    save_head(head, tmp_path / kind)
+    loaded = load_head(tmp_path / kind, target)
+    for name, tensor in head.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    assert not any(n.startswith(("embed", "shared")) for n in loaded.state_dict())  # the target's parts stay shared
+    prompt = torch.tensor([4, 5, 6, 7])
+    a = speculative_generate(target, head.drafter(), prompt, k=3, sampling=GREEDY, max_new_tokens=12)
+    b = speculative_generate(target, loaded.drafter(), prompt, k=3, sampling=GREEDY, max_new_tokens=12)
+    assert [r.accepted for r in a.rounds] == [r.accepted for r in b.rounds]
+
+
+def test_loading_a_head_for_another_target_is_an_error(target, tmp_path):
+    save_head(make_head("eagle1", target), tmp_path / "h")
+    other = tiny_llama(VOCAB, hidden=48, layers=4, seed=1)
+    with pytest.raises(ValueError, match="target_hidden_size is 32 but the target has 48"):
+        load_head(tmp_path / "h", other)
+    with pytest.raises(FileNotFoundError, match="not a saved head"):
+        load_head(tmp_path / "nothing", target)
