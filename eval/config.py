@@ -43,7 +43,8 @@ class DataConfig:
 
 @dataclass
 class DrafterSpec:
-    """A drafter to measure. kind: draft_lm (a causal LM at `path`) or ngram (prompt lookup)."""
+    """A drafter to measure. kind: draft_lm (a causal LM at `path`), head (a trained EAGLE / MTP /
+    Medusa head at `path`, as `python -m train` saves it) or ngram (prompt lookup)."""
 
     name: str = MISSING
     kind: str = MISSING
@@ -138,15 +139,32 @@ class OnPolicySettings:
 
 @dataclass
 class DrafterConfig:
-    """What to train. kind: draft_lm (a standalone draft LM)."""
+    """What to train. kind: draft_lm (a standalone draft LM; train/distill.py) or a head on the
+    target's hidden states: eagle (EAGLE-3), eagle1, mtp, medusa (train/heads.py). Each
+    conf/drafter/<kind>.yaml sets the fields its kind reads."""
 
     kind: str = MISSING
+    # draft_lm
     init_from: Optional[str] = None  # hub id or directory of the model to start from
     loss: str = "forward_kl"  # sft | forward_kl | reverse_kl | jsd | tvd
     temperature: float = 1.0  # distillation temperature (both sides)
     beta: float = 0.5  # JSD(beta)
     lora: LoraSettings = field(default_factory=LoraSettings)
     on_policy: OnPolicySettings = field(default_factory=OnPolicySettings)
+    # heads
+    layers: Optional[list[int]] = None  # indices into output_hidden_states; null = the kind's default
+    hidden_states: str = "online"  # online (computed in the step) | offline (precomputed shards)
+    offline_dtype: str = "float16"
+    offline_max_gib: Optional[float] = 20.0
+    ttt_steps: int = 4  # eagle: training-time-test unroll (>= the k you serve with)
+    ttt_decay: float = 0.8  # eagle: weight of step s is ttt_decay ** s
+    draft_vocab_size: Optional[int] = None  # eagle: reduced draft vocabulary (null = the target's)
+    token_loss_weight: float = 0.1  # eagle1: token loss weight next to the feature regression
+    depth: int = 3  # mtp: chained modules
+    module_decay: float = 0.8  # mtp
+    num_heads: int = 4  # medusa: heads
+    num_layers: int = 1  # medusa: residual blocks per head
+    head_decay: float = 0.8  # medusa
 
 
 @dataclass

@@ -23,7 +23,7 @@ from train.data import load_records, prompt_ids
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DRAFTER_KINDS = ("draft_lm", "ngram")
+DRAFTER_KINDS = ("draft_lm", "head", "ngram")
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -54,13 +54,19 @@ def load_target(name_or_path: str, *, device: torch.device, dtype: str = "float3
 
 
 def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remote_code: bool = False) -> Drafter:
-    """One drafter from its spec: {name, kind, path (draft_lm), max_ngram / min_ngram (ngram)}."""
+    """One drafter from its spec: {name, kind, path (draft_lm, head), max_ngram / min_ngram (ngram)}."""
     kind, name = spec.get("kind"), spec.get("name")
     if kind == "draft_lm":
         if not spec.get("path"):
             raise ValueError(f"drafter {name!r} (kind draft_lm) needs a path: a hub id or a directory")
         return DraftLM.from_pretrained(toyworld.resolve(spec["path"]), target=target, target_tokenizer=tokenizer,
                                        name=name, trust_remote_code=trust_remote_code)
+    if kind == "head":
+        from drafters.heads import load_head
+
+        if not spec.get("path"):
+            raise ValueError(f"drafter {name!r} (kind head) needs a path: a directory saved by `python -m train`")
+        return load_head(spec["path"], target).drafter(name)
     if kind == "ngram":
         return NgramDrafter(max_ngram=spec.get("max_ngram", 3), min_ngram=spec.get("min_ngram", 1), name=name)
     raise ValueError(f"drafter {name!r}: unknown kind {kind!r}; known kinds: {list(DRAFTER_KINDS)}")

@@ -16,7 +16,8 @@ from eval.config import register
 
 register()
 
-RECIPES = {"draft_lm": "train.distill"}
+RECIPES = {"draft_lm": "train.distill", "eagle": "train.heads", "eagle1": "train.heads", "mtp": "train.heads",
+           "medusa": "train.heads"}
 
 
 def train(cfg: DictConfig) -> dict:

@@ -69,13 +69,7 @@ class DistillRecipe:
         from accelerate import Accelerator
 
         t = self.cfg.trainer
-        if self.cfg.drafter.loss not in LOSSES:
-            raise ValueError(f"drafter.loss must be one of {list(LOSSES)}, got {self.cfg.drafter.loss!r}")
-        if self.cfg.drafter.loss == "sft" and self.cfg.drafter.on_policy.ratio > 0:
-            raise ValueError("on-policy data needs a divergence loss (the target scores the draft's samples); "
-                             "drafter.loss=sft has no target logits to learn from")
-        if not 0 <= self.cfg.drafter.on_policy.ratio <= 1:
-            raise ValueError(f"drafter.on_policy.ratio must be in [0, 1], got {self.cfg.drafter.on_policy.ratio}")
+        self._validate()
         self.acc = Accelerator(cpu=t.cpu or not torch.cuda.is_available(), mixed_precision=t.precision)
         self.device = self.acc.device
         self.is_main = self.acc.is_main_process
@@ -83,6 +77,15 @@ class DistillRecipe:
             self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
+
+    def _validate(self) -> None:
+        if self.cfg.drafter.loss not in LOSSES:
+            raise ValueError(f"drafter.loss must be one of {list(LOSSES)}, got {self.cfg.drafter.loss!r}")
+        if self.cfg.drafter.loss == "sft" and self.cfg.drafter.on_policy.ratio > 0:
+            raise ValueError("on-policy data needs a divergence loss (the target scores the draft's samples); "
+                             "drafter.loss=sft has no target logits to learn from")
+        if not 0 <= self.cfg.drafter.on_policy.ratio <= 1:
+            raise ValueError(f"drafter.on_policy.ratio must be in [0, 1], got {self.cfg.drafter.on_policy.ratio}")
 
     def _setup_data(self) -> None:
         import datasets
@@ -102,7 +105,8 @@ class DistillRecipe:
         sampling = Sampling(regen["temperature"], regen["top_k"], regen["top_p"])
         self.data_dirs = {}
         for split, path in (("train", cfg.data.path), ("eval", cfg.data.eval_path or cfg.data.path)):
-            limit = cfg.data.max_records if split == "train" else None
+            # Held out: only the examples the acceptance estimate reads are regenerated.
+            limit = cfg.data.max_records if split == "train" else cfg.trainer.eval_examples
             key = zlib.crc32(json.dumps([cfg.target.name_or_path, path, regen, limit]).encode())
             directory = Path(cfg.data_cache) / f"{cfg.target.name}-{split}-{key:08x}"
             self.data_dirs[split] = directory
@@ -365,8 +369,16 @@ class DistillRecipe:
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
-    def _final_eval(self) -> str:
+    def _final_drafters(self) -> list:
+        """Baseline first: the off-the-shelf draft, then the best trained one (reloaded from disk)."""
         from drafters.draft_lm import DraftLM
+
+        return [DraftLM.from_pretrained(self.init_path, target=self.target, target_tokenizer=self.tokenizer,
+                                        name="off_the_shelf"),
+                DraftLM.from_pretrained(self.out / "best", target=self.target, target_tokenizer=self.tokenizer,
+                                        name=f"trained_{self.cfg.drafter.loss}")]
+
+    def _final_eval(self) -> str:
         from eval.evaluate import EvalPlan, evaluate
         from eval.report import build_report, console_summary, write_report
         from eval.run import load_prompts
@@ -375,14 +387,11 @@ class DistillRecipe:
         self.target.eval()
         prompts = load_prompts(cfg.data.eval_path or cfg.data.path, self.tokenizer, device=self.device,
                                max_per_category=e.prompts_per_category, max_prompt_tokens=cfg.data.max_prompt_tokens)
-        drafters = [DraftLM.from_pretrained(self.init_path, target=self.target, target_tokenizer=self.tokenizer,
-                                            name="off_the_shelf"),
-                    DraftLM.from_pretrained(self.out / "best", target=self.target, target_tokenizer=self.tokenizer,
-                                            name=f"trained_{cfg.drafter.loss}")]
+        drafters = self._final_drafters()
         plan = EvalPlan(ks=list(e.ks), max_new_tokens=e.max_new_tokens, repeats=e.repeats, seed=cfg.trainer.seed)
         rows = evaluate(self.target, drafters, prompts, plan, eos_token_id=self.tokenizer.eos_token_id,
                         progress=cfg.progress)
-        report = build_report(rows, target=cfg.target.name_or_path, baseline="off_the_shelf",
+        report = build_report(rows, target=cfg.target.name_or_path, baseline=drafters[0].name,
                               settings={"data": cfg.data.eval_path or cfg.data.path, "ks": list(e.ks),
                                         "max_new_tokens": e.max_new_tokens, "repeats": e.repeats})
         paths = write_report(report, self.out)
@@ -401,9 +410,10 @@ class DistillRecipe:
 _KEEP_ALIVE: list = []
 
 
-def run(cfg: DictConfig) -> dict:
-    """setup, train, finish, cleanup: what `python -m train drafter=draft_lm` does."""
-    recipe = DistillRecipe(cfg)
+def run(cfg: DictConfig, recipe_class: type[DistillRecipe] | None = None) -> dict:
+    """setup, train, finish, cleanup: what `python -m train drafter=draft_lm` does (another recipe
+    class, e.g. train.heads.HeadRecipe, runs the same way)."""
+    recipe = (recipe_class or DistillRecipe)(cfg)
     if torch.distributed.is_initialized() or "LOCAL_RANK" in os.environ:
         # Keep a distributed run's recipe (and its DDP reducer) alive until the process exits: freeing
         # the reducer joins gloo threads that wait for a peer that may already be gone (see __main__).

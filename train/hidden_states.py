@@ -40,7 +40,7 @@ def default_layers(kind: str, num_layers: int) -> list[int]:
 
     eagle1, medusa, mtp: the last hidden state [n]. eagle3 (alias eagle): a low, a middle and a high layer,
     [2, n//2, n-3] as EAGLE-3 and vLLM choose; on targets too shallow for three distinct layers there,
-    [1, n//2, n-1].
+    [1, n//2, n-1], and on 2- or 3-layer test targets [0, n//2, n].
     """
     if kind in ("eagle1", "medusa", "mtp"):
         return [num_layers]
@@ -48,7 +48,9 @@ def default_layers(kind: str, num_layers: int) -> list[int]:
         layers = [2, num_layers // 2, num_layers - 3]
         if len(set(layers)) < 3 or min(layers) < 1:
             layers = [1, num_layers // 2, num_layers - 1]
-        if len(set(layers)) < 3 or min(layers) < 1:
+        if len(set(layers)) < 3 or min(layers) < 1:  # very shallow (test) targets: embedding, middle, last
+            layers = [0, num_layers // 2, num_layers]
+        if len(set(layers)) < 3:
             raise ValueError(f"a target with {num_layers} layers is too shallow for three distinct EAGLE-3 layers")
         return layers
     raise ValueError(f"unknown head kind {kind!r}; known: eagle1, eagle3, mtp, medusa")

@@ -47,8 +47,9 @@ def test_default_layers():
     assert default_layers("eagle1", 32) == [32]
     assert default_layers("eagle3", 32) == [2, 16, 29]  # vLLM's [2, n//2, n-3]
     assert default_layers("eagle3", 6) == [1, 3, 5]  # too shallow for [2, 3, 3]
+    assert default_layers("eagle", 2) == [0, 1, 2]  # test targets: embedding, middle, last
     with pytest.raises(ValueError, match="too shallow"):
-        default_layers("eagle3", 2)
+        default_layers("eagle3", 1)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

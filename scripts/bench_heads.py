@@ -1,0 +1,93 @@
+"""Benchmark every drafter kind on the toy world with one training budget (figures in BENCHMARKS.md).
+
+    python scripts/bench_heads.py                                   # toy world: draft LM, eagle, eagle1, mtp, medusa
+    python scripts/bench_heads.py --steps 6 --overrides experiment=smoke   # smoke run on the tiny world
+
+Each kind is trained by the real recipe (`train.__main__.train`) with the same steps, batch and data
+(regenerated once and shared); the draft LMs start from the off-the-shelf draft (SFT on the target's
+regenerated responses, and forward KL), the heads from scratch on the frozen target's hidden states. Then ONE evaluation run measures the
+off-the-shelf draft (baseline) and every trained drafter on the same held-out prompts, so acceptance
+lengths, cost ratios c and speed-ups sit side by side. Training tokens/s (median over steps) come from
+each run's metrics; `--offline` also trains EAGLE-3 for `--offline-steps` from precomputed hidden-state
+shards, for the online/offline throughput comparison (not evaluated: same model, same data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from eval.evaluate import EvalPlan, evaluate
+from eval.report import build_report, console_summary, write_report
+from eval.run import build_drafter, load_prompts, load_target
+from train.__main__ import train
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+KINDS = {
+    "draft_lm_sft": ["drafter=draft_lm", "drafter.loss=sft"],
+    "draft_lm_fkl": ["drafter=draft_lm", "drafter.loss=forward_kl"],
+    "eagle": ["drafter=eagle"],
+    "eagle1": ["drafter=eagle1"],
+    "mtp": ["drafter=mtp"],
+    "medusa": ["drafter=medusa"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--offline", action="store_true", help="also train eagle from offline hidden-state shards")
+    ap.add_argument("--offline-steps", type=int, default=60, help="steps of the offline run (throughput only)")
+    ap.add_argument("--out", default="runs/bench_heads")
+    ap.add_argument("--ks", default="4")
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts per category")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every run")
+    args = ap.parse_args()
+    out = Path(args.out)
+    variants = {name: KINDS[name] for name in args.kinds.split(",")}
+    if args.offline:
+        variants["eagle_offline"] = ["drafter=eagle", "drafter.hidden_states=offline"]
+    trained = {}
+    for name, extra in variants.items():
+        run_dir = out / name
+        steps = args.offline_steps if name == "eagle_offline" else args.steps
+        overrides = [*extra, f"trainer.max_steps={steps}", f"out_dir={run_dir}", "evaluate.enabled=false",
+                     "progress=false", *args.overrides]
+        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+            cfg = compose(config_name="train", overrides=overrides)
+        if not (run_dir / "train_summary.json").exists():  # finished runs are not trained again
+            train(cfg)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        best = json.loads((run_dir / "best" / "best.json").read_text())
+        trained[name] = {"dir": run_dir / "best", "kind": "draft_lm" if name.startswith("draft_lm") else "head",
+                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows), "best": best}
+        print(f"{name}: best at step {best['step']}; training {trained[name]['tokens_per_s']:.0f} tokens/s")
+
+    target, tok = load_target(cfg.target.name_or_path, device=torch.device("cpu"))
+    prompts = load_prompts(cfg.data.eval_path or cfg.data.path, tok, device=target.device,
+                           max_per_category=args.prompts)
+    drafters = [build_drafter({"name": "off_the_shelf", "kind": "draft_lm", "path": cfg.target.off_the_shelf_draft},
+                              target=target, tokenizer=tok)]
+    drafters += [build_drafter({"name": name, "kind": info["kind"], "path": str(info["dir"])}, target=target,
+                               tokenizer=tok) for name, info in trained.items() if name != "eagle_offline"]
+    plan = EvalPlan(ks=[int(k) for k in args.ks.split(",")], max_new_tokens=64, repeats=args.repeats)
+    rows = evaluate(target, drafters, prompts, plan, eos_token_id=tok.eos_token_id)
+    report = build_report(rows, target=cfg.target.name_or_path, baseline="off_the_shelf",
+                          settings={"steps": args.steps, "drafters": list(trained), "ks": plan.ks,
+                                    "training_tokens_per_s": {n: round(t["tokens_per_s"]) for n, t in trained.items()}})
+    paths = write_report(report, out / "report")
+    print(console_summary(report))
+    print("training tokens/s (median over steps):",
+          {n: round(t["tokens_per_s"]) for n, t in trained.items()})
+    print(f"report: {paths['md']}")
+
+
+if __name__ == "__main__":
+    main()

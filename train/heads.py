@@ -1,0 +1,243 @@
+"""Recipe: train a feature-reading head (EAGLE-3, EAGLE-1, MTP, Medusa) on the frozen target's hidden states.
+
+    python -m train drafter=eagle                        # EAGLE-3 on the toy world's company traffic
+    python -m train drafter=eagle drafter.draft_vocab_size=1024 drafter.hidden_states=offline
+    python -m train drafter=eagle1 | drafter=mtp | drafter=medusa
+
+The draft-LM recipe's machinery, reused as is (train/distill.py): Accelerate, the regenerated and
+tokenized data, the seeded per-step data order, checkpoints and exact resume, W&B, the final
+evaluation. What changes: the model is a head (drafters/heads.py) sharing the target's embedding and
+output head; the target runs frozen to give the features (`drafter.hidden_states=online`, inside the
+step) or they are precomputed once to fp16 shards (`offline`, train/hidden_states.py); the target's
+next-token distribution, the label of every head, comes from its last-layer feature through its own
+output head, so it is always captured with the head's layers. The best checkpoint is chosen by the
+held-out estimate of tokens accepted per round, 1 + sum_s prod_{r<=s} alpha_r, where alpha_r is the
+expected acceptance sum_x min(p, q) of draft step r.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from drafters.heads import KINDS, build_head, load_head, save_head
+from train.distill import DistillRecipe, _pad
+from train.hidden_states import ShardReader, capture, default_layers, write_shards
+
+log = logging.getLogger(__name__)
+
+# The settings of each kind that go into its config (conf/drafter/<kind>.yaml documents them).
+SETTINGS = {
+    "eagle": ("ttt_steps", "ttt_decay", "draft_vocab_size"),
+    "eagle1": ("token_loss_weight",),
+    "mtp": ("depth", "module_decay"),
+    "medusa": ("num_heads", "num_layers", "head_decay"),
+}
+
+
+def tokens_per_round_estimate(alphas: list[float]) -> float:
+    """1 + sum_s prod_{r<=s} alpha_r: expected tokens per round if step s is accepted with alpha_s."""
+    total, prod = 1.0, 1.0
+    for a in alphas:
+        prod *= a
+        total += prod
+    return total
+
+
+class HeadRecipe(DistillRecipe):
+    """One training run of a head (see the module docstring)."""
+
+    def _validate(self) -> None:
+        d = self.cfg.drafter
+        if d.kind not in KINDS:
+            raise ValueError(f"this recipe trains drafter.kind in {sorted(KINDS)}, got {d.kind!r}")
+        if d.hidden_states not in ("online", "offline"):
+            raise ValueError(f"drafter.hidden_states must be online or offline, got {d.hidden_states!r}")
+
+    # --- setup ------------------------------------------------------------------------------------
+
+    def _setup_models(self) -> None:
+        d, target = self.cfg.drafter, self.target
+        n = target.config.num_hidden_layers
+        self.layers = list(d.layers) if d.layers else default_layers(d.kind, n)
+        # The target's distribution (every head's label) is read from its last-layer feature.
+        self.capture_layers = self.layers + ([] if self.layers[-1] == n and d.kind != "eagle" else [n])
+        settings = {name: d[name] for name in SETTINGS[d.kind]}
+        torch.manual_seed(self.cfg.trainer.seed)
+        head = build_head(d.kind, target, self.layers, **settings)
+        self.coverage = None
+        if d.kind == "eagle" and d.draft_vocab_size:
+            self._set_draft_vocabulary(head, d.draft_vocab_size)
+        self.model = head.to(self.device)
+        if self.is_main:
+            own = sum(p.numel() for p in head.parameters())
+            log.info("%s head: %.2fM parameters of its own, layers %s", d.kind, own / 1e6, self.layers)
+
+    def _set_draft_vocabulary(self, head, size: int) -> None:
+        """The `size` most frequent target tokens of the training traffic's assistant turns (plus EOS),
+        and the share of each held-out category's assistant tokens the vocabulary covers."""
+        from drafters.eagle import draft_vocabulary, vocabulary_coverage
+
+        counts = torch.zeros(self.target.config.vocab_size)
+        for row in self.train_set:
+            ids = torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)]
+            counts += torch.bincount(ids, minlength=counts.numel()).float()
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        d2t, t2d = draft_vocabulary(counts, size, always=eos)
+        head.set_vocabulary(d2t, t2d)
+        held_out = datasets_rows(self.data_dirs["eval"])
+        per_category: dict[str, list[int]] = {}
+        for row in held_out:
+            per_category.setdefault(row["category"], []).extend(
+                t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
+        self.coverage = {c: round(vocabulary_coverage(ids, t2d), 4) for c, ids in sorted(per_category.items())}
+        log.info("draft vocabulary %d of %d tokens; held-out coverage per category: %s", size,
+                 counts.numel(), self.coverage)
+        if self.is_main:
+            print(f"draft vocabulary: {size} of {counts.numel()} tokens; coverage of held-out assistant tokens "
+                  f"per category: {self.coverage}")
+
+    def _setup_data(self) -> None:
+        super()._setup_data()
+        self.shards = None
+        if self.cfg.drafter.hidden_states != "offline":
+            return
+        from train.data import Example
+
+        t = self.cfg.trainer
+        n = self.target.config.num_hidden_layers
+        d = self.cfg.drafter
+        layers = (list(d.layers) if d.layers else default_layers(d.kind, n))
+        layers = layers + ([] if layers[-1] == n and d.kind != "eagle" else [n])
+        key = zlib.crc32(json.dumps([str(self.data_dirs["train"]), layers, t.max_length, d.offline_dtype]).encode())
+        directory = Path(self.cfg.data_cache) / f"hidden-{key:08x}"
+        with self.acc.main_process_first():
+            if not (directory / "manifest.json").exists() or not _complete(directory):
+                examples = [Example(r["id"], r["category"], r["input_ids"][: t.max_length], r["loss_mask"][: t.max_length])
+                            for r in self.train_set]
+                max_bytes = None if d.offline_max_gib is None else int(d.offline_max_gib * 2**30)
+                write_shards(examples, self.target, layers, directory, dtype=d.offline_dtype, batch_size=t.batch_size,
+                             max_bytes=max_bytes, progress=self.cfg.progress and self.is_main)
+        self.shards = ShardReader(directory)
+
+    # --- data -------------------------------------------------------------------------------------
+
+    def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        batch = super()._collate(indices)
+        if self.shards is not None:
+            rows = [self.shards[i]["hidden"] for i in indices]
+            width = batch["input_ids"].shape[1]
+            feats = torch.zeros(len(rows), width, *rows[0].shape[1:], dtype=rows[0].dtype)
+            for j, h in enumerate(rows):
+                feats[j, : h.shape[0]] = h
+            batch["features"] = feats.to(self.device)
+        return batch
+
+    def _features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's input features (B, T, L*d) and the target's next-token distribution (B, T, V)."""
+        if "features" in batch:
+            states = batch["features"].to(self.target.dtype)
+        else:
+            states = capture(self.target, batch["input_ids"], batch["attention_mask"], self.capture_layers)
+        head_states = states[:, :, : len(self.layers)].flatten(2).float()
+        with torch.no_grad():
+            logits = self.target.get_output_embeddings()(states[:, :, -1])
+            probs = torch.softmax(logits.float(), dim=-1)
+        return head_states, probs
+
+    # --- training ---------------------------------------------------------------------------------
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        features, probs = self._features(batch)
+        loss, _ = self.model(features, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], probs)
+        return loss
+
+    @torch.no_grad()
+    def evaluate_heldout(self) -> dict:
+        """Per-step expected acceptance and top-1 agreement on held-out assistant tokens, and the
+        tokens-per-round estimate the best checkpoint is chosen by."""
+        self.model.eval()
+        totals: dict[str, list[torch.Tensor]] = {}
+        bs, limit = self.cfg.trainer.batch_size, self.cfg.trainer.max_length
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        for start in range(0, len(self.eval_set), bs):
+            rows = self.eval_set.select(range(start, min(start + bs, len(self.eval_set))))
+            batch = {"input_ids": _pad([r["input_ids"][:limit] for r in rows], pad).to(self.device),
+                     "attention_mask": _pad([[1] * min(len(r["input_ids"]), limit) for r in rows], 0).to(self.device),
+                     "loss_mask": _pad([r["loss_mask"][:limit] for r in rows], 0).to(self.device)}
+            features, probs = self._features(batch)
+            _, stats = self.model(features, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], probs)
+            for s, st in enumerate(stats):
+                for key, value in st.items():
+                    totals.setdefault(f"{key}_{s}", []).append(value)
+        self.model.train()
+        sums = {key: float(self.acc.reduce(torch.stack(v).sum(), "sum")) for key, v in totals.items()}
+        steps = len([k for k in sums if k.startswith("count_")])
+        alphas = [sums[f"accept_{s}"] / max(sums[f"count_{s}"], 1.0) for s in range(steps)]
+        top1 = [sums[f"top1_{s}"] / max(sums[f"count_{s}"], 1.0) for s in range(steps)]
+        result = {"heldout_acceptance": alphas[0], "heldout_top1": top1[0],
+                  "heldout_step_acceptance": [round(a, 4) for a in alphas],
+                  "heldout_tokens_per_round": tokens_per_round_estimate(alphas),
+                  "heldout_tokens_per_round_greedy": tokens_per_round_estimate(top1)}
+        if self.best is None or result["heldout_tokens_per_round"] > self.best["tokens_per_round"]:
+            self.best = {"acceptance": alphas[0], "top1": top1[0], "step": self.step,
+                         "tokens_per_round": result["heldout_tokens_per_round"]}
+            self._save_best()
+        return result
+
+    def _save_best(self) -> None:
+        self.acc.wait_for_everyone()
+        if not self.is_main:
+            return
+        tmp = self.out / "best.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_head(self.acc.unwrap_model(self.model), tmp)
+        (tmp / "best.json").write_text(json.dumps({**self.best, "vocabulary_coverage": self.coverage}) + "\n")
+        final = self.out / "best"
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+
+    # --- the end ----------------------------------------------------------------------------------
+
+    def _final_drafters(self) -> list:
+        from drafters.draft_lm import DraftLM
+
+        cfg = self.cfg
+        drafters = []
+        if cfg.target.off_the_shelf_draft:
+            from train import toyworld
+
+            drafters.append(DraftLM.from_pretrained(toyworld.resolve(cfg.target.off_the_shelf_draft), target=self.target,
+                                                    target_tokenizer=self.tokenizer, name="off_the_shelf"))
+        head = load_head(self.out / "best", self.target)  # the saved checkpoint, reloaded
+        drafters.append(head.drafter(f"trained_{cfg.drafter.kind}"))
+        return drafters
+
+
+def _complete(directory: Path) -> bool:
+    try:
+        ShardReader(directory)
+        return True
+    except ValueError:
+        return False
+
+
+def datasets_rows(directory: Path):
+    import datasets
+
+    return datasets.load_from_disk(str(directory / "tokenized"))
+
+
+def run(cfg: DictConfig) -> dict:
+    """setup, train, finish, cleanup: what `python -m train drafter=eagle` does."""
+    from train.distill import run as run_recipe
+
+    return run_recipe(cfg, recipe_class=HeadRecipe)
