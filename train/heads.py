@@ -63,12 +63,15 @@ class HeadRecipe(DistillRecipe):
 
     # --- setup ------------------------------------------------------------------------------------
 
+    def _resolve_layers(self) -> None:
+        """The head's feature layers and the layers captured for it: plus the last one, whose feature
+        gives the target's next-token distribution (every head's label), unless it is the head's own."""
+        d, n = self.cfg.drafter, self.target.config.num_hidden_layers
+        self.layers = list(d.layers) if d.layers else default_layers(d.kind, n)
+        self.capture_layers = self.layers + ([] if self.layers[-1] == n and d.kind != "eagle" else [n])
+
     def _setup_models(self) -> None:
         d, target = self.cfg.drafter, self.target
-        n = target.config.num_hidden_layers
-        self.layers = list(d.layers) if d.layers else default_layers(d.kind, n)
-        # The target's distribution (every head's label) is read from its last-layer feature.
-        self.capture_layers = self.layers + ([] if self.layers[-1] == n and d.kind != "eagle" else [n])
         settings = {name: d[name] for name in SETTINGS[d.kind]}
         torch.manual_seed(self.cfg.trainer.seed)
         head = build_head(d.kind, target, self.layers, **settings)
@@ -106,16 +109,13 @@ class HeadRecipe(DistillRecipe):
 
     def _setup_data(self) -> None:
         super()._setup_data()
+        self._resolve_layers()
         self.shards = None
         if self.cfg.drafter.hidden_states != "offline":
             return
         from train.data import Example
 
-        t = self.cfg.trainer
-        n = self.target.config.num_hidden_layers
-        d = self.cfg.drafter
-        layers = (list(d.layers) if d.layers else default_layers(d.kind, n))
-        layers = layers + ([] if layers[-1] == n and d.kind != "eagle" else [n])
+        t, d, layers = self.cfg.trainer, self.cfg.drafter, self.capture_layers
         key = zlib.crc32(json.dumps([str(self.data_dirs["train"]), layers, t.max_length, d.offline_dtype]).encode())
         directory = Path(self.cfg.data_cache) / f"hidden-{key:08x}"
         with self.acc.main_process_first():
