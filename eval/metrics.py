@@ -89,18 +89,21 @@ class CostModel:
 def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, acceptance_length: float) -> CostModel:
     """Estimate c and beta from the timed rounds and the timed plain-decoding steps of the same prompts.
 
-    Medians throughout: a noisy machine adds outliers, not a shift. beta comes only from rounds that
-    verified exactly k guesses (a model-free drafter may propose fewer).
+    Medians throughout: a noisy machine adds outliers, not a shift. A drafter's full proposal is n =
+    the most it proposed in any round: k for draft models, fewer for heads with fewer steps than k
+    (MTP depth, Medusa heads); a model-free drafter may propose fewer in some rounds. c is the cost of
+    one drafted token (a round's draft time / n); beta comes only from rounds that verified n guesses.
     """
     if not target_step_s:
         raise ValueError("no timed target steps: cannot express costs in target steps")
     step = statistics.median(target_step_s)
-    c = statistics.median(r.draft_s for r in rounds) / k / step
-    full = [r.verify_s for r in rounds if r.proposed == k]
+    n = max((r.proposed for r in rounds), default=0) or k
+    c = statistics.median(r.draft_s for r in rounds) / n / step
+    full = [r.verify_s for r in rounds if r.proposed == n]
     if not full:
         return CostModel(c, None, None)
     beta = statistics.median(full) / step - 1
-    return CostModel(c, beta, acceptance_length / (1 + k * c + beta))
+    return CostModel(c, beta, acceptance_length / (1 + n * c + beta))
 
 
 def expected_acceptance_length(alpha: float, k: int) -> float:

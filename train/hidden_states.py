@@ -20,6 +20,7 @@ Two ways to get them:
 
 from __future__ import annotations
 
+import bisect
 import json
 import shutil
 import sys
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from drafters.heads import check_layers, features_of
@@ -169,7 +171,8 @@ def write_shards(
 class ShardReader:
     """Read an offline cache back: reader[i] -> {"input_ids", "loss_mask", "hidden" (T, L, d)}.
 
-    One shard is kept in memory at a time, so memory is bounded by the shard size, not the dataset.
+    Shards are opened memory-mapped (`safe_open`) and only the requested example's tensors are read,
+    so random access (the training order) costs one example, and memory is bounded by the batch.
     """
 
     def __init__(self, out_dir: str | Path) -> None:
@@ -179,7 +182,8 @@ class ShardReader:
         if done != self.manifest.examples:
             raise ValueError(f"{self.dir} is incomplete: {done} of {self.manifest.examples} examples written; "
                              "rerun write_shards to finish it")
-        self._loaded: tuple[str, dict] | None = None
+        self._firsts = [s["first"] for s in self.manifest.shards]
+        self._open: dict[str, object] = {}
 
     def __len__(self) -> int:
         return self.manifest.examples
@@ -187,12 +191,12 @@ class ShardReader:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        shard = next(s for s in self.manifest.shards if s["first"] <= i < s["first"] + s["count"])
-        if self._loaded is None or self._loaded[0] != shard["file"]:
-            self._loaded = (shard["file"], load_file(str(self.dir / shard["file"])))
-        t = self._loaded[1]
-        return {"input_ids": t[f"{i}.input_ids"].long(), "loss_mask": t[f"{i}.loss_mask"].bool(),
-                "hidden": t[f"{i}.hidden"]}
+        shard = self.manifest.shards[bisect.bisect_right(self._firsts, i) - 1]
+        if shard["file"] not in self._open:
+            self._open[shard["file"]] = safe_open(str(self.dir / shard["file"]), framework="pt")
+        f = self._open[shard["file"]]
+        return {"input_ids": f.get_tensor(f"{i}.input_ids").long(), "loss_mask": f.get_tensor(f"{i}.loss_mask").bool(),
+                "hidden": f.get_tensor(f"{i}.hidden")}
 
     @property
     def layers(self) -> list[int]:

@@ -49,8 +49,15 @@ def test_cost_model():
     assert cm.cost_ratio == pytest.approx(0.1)
     assert cm.verify_overhead == pytest.approx(0.2)
     assert cm.predicted_speedup == pytest.approx(3.0 / (1 + 4 * 0.1 + 0.2))
-    short = cost_model(rounds([1], proposed=[2]), [0.01], k=4, acceptance_length=1.5)
-    assert short.verify_overhead is None and short.predicted_speedup is None
+    # A head with 2 draft steps at k=4 (MTP depth 2): its proposals are 2 long, so c is per drafted
+    # token (4 ms / 2 = 2 ms -> 0.2) and the prediction counts 2 guesses per round.
+    short = cost_model(rounds([1, 2], proposed=[2, 2]), [0.01], k=4, acceptance_length=2.5)
+    assert short.cost_ratio == pytest.approx(0.2) and short.verify_overhead == pytest.approx(0.2)
+    assert short.predicted_speedup == pytest.approx(2.5 / (1 + 2 * 0.2 + 0.2))
+    # A model-free drafter proposing 2, 0 and 4: beta from the one round that verified 4 guesses.
+    ngram = cost_model(rounds([1, 0, 2], proposed=[2, 0, 4], verify_s=0.013), [0.01], k=4, acceptance_length=2.0)
+    assert ngram.verify_overhead == pytest.approx(0.3)
+
 
 
 def test_expected_acceptance_length_matches_the_closed_form():
