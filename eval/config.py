@@ -156,7 +156,7 @@ class DrafterConfig:
     hidden_states: str = "online"  # online (computed in the step) | offline (precomputed shards)
     offline_dtype: str = "float16"
     offline_max_gib: Optional[float] = 20.0
-    ttt_steps: int = 4  # eagle: training-time-test unroll (>= the k you serve with)
+    ttt_steps: int = 3  # eagle: training-time-test unroll
     ttt_decay: float = 0.8  # eagle: weight of step s is ttt_decay ** s
     draft_vocab_size: Optional[int] = None  # eagle: reduced draft vocabulary (null = the target's)
     token_loss_weight: float = 0.1  # eagle1: token loss weight next to the feature regression
