@@ -2,7 +2,7 @@
 # make demo:    the main job end to end on the built-in toy world (built on first use): trains an EAGLE-3 head
 #               on its company traffic and prints the evaluation table against the off-the-shelf draft.
 # make test:    the test suite (what CI runs).
-# make bench:   the benchmarks behind BENCHMARKS.md (not run in CI).
+# make bench:   the benchmarks behind BENCHMARKS.md sections 1, 3 and 5 (about an hour; not run in CI).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -28,6 +28,8 @@ test: install
 
 bench: install
 	$(BIN)/python scripts/bench_eval.py
+	$(BIN)/python scripts/bench_data.py
+	$(BIN)/python scripts/bench_heads.py --offline
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache *.egg-info
