@@ -21,7 +21,6 @@ import json
 import logging
 import shutil
 import zlib
-from collections import Counter
 from pathlib import Path
 
 import torch

@@ -12,7 +12,7 @@ import eval.speculative as spec
 from helpers import ScriptedDrafter, chi2_pvalue, empirical_joint, exact_joint, tiny_llama
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
-from eval.sampling import Sampling, probs_from_logits
+from eval.sampling import Sampling
 from eval.speculative import accept_greedy, accept_sampled, autoregressive_generate, rollback, speculative_generate
 
 VOCAB = 64
