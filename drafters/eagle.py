@@ -105,9 +105,11 @@ class Eagle3(nn.Module):
         self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         self.shared: SharedTarget | None = None
+        self._rows: tuple | None = None  # (key, draft-vocabulary rows of the output head)
 
     def attach(self, target) -> None:
         self.shared = SharedTarget(target)
+        self._rows = None
 
     def set_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         check_vocab_maps(d2t, t2d)
@@ -116,6 +118,7 @@ class Eagle3(nn.Module):
                              f"{self.d2t.numel()} draft and {self.t2d.numel()} target tokens")
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+        self._rows = None
 
     @property
     def reduced(self) -> bool:
@@ -126,8 +129,16 @@ class Eagle3(nn.Module):
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary: the target's output head (only the kept rows) on norm(h)."""
-        weight = self.shared.lm_head.weight[self.target_ids()] if self.reduced else None
-        return self.shared.logits(self.norm(h), weight)
+        return self.shared.logits(self.norm(h), self._draft_rows() if self.reduced else None)
+
+    def _draft_rows(self) -> torch.Tensor:
+        """The output head's rows of the draft vocabulary, gathered once (the target is frozen) and
+        again only when the maps or the device change."""
+        weight = self.shared.lm_head.weight
+        key = (self.d2t.device, weight.device, weight.data_ptr())
+        if self._rows is None or self._rows[0] != key:
+            self._rows = (key, weight[self.target_ids()].detach())
+        return self._rows[1]
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Inference: entries (hidden (1, q, d), tokens (q,)) at `positions` on top of `cache`."""
