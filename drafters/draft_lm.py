@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from drafters.base import Proposal
-from eval.sampling import Sampling, probs_from_logits, sample
+from eval.sampling import Sampling, draw
 
 
 class TokenizerMismatchError(ValueError):
@@ -113,11 +113,8 @@ class DraftLM:
             # logits_to_keep=1: the prefill needs only the last position's logits, not a (T, V) matrix.
             out = self.model(input_ids=inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]
-            if sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                q = probs_from_logits(logits, sampling)
-                token = sample(q, generator)
+            token, q = draw(logits, sampling, generator)
+            if q is not None:
                 dists.append(q)
             tokens.append(token)
             inputs = token.view(1, 1)

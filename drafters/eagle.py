@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from drafters.base import Proposal
 from drafters.heads import FeatureDrafter
 from drafters.layers import Attention, KVCache, SharedTarget, causal_mask, soft_cross_entropy, step_stats
-from eval.sampling import Sampling, probs_from_logits, sample
+from eval.sampling import Sampling, draw
 
 
 def draft_vocabulary(counts: torch.Tensor, size: int, always: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,14 +241,10 @@ class Eagle3Drafter(FeatureDrafter):
 
 def _pick(logits, sampling, generator, target_ids, vocab_size):
     """A guess (as a target id) and, when sampling, the full-vocabulary distribution it came from."""
-    if sampling.greedy:
-        d = logits.argmax(-1)
-        return (d if target_ids is None else target_ids[d]), None
-    q = probs_from_logits(logits, sampling)
-    d = sample(q, generator)
+    d, q = draw(logits, sampling, generator)
     if target_ids is None:
         return d, q
-    return target_ids[d], q.new_zeros(vocab_size).index_copy_(0, target_ids, q)
+    return target_ids[d], (None if q is None else q.new_zeros(vocab_size).index_copy_(0, target_ids, q))
 
 
 HEAD = Eagle3

@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from drafters.base import Proposal
 from drafters.heads import FeatureDrafter
 from drafters.layers import DecoderLayer, KVCache, SharedTarget, causal_mask, soft_cross_entropy, step_stats
-from eval.sampling import Sampling, probs_from_logits, sample
+from eval.sampling import Sampling, draw
 
 
 class Eagle1(nn.Module):
@@ -96,11 +96,8 @@ class Eagle1Drafter(FeatureDrafter):
         guesses, dists = [], []
         for s in range(k):
             logits = head.shared.logits(h)[0, -1]
-            if sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                q = probs_from_logits(logits, sampling)
-                token = sample(q, generator)
+            token, q = draw(logits, sampling, generator)
+            if q is not None:
                 dists.append(q)
             guesses.append(token)
             if s < k - 1:

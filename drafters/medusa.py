@@ -19,7 +19,7 @@ from torch import nn
 from drafters.base import Proposal
 from drafters.heads import FeatureDrafter
 from drafters.layers import SharedTarget, soft_cross_entropy, step_stats
-from eval.sampling import Sampling, probs_from_logits, sample
+from eval.sampling import Sampling, draw
 
 
 class ResBlock(nn.Module):
@@ -93,11 +93,7 @@ class MedusaDrafter(FeatureDrafter):
             self.guesses = []
             return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
         logits = self.head.logits(self.pending[-1], n=k)  # (n, V), n = min(k, K)
-        if sampling.greedy:
-            tokens, probs = logits.argmax(-1), None
-        else:
-            probs = probs_from_logits(logits, sampling)
-            tokens = sample(probs, generator)
+        tokens, probs = draw(logits, sampling, generator)
         self.guesses = tokens.tolist()
         return Proposal(tokens, probs)
 

@@ -24,7 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from drafters.base import Proposal
 from drafters.heads import FeatureDrafter
 from drafters.layers import DecoderLayer, KVCache, SharedTarget, causal_mask, soft_cross_entropy, step_stats
-from eval.sampling import Sampling, probs_from_logits, sample
+from eval.sampling import Sampling, draw
 
 
 class MTPModule(nn.Module):
@@ -157,11 +157,8 @@ class MTPDrafter(FeatureDrafter):
                 self.caches[j].crop(keep)
                 last = tentative[-1:]
             logits = head.logits(j, last)[-1]
-            if sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                q = probs_from_logits(logits, sampling)
-                token = sample(q, generator)
+            token, q = draw(logits, sampling, generator)
+            if q is not None:
                 dists.append(q)
             guesses.append(token)
             ids.append(int(token))

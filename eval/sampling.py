@@ -69,8 +69,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The next token(s) from logits (..., V) and, when sampling, the distribution they were drawn from
+    (what a drafter reports as q); greedy picks the argmax and reports None (one-hot q)."""
+    if sampling.greedy:
+        return logits.argmax(-1), None
+    probs = probs_from_logits(logits, sampling)
+    return sample(probs, generator), probs
+
+
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick the next token(s) from logits (..., V) the way target-only decoding does."""
-    if sampling.greedy:
-        return logits.argmax(-1)
-    return sample(probs_from_logits(logits, sampling), generator)
+    return draw(logits, sampling, generator)[0]
