@@ -149,6 +149,8 @@ class DrafterConfig:
     loss: str = "forward_kl"  # sft | forward_kl | reverse_kl | jsd | tvd
     temperature: float = 1.0  # distillation temperature (both sides)
     beta: float = 0.5  # JSD(beta)
+    target_logits: str = "online"  # online (target forward in each step) | cached (top-k, computed once)
+    cached_top_k: int = 64  # target_logits=cached: tokens kept per position (the rest is one bucket)
     lora: LoraSettings = field(default_factory=LoraSettings)
     on_policy: OnPolicySettings = field(default_factory=OnPolicySettings)
     # heads

@@ -29,6 +29,7 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 VARIANTS = {
     "sft": ["drafter.loss=sft"],
     "forward_kl": ["drafter.loss=forward_kl"],
+    "forward_kl+cached_top64": ["drafter.loss=forward_kl", "drafter.target_logits=cached", "drafter.cached_top_k=64"],
     "reverse_kl": ["drafter.loss=reverse_kl"],
     "jsd": ["drafter.loss=jsd", "drafter.beta=0.5"],
     "tvd": ["drafter.loss=tvd"],

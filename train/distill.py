@@ -8,7 +8,8 @@ setup -> train -> save_checkpoint / evaluate_heldout (every N steps) -> finish -
 
 Objectives (`drafter.loss`, see train/losses.py): `sft` on the target's regenerated responses
 (sequence-level distillation), or token-level `forward_kl`, `reverse_kl`, `jsd` (beta) and `tvd`
-against the target's logits computed online; `drafter.on_policy.ratio` replaces that share of steps by
+against the target's logits, computed online in each step or, with `drafter.target_logits=cached`, its
+top-k log-probabilities computed once (train/logit_cache.py); `drafter.on_policy.ratio` replaces that share of steps by
 sequences the draft samples itself, scored by the target. The best checkpoint is chosen by the
 held-out acceptance estimate sum_x min(p, q), not by the loss.
 
@@ -34,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from train import checkpoint
-from train.losses import DIVERGENCES, acceptance_estimate, divergence, greedy_agreement, sft
+from train.losses import DIVERGENCES, acceptance_estimate, divergence, divergence_topk, greedy_agreement, sft
 
 log = logging.getLogger(__name__)
 LOSSES = ("sft", *DIVERGENCES)
@@ -84,6 +85,10 @@ class DistillRecipe:
         if self.cfg.drafter.loss == "sft" and self.cfg.drafter.on_policy.ratio > 0:
             raise ValueError("on-policy data needs a divergence loss (the target scores the draft's samples); "
                              "drafter.loss=sft has no target logits to learn from")
+        if self.cfg.drafter.target_logits not in ("online", "cached"):
+            raise ValueError(f"drafter.target_logits must be online or cached, got {self.cfg.drafter.target_logits!r}")
+        if self.cfg.drafter.loss == "sft" and self.cfg.drafter.target_logits == "cached":
+            raise ValueError("drafter.target_logits=cached needs a divergence loss; drafter.loss=sft reads no logits")
         if not 0 <= self.cfg.drafter.on_policy.ratio <= 1:
             raise ValueError(f"drafter.on_policy.ratio must be in [0, 1], got {self.cfg.drafter.on_policy.ratio}")
 
@@ -121,6 +126,27 @@ class DistillRecipe:
         self.train_set = datasets.load_from_disk(str(self.data_dirs["train"] / "tokenized"))
         held_out = datasets.load_from_disk(str(self.data_dirs["eval"] / "tokenized"))
         self.eval_set = held_out.select(range(min(len(held_out), cfg.trainer.eval_examples)))
+        self.logit_cache = None
+        if cfg.drafter.get("target_logits") == "cached":
+            self._setup_logit_cache()
+
+    def _setup_logit_cache(self) -> None:
+        """The target's top-k log-probabilities over the training set, computed once (rank 0) and shared."""
+        from train.data import Example
+        from train.logit_cache import LogitCache, write_logit_cache
+        from train.shards import complete
+
+        t, d = self.cfg.trainer, self.cfg.drafter
+        key = zlib.crc32(json.dumps([str(self.data_dirs["train"]), t.max_length, d.cached_top_k,
+                                     d.temperature]).encode())
+        directory = Path(self.cfg.data_cache) / f"logits-{key:08x}"
+        with self.acc.main_process_first():
+            if not complete(directory):
+                examples = [Example(r["id"], r["category"], r["input_ids"][: t.max_length],
+                                    r["loss_mask"][: t.max_length]) for r in self.train_set]
+                write_logit_cache(examples, self.target, directory, top_k=d.cached_top_k, temperature=d.temperature,
+                                  batch_size=t.batch_size, progress=self.cfg.progress and self.is_main)
+        self.logit_cache = LogitCache(directory)
 
     def _setup_models(self) -> None:
         from transformers import AutoModelForCausalLM
@@ -207,9 +233,13 @@ class DistillRecipe:
         ids = [r["input_ids"][:limit] for r in rows]
         masks = [r["loss_mask"][:limit] for r in rows]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        return {"input_ids": _pad(ids, pad).to(self.device),
-                "attention_mask": _pad([[1] * len(i) for i in ids], 0).to(self.device),
-                "loss_mask": _pad(masks, 0).to(self.device)}
+        batch = {"input_ids": _pad(ids, pad).to(self.device),
+                 "attention_mask": _pad([[1] * len(i) for i in ids], 0).to(self.device),
+                 "loss_mask": _pad(masks, 0).to(self.device)}
+        if self.logit_cache is not None and indices:
+            logp, idx = self.logit_cache.dense(indices, batch["input_ids"].shape[1])
+            batch.update(top_logp=logp.to(self.device), top_idx=idx.to(self.device))
+        return batch
 
     @torch.no_grad()
     def _on_policy(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
@@ -246,6 +276,9 @@ class DistillRecipe:
         mask = batch["loss_mask"][:, 1:]
         if d.loss == "sft":
             return sft(logits[:, :-1], batch["input_ids"][:, 1:], mask)
+        if "top_idx" in batch:  # cached top-k target log-probabilities (on-policy batches never have them)
+            return divergence_topk(d.loss, logits[:, :-1], batch["top_logp"], batch["top_idx"], mask,
+                                   temperature=d.temperature, beta=d.beta)
         with torch.no_grad():
             target_logits = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return divergence(d.loss, logits[:, :-1], target_logits[:, :-1], mask, temperature=d.temperature, beta=d.beta)

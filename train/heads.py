@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from drafters.heads import KINDS, build_head, load_head, save_head
 from train.distill import DistillRecipe, _pad
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
+from train.shards import complete
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class HeadRecipe(DistillRecipe):
         key = zlib.crc32(json.dumps([str(self.data_dirs["train"]), layers, t.max_length, d.offline_dtype]).encode())
         directory = Path(self.cfg.data_cache) / f"hidden-{key:08x}"
         with self.acc.main_process_first():
-            if not (directory / "manifest.json").exists() or not _complete(directory):
+            if not complete(directory):
                 examples = [Example(r["id"], r["category"], r["input_ids"][: t.max_length], r["loss_mask"][: t.max_length])
                             for r in self.train_set]
                 max_bytes = None if d.offline_max_gib is None else int(d.offline_max_gib * 2**30)
@@ -219,14 +220,6 @@ class HeadRecipe(DistillRecipe):
         head = load_head(self.out / "best", self.target)  # the saved checkpoint, reloaded
         drafters.append(head.drafter(f"trained_{cfg.drafter.kind}"))
         return drafters
-
-
-def _complete(directory: Path) -> bool:
-    try:
-        ShardReader(directory)
-        return True
-    except ValueError:
-        return False
 
 
 def datasets_rows(directory: Path):

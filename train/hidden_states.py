@@ -13,28 +13,21 @@ layer outputs). Exporters convert at the boundary; nothing inside draftsmith doe
 
 Two ways to get them:
 - online: `capture` inside the training step (memory bounded by the batch);
-- offline: `write_shards` precomputes them to sharded safetensors in fp16/bf16, after estimating the
-  size and checking it against free disk and a cap, resumable shard by shard; `ShardReader` reads them
-  back one example at a time.
+- offline: `write_shards` precomputes them to sharded safetensors in fp16/bf16 (train/shards.py: the
+  size estimated and checked against free disk and a cap, resumable shard by shard); `ShardReader`
+  reads them back one example at a time, memory-mapped.
 """
 
 from __future__ import annotations
 
-import bisect
-import json
-import shutil
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from drafters.heads import check_layers, features_of
 from eval.run import DTYPES
 from train.data import Example
+from train.shards import ExampleShards, write_example_shards
 
 
 def default_layers(kind: str, num_layers: int) -> list[int]:
@@ -75,22 +68,6 @@ def estimate_bytes(examples: list[Example], hidden_size: int, n_layers: int, dty
     return sum(len(e.input_ids) for e in examples) * bytes_per_token(hidden_size, n_layers, dtype)
 
 
-@dataclass
-class ShardManifest:
-    """manifest.json of an offline cache: which examples each finished shard holds."""
-
-    layers: list[int]
-    dtype: str
-    hidden_size: int
-    shards: list[dict]  # {"file", "first", "count", "tokens"}
-    examples: int
-
-    def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.__dict__, indent=1) + "\n")
-        tmp.replace(path)
-
-
 def write_shards(
     examples: list[Example],
     target,
@@ -103,101 +80,28 @@ def write_shards(
     max_bytes: int | None = None,
     progress: bool = True,
 ) -> Path:
-    """Precompute hidden states of `layers` for every example into sharded safetensors under out_dir.
-
-    Checks the estimated size against `max_bytes` and the free disk before computing anything.
-    Resumable: finished shards are listed in manifest.json and skipped on a rerun with the same inputs.
-    """
+    """Precompute hidden states of `layers` for every example into sharded safetensors under out_dir
+    (train/shards.py: size checked against `max_bytes` and the free disk first; resumable)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hidden = target.config.hidden_size
     check_layers(layers, target.config.num_hidden_layers)
-    need = estimate_bytes(examples, hidden, len(layers), dtype)
-    per_token = bytes_per_token(hidden, len(layers), dtype)
-    if max_bytes is not None and need > max_bytes:
-        raise ValueError(f"the offline hidden-state cache would take {need / 2**30:.2f} GiB ({per_token} bytes/token), "
-                         f"over the cap of {max_bytes / 2**30:.2f} GiB; use online hidden states, fewer layers or "
-                         "fewer examples, or raise the cap")
-    free = shutil.disk_usage(out).free
-    manifest_path = out / "manifest.json"
-    if manifest_path.exists():
-        manifest = ShardManifest(**json.loads(manifest_path.read_text()))
-        if (manifest.layers, manifest.dtype, manifest.hidden_size, manifest.examples) != (layers, dtype, hidden,
-                                                                                          len(examples)):
-            raise ValueError(f"{manifest_path} was written for other layers, dtype or examples; use another directory")
-    else:
-        manifest = ShardManifest(layers, dtype, hidden, [], len(examples))
-    start = sum(s["count"] for s in manifest.shards)
-    remaining = estimate_bytes(examples[start:], hidden, len(layers), dtype)
-    if remaining > free * 0.95:
-        raise OSError(f"the offline hidden-state cache needs {remaining / 2**30:.2f} GiB more but {out} has "
-                      f"{free / 2**30:.2f} GiB free")
-    device = next(target.parameters()).device
-    pad = 0
-    bar = tqdm(total=len(examples), initial=start, desc="hidden states", unit="ex", disable=not progress,
-               file=sys.stderr)
-    tensors: dict[str, torch.Tensor] = {}
-    first, tokens = start, 0
-    for b in range(start, len(examples), batch_size):
-        batch = examples[b: b + batch_size]
-        width = max(len(e.input_ids) for e in batch)
-        ids = torch.tensor([e.input_ids + [pad] * (width - len(e.input_ids)) for e in batch], device=device)
-        mask = torch.tensor([[1] * len(e.input_ids) + [0] * (width - len(e.input_ids)) for e in batch], device=device)
-        states = capture(target, ids, mask, layers).to(DTYPES[dtype]).cpu()  # (B, T, L, d)
-        for j, e in enumerate(batch):
-            n = len(e.input_ids)
-            i = b + j
-            tensors[f"{i}.hidden"] = states[j, :n].contiguous()
-            tensors[f"{i}.input_ids"] = torch.tensor(e.input_ids, dtype=torch.int32)
-            tensors[f"{i}.loss_mask"] = torch.tensor(e.loss_mask, dtype=torch.uint8)
-            tokens += n
-        bar.update(len(batch))
-        last = b + batch_size >= len(examples)
-        if tokens >= shard_tokens or last:
-            name = f"shard-{len(manifest.shards):05d}.safetensors"
-            tmp = out / (name + ".tmp")
-            save_file(tensors, str(tmp))
-            tmp.replace(out / name)  # a shard exists under its name only when complete
-            count = b + len(batch) - first
-            manifest.shards.append({"file": name, "first": first, "count": count, "tokens": tokens})
-            manifest.save(manifest_path)
-            tensors, first, tokens = {}, b + len(batch), 0
-    bar.close()
-    return manifest_path
+    hidden = target.config.hidden_size
+
+    def compute(batch, ids, mask):
+        states = capture(target, ids, mask, layers).to(DTYPES[dtype])  # (B, T, L, d)
+        return [{"hidden": states[j, : len(e.input_ids)]} for j, e in enumerate(batch)]
+
+    return write_example_shards(examples, compute, out_dir, meta={"layers": list(layers), "dtype": dtype,
+                                                                  "hidden_size": hidden},
+                                bytes_per_token=bytes_per_token(hidden, len(layers), dtype),
+                                device=next(target.parameters()).device, what="hidden states",
+                                batch_size=batch_size, shard_tokens=shard_tokens, max_bytes=max_bytes,
+                                progress=progress)
 
 
-class ShardReader:
-    """Read an offline cache back: reader[i] -> {"input_ids", "loss_mask", "hidden" (T, L, d)}.
-
-    Shards are opened memory-mapped (`safe_open`) and only the requested example's tensors are read,
-    so random access (the training order) costs one example, and memory is bounded by the batch.
-    """
-
-    def __init__(self, out_dir: str | Path) -> None:
-        self.dir = Path(out_dir)
-        self.manifest = ShardManifest(**json.loads((self.dir / "manifest.json").read_text()))
-        done = sum(s["count"] for s in self.manifest.shards)
-        if done != self.manifest.examples:
-            raise ValueError(f"{self.dir} is incomplete: {done} of {self.manifest.examples} examples written; "
-                             "rerun write_shards to finish it")
-        self._firsts = [s["first"] for s in self.manifest.shards]
-        self._open: dict[str, object] = {}
-
-    def __len__(self) -> int:
-        return self.manifest.examples
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        shard = self.manifest.shards[bisect.bisect_right(self._firsts, i) - 1]
-        if shard["file"] not in self._open:
-            self._open[shard["file"]] = safe_open(str(self.dir / shard["file"]), framework="pt")
-        f = self._open[shard["file"]]
-        return {"input_ids": f.get_tensor(f"{i}.input_ids").long(), "loss_mask": f.get_tensor(f"{i}.loss_mask").bool(),
-                "hidden": f.get_tensor(f"{i}.hidden")}
+class ShardReader(ExampleShards):
+    """An offline hidden-state cache: reader[i] -> {"input_ids", "loss_mask", "hidden" (T, L, d)}."""
 
     @property
     def layers(self) -> list[int]:
-        return self.manifest.layers
+        return self.meta["layers"]

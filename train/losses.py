@@ -12,7 +12,8 @@ acceptance; the others are smoother surrogates:
   1/(1-beta));
 - sft: cross-entropy on the target's tokens (sequence-level distillation, no logits needed).
 
-Every function takes logits (B, T, V) and a mask (B, T) and returns the mean over masked positions.
+Every function takes logits (B, T, V) and a mask (B, T) and returns the mean over masked positions;
+`divergence_topk` takes the target's cached top-k log-probabilities instead of its logits.
 """
 
 from __future__ import annotations
@@ -55,22 +56,61 @@ def divergence(
         raise ValueError(f"distillation temperature must be > 0, got {temperature}")
     log_q = _log_probs(draft_logits, temperature)
     log_p = _log_probs(target_logits, temperature)
+    return _masked_mean(_per_position(kind, log_p, log_q, beta), mask)
+
+
+def divergence_topk(
+    kind: str,
+    draft_logits: torch.Tensor,
+    top_logp: torch.Tensor,
+    top_idx: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+) -> torch.Tensor:
+    """The divergence against a target known only on its top-k tokens (train/logit_cache.py).
+
+    top_logp / top_idx (B, T, k): the target's log-probabilities at temperature of its k most likely
+    tokens. Both distributions are coarsened to k + 1 outcomes, the k tokens and "any other token",
+    whose probability is 1 - the top-k mass for p and the exact remaining mass for q. Every divergence
+    here can only shrink under such a merge, so the loss is a lower bound of the full one; with k equal
+    to the vocabulary it is the full one.
+    """
+    if temperature <= 0:
+        raise ValueError(f"distillation temperature must be > 0, got {temperature}")
+    log_q_all = _log_probs(draft_logits, temperature)
+    log_q_top = log_q_all.gather(-1, top_idx)
+    # The rest of q: log-sum-exp over the tokens outside the top k (exact, no 1 - sum cancellation).
+    log_q_rest = log_q_all.scatter(-1, top_idx, float("-inf")).logsumexp(-1, keepdim=True)
+    log_p_top = top_logp.float()
+    p_rest = (1 - log_p_top.exp().sum(-1, keepdim=True)).clamp_min(0)
+    # Floors keep an empty bucket (k = V, or a rounding-negative rest) finite: e^-60 is far below any
+    # probability that changes the loss, and 0 * finite stays 0 in the gradient.
+    log_p = torch.cat([log_p_top, p_rest.clamp_min(_TINY).log()], -1)
+    log_q = torch.cat([log_q_top, log_q_rest.clamp_min(math.log(_TINY))], -1)
+    return _masked_mean(_per_position(kind, log_p, log_q, beta), mask)
+
+
+_TINY = math.exp(-60)
+
+
+def _per_position(kind: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    """Divergence between p and q given as log-probabilities over the last dimension."""
     if kind == "forward_kl":
-        per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
-    elif kind == "reverse_kl":
-        per_position = (log_q.exp() * (log_q - log_p)).sum(-1)
-    elif kind == "jsd":
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    if kind == "reverse_kl":
+        return (log_q.exp() * (log_q - log_p)).sum(-1)
+    if kind == "jsd":
         if not 0.0 < beta < 1.0:
             raise ValueError(f"JSD beta must be in (0, 1), got {beta}")
         log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
         kl_pm = (log_p.exp() * (log_p - log_m)).sum(-1)
         kl_qm = (log_q.exp() * (log_q - log_m)).sum(-1)
-        per_position = beta * kl_pm + (1 - beta) * kl_qm
-    elif kind == "tvd":
-        per_position = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
-    else:
-        raise ValueError(f"unknown divergence {kind!r}; known: {list(DIVERGENCES)}")
-    return _masked_mean(per_position, mask)
+        return beta * kl_pm + (1 - beta) * kl_qm
+    if kind == "tvd":
+        return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    raise ValueError(f"unknown divergence {kind!r}; known: {list(DIVERGENCES)}")
 
 
 @torch.no_grad()

@@ -6,17 +6,19 @@ on JSONL). Everything is trained on text every Python installation has:
 
 - code: top-level functions of the standard library's own source;
 - prose: the English reference topics in `pydoc_data.topics`;
-- structured output: generated JSON records and tool calls.
+- structured output: generated JSON documents in general-purpose schemas (packages, events, configs).
 
 Pieces (under `$DRAFTSMITH_HOME/toyworld/<preset>-<hash>/`, default `~/.cache/draftsmith`):
 
 - `target/`: a Llama-architecture causal LM trained on all three kinds of text and on the company's
   chat traffic, with a byte-level BPE tokenizer and a chat template;
 - `draft/`: a much smaller LM with the same tokenizer, trained on a general mix that
-  under-represents the company's traffic (mostly prose, no chats), so training on that traffic has
-  something to gain;
+  under-represents the company's traffic (mostly prose, no chats, none of the company's JSON schemas),
+  so training on that traffic has something to gain;
 - `company_logs/{train,eval}.jsonl`: chat records in categories code / json / prose, split by a hash
-  of the record id.
+  of the record id. Code: recall a standard-library function, or rename one the user pasted. JSON
+  (the company's schemas: users, orders, tool calls): a record described in words, an edit of a pasted
+  record, a tool call for a request. Prose: explain a reference paragraph from its first words.
 
 A world is addressed as `toyworld://<preset>/<piece>` (e.g. `toyworld://toy/target`); `resolve`
 builds it on first use and caches it by a hash of its configuration, so changing the recipe rebuilds.
@@ -31,6 +33,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import sysconfig
@@ -77,7 +80,7 @@ class ToyWorldConfig:
     draft: LMSpec
     eval_fraction: float = 0.1
     seed: int = 0
-    version: int = 3  # bump when the recipe changes in a way the fields above do not show
+    version: int = 4  # bump when the recipe changes in a way the fields above do not show
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
@@ -141,10 +144,10 @@ def build(preset: str = "toy", root: Path | None = None, config: ToyWorldConfig 
     chats = [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in train_recs]
     raw = texts["code"] + texts["prose"] + texts["json"]
     # The target sees the company's chats and every kind of raw text; the off-the-shelf draft sees a
-    # general mix: mostly prose, little code, few JSON documents, no chats.
+    # general mix: mostly prose, a third of the code, general JSON (not the company's schemas), no chats.
     target_stream = _encode(tokenizer, chats * 2 + raw, config.seed)
     rng = random.Random(config.seed)
-    draft_mix = texts["prose"] * 3 + rng.sample(texts["code"], len(texts["code"]) // 4) + texts["json"][:20]
+    draft_mix = texts["prose"] * 2 + rng.sample(texts["code"], len(texts["code"]) // 3) + texts["json"][:300]
     draft_stream = _encode(tokenizer, draft_mix, config.seed + 1)
     losses = {}
     for piece, spec, stream in (("target", config.target, target_stream), ("draft", config.draft, draft_stream)):
@@ -174,7 +177,7 @@ def build(preset: str = "toy", root: Path | None = None, config: ToyWorldConfig 
 def corpus(seed: int) -> dict[str, list[str]]:
     """Code, prose and JSON documents from the running Python installation, deterministic in seed."""
     rng = random.Random(seed)
-    json_docs = [json.dumps(_json_record(rng), indent=1) for _ in range(600)]
+    json_docs = [json.dumps(_generic_json(rng), indent=1) for _ in range(600)]
     return {"code": list(_stdlib_functions()), "prose": list(_reference_paragraphs()), "json": json_docs}
 
 
@@ -224,15 +227,11 @@ _FIRST = ["Ada", "Grace", "Alan", "Linus", "Guido", "Barbara", "Ken", "Margaret"
 _LAST = ["Lovelace", "Hopper", "Turing", "Torvalds", "Rossum", "Liskov", "Thompson", "Hamilton", "Ritchie", "Allen"]
 _CITIES = ["Paris", "Lagos", "Lima", "Oslo", "Pune", "Osaka", "Quito", "Perth", "Turin", "Accra"]
 _ITEMS = ["keyboard", "monitor", "cable", "laptop", "mouse", "dock", "headset", "webcam"]
-_TOOLS = {
-    "get_weather": lambda r: {"city": r.choice(_CITIES), "unit": r.choice(["celsius", "fahrenheit"])},
-    "create_ticket": lambda r: {"title": f"{r.choice(_ITEMS)} not working", "priority": r.choice(["low", "high"])},
-    "lookup_order": lambda r: {"order_id": r.randrange(10000, 99999)},
-    "send_email": lambda r: {"to": f"{r.choice(_FIRST).lower()}@example.com", "subject": "Your order"},
-}
+_STATUSES = ["paid", "shipped", "refunded"]
 
 
 def _json_record(rng: random.Random) -> dict:
+    """A record in one of the company's own schemas (users, orders, tool calls)."""
     kind = rng.choice(["user", "order", "tool_call"])
     if kind == "user":
         first, last = rng.choice(_FIRST), rng.choice(_LAST)
@@ -241,24 +240,97 @@ def _json_record(rng: random.Random) -> dict:
                 "active": rng.random() < 0.7}
     if kind == "order":
         items = [{"item": rng.choice(_ITEMS), "quantity": rng.randrange(1, 5)} for _ in range(rng.randrange(1, 4))]
-        return {"order_id": rng.randrange(10000, 99999), "status": rng.choice(["paid", "shipped", "refunded"]),
-                "items": items}
-    tool = rng.choice(sorted(_TOOLS))
-    return {"tool": tool, "arguments": _TOOLS[tool](rng)}
+        return {"order_id": rng.randrange(10000, 99999), "status": rng.choice(_STATUSES), "items": items}
+    return _tool_call(rng)[1]
+
+
+def _tool_call(rng: random.Random) -> tuple[str, dict]:
+    """A user's request and the tool call that serves it."""
+    tool = rng.choice(["get_weather", "create_ticket", "lookup_order", "send_email"])
+    if tool == "get_weather":
+        city, unit = rng.choice(_CITIES), rng.choice(["celsius", "fahrenheit"])
+        return f"What is the weather in {city}, in {unit}?", {"tool": tool, "arguments": {"city": city, "unit": unit}}
+    if tool == "create_ticket":
+        item, priority = rng.choice(_ITEMS), rng.choice(["low", "high"])
+        return (f"Open a {priority} priority ticket: my {item} is not working.",
+                {"tool": tool, "arguments": {"title": f"{item} not working", "priority": priority}})
+    if tool == "lookup_order":
+        order = rng.randrange(10000, 99999)
+        return f"Where is my order {order}?", {"tool": tool, "arguments": {"order_id": order}}
+    to = f"{rng.choice(_FIRST).lower()}@example.com"
+    return f"Email {to} about their order.", {"tool": tool, "arguments": {"to": to, "subject": "Your order"}}
+
+
+def _generic_json(rng: random.Random) -> dict:
+    """JSON in schemas that are not the company's: general-purpose documents any model may have seen."""
+    kind = rng.choice(["package", "event", "config"])
+    word = rng.choice(["alpha", "beta", "gamma", "delta", "omega", "sigma"])
+    if kind == "package":
+        return {"name": f"py{word}", "version": f"{rng.randrange(0, 4)}.{rng.randrange(0, 20)}.{rng.randrange(0, 9)}",
+                "license": rng.choice(["MIT", "BSD-3-Clause", "Apache-2.0"]),
+                "dependencies": sorted(rng.sample(["numpy", "requests", "click", "attrs", "rich"], 2))}
+    if kind == "event":
+        return {"event": rng.choice(["login", "logout", "purchase", "error"]), "user_id": rng.randrange(1, 500),
+                "timestamp": f"2024-0{rng.randrange(1, 10)}-1{rng.randrange(0, 10)}T0{rng.randrange(0, 10)}:00:00Z"}
+    return {"service": word, "port": rng.choice([80, 443, 8000, 8080]), "debug": rng.random() < 0.5,
+            "workers": rng.randrange(1, 9), "log_level": rng.choice(["info", "debug", "warning"])}
+
+
+def _describe(obj: dict) -> str:
+    """The record said in words: what a user pastes before asking for it as JSON."""
+    if "email" in obj:
+        state = "active" if obj["active"] else "inactive"
+        return f"{obj['name']} ({obj['email']}) lives in {obj['city']}, user id {obj['id']}, {state}."
+    items = ", ".join(f"{i['quantity']} x {i['item']}" for i in obj["items"])
+    return f"Order {obj['order_id']} is {obj['status']} and contains {items}."
+
+
+def _code_turns(rng: random.Random, functions: list[str], short: list[str]) -> list[tuple[str, str]]:
+    """Half recall ("show me `f`"), half edits of a pasted function (rename it): edits copy their input."""
+    if rng.random() < 0.5:
+        header, body = rng.choice(functions).split("\n", 1)
+        return [("user", f"Show me the implementation of `{header[2:]}`."), ("assistant", body)]
+    header, body = rng.choice(short).split("\n", 1)
+    old = body[4:].split("(")[0]
+    new = rng.choice(["safe_", "fast_", "new_", "checked_"]) + old.lstrip("_")
+    renamed = re.sub(rf"\b{re.escape(old)}\b", new, body)
+    return [("user", f"Rename `{old}` to `{new}` in this function:\n{body}"), ("assistant", renamed)]
+
+
+def _json_turns(rng: random.Random) -> list[tuple[str, str]]:
+    """A third each: a record described in words, an edit of a pasted record, a tool call for a request."""
+    kind = rng.randrange(3)
+    if kind == 0:
+        obj = _json_record(rng)
+        while "tool" in obj:
+            obj = _json_record(rng)
+        return [("user", f"Return this as JSON: {_describe(obj)}"), ("assistant", json.dumps(obj, indent=1))]
+    if kind == 1:
+        obj = _json_record(rng)
+        while "order_id" not in obj or "tool" in obj:
+            obj = _json_record(rng)
+        status = rng.choice([s for s in _STATUSES if s != obj["status"]])
+        edited = dict(obj, status=status)
+        return [("user", f"Set the status to {status}:\n{json.dumps(obj, indent=1)}"),
+                ("assistant", json.dumps(edited, indent=1))]
+    request, call = _tool_call(rng)
+    return [("user", request), ("assistant", json.dumps(call, indent=1))]
 
 
 def company_records(texts: dict[str, list[str]], per_category: int, seed: int) -> list[dict]:
-    """Production-like chat records: system prompts, categories code / json / prose, some multi-turn."""
+    """Production-like chat records: system prompts, categories code / json / prose, some multi-turn.
+
+    Like real traffic, much of the code and JSON traffic edits or restates what the user pasted
+    (rename a function, update a record, turn a sentence into a record), so its answers copy their
+    prompts; prose answers explain from a short cue.
+    """
     rng = random.Random(seed + 7)
+    # Functions short enough that the pasted function and its edit fit the model's training window.
+    short = [f for f in texts["code"] if f.count("\n") <= 8]
     records = []
     for n in range(per_category):
-        func = texts["code"][rng.randrange(len(texts["code"]))]
-        header, body = func.split("\n", 1)
-        qualname = header[2:]
-        code_turns = [("user", f"Show me the implementation of `{qualname}`."), ("assistant", body)]
-        obj = _json_record(rng)
-        what = "tool call" if "tool" in obj else ("order" if "order_id" in obj else "user record")
-        json_turns = [("user", f"Give me a {what} as JSON, example {n}."), ("assistant", json.dumps(obj, indent=1))]
+        code_turns = _code_turns(rng, texts["code"], short)
+        json_turns = _json_turns(rng)
         para = texts["prose"][rng.randrange(len(texts["prose"]))]
         first_words = " ".join(para.split()[:6])
         prose_turns = [("user", f"Explain this part of the Python reference: \"{first_words}...\""),

@@ -54,8 +54,8 @@ def test_config_errors_are_clear(tiny_world, tmp_path):
         train(make_cfg("experiment=smoke", "drafter.loss=sft", "drafter.on_policy.ratio=0.5", f"out_dir={tmp_path}"))
 
 
-def smoke(tmp_path, *overrides):
-    return make_cfg("experiment=smoke", "progress=false", f"out_dir={tmp_path / 'run'}",
+def smoke(tmp_path, *overrides, run="run"):
+    return make_cfg("experiment=smoke", "progress=false", f"out_dir={tmp_path / run}",
                     f"data_cache={tmp_path / 'data'}", *overrides)
 
 
@@ -76,6 +76,32 @@ def test_a_few_steps_lower_the_loss_and_raise_acceptance(tiny_world, tmp_path, l
         # and sharpens q, which need not raise it against a flat (barely trained) tiny target.
         assert evals[-1] > evals[0]
     assert (tmp_path / "run" / "best" / "model.safetensors").exists()
+
+
+def test_cached_top_k_logits_train_like_online(tiny_world, tmp_path):
+    """With k = the whole vocabulary the cached loss is the online loss (same data order and init); a
+    smaller k trains too, and the cache is computed once and reused."""
+    common = ["drafter.loss=forward_kl", "trainer.max_steps=2", "evaluate.enabled=false"]
+    vocab = 320  # the tiny world's tokenizer (conf: target=tiny)
+    train(smoke(tmp_path, *common, run="online"))
+    train(smoke(tmp_path, *common, "drafter.target_logits=cached", f"drafter.cached_top_k={vocab}", run="full_k"))
+    online, cached = metrics(tmp_path / "online"), metrics(tmp_path / "full_k")
+    assert cached[0]["loss"] == pytest.approx(online[0]["loss"], rel=1e-4)
+    summary = train(smoke(tmp_path, "drafter.loss=tvd", "trainer.max_steps=6", "trainer.eval_every=3",
+                          "trainer.lr=5e-3", "evaluate.enabled=false", "drafter.target_logits=cached",
+                          "drafter.cached_top_k=8", run="top8"))
+    rows = metrics(tmp_path / "top8")
+    assert rows[-1]["loss"] < rows[0]["loss"] and summary["best"] is not None
+    caches = sorted((tmp_path / "data").glob("logits-*/manifest.json"))
+    assert len(caches) == 2  # one per k
+    stamps = [c.stat().st_mtime_ns for c in caches]
+    train(smoke(tmp_path, *common, "drafter.target_logits=cached", f"drafter.cached_top_k={vocab}", run="again"))
+    assert sorted((tmp_path / "data").glob("logits-*/manifest.json")) == caches
+    assert [c.stat().st_mtime_ns for c in caches] == stamps  # reused, not recomputed
+    with pytest.raises(ValueError, match="target_logits=cached needs a divergence"):
+        train(smoke(tmp_path, "drafter.loss=sft", "drafter.target_logits=cached", run="bad"))
+    with pytest.raises(ValueError, match="drafter.target_logits must be online or cached"):
+        train(smoke(tmp_path, "drafter.target_logits=offline", run="bad"))
 
 
 def test_on_policy_and_lora(tiny_world, tmp_path):

@@ -82,7 +82,7 @@ def test_size_cap_and_resume(target, tmp_path):
     write_shards(exs[:6], target, [LAYERS], tmp_path / "part", batch_size=3, shard_tokens=1, progress=False)
     first = json.loads((tmp_path / "part" / "manifest.json").read_text())
     assert first["examples"] == 6
-    with pytest.raises(ValueError, match="other layers, dtype or examples"):
+    with pytest.raises(ValueError, match="other settings or examples"):
         write_shards(exs, target, [LAYERS], tmp_path / "part", progress=False)
     out = tmp_path / "resume"
     write_shards(exs, target, [LAYERS], out, batch_size=3, shard_tokens=1, progress=False)

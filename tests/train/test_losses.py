@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from train.losses import DIVERGENCES, acceptance_estimate, divergence, greedy_agreement, sft
+from train.losses import DIVERGENCES, acceptance_estimate, divergence, divergence_topk, greedy_agreement, sft
 
 
 def logits_of(*probs):
@@ -58,3 +58,49 @@ def test_sft_agreement_and_errors():
         divergence("kl", Q, P, MASK)
     with pytest.raises(ValueError, match="beta"):
         divergence("jsd", Q, P, MASK, beta=1.0)
+
+
+def _top(logits, k):
+    values, indices = torch.log_softmax(logits, -1).topk(k, -1)
+    return values, indices
+
+
+@pytest.mark.parametrize("kind", DIVERGENCES)
+def test_topk_with_the_whole_vocabulary_is_the_full_divergence(kind):
+    g = torch.Generator().manual_seed(0)
+    draft, target = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g) * 2
+    mask = torch.ones(2, 5)
+    mask[1, 3:] = 0
+    top_logp, top_idx = _top(target, 11)
+    full = divergence(kind, draft, target, mask)
+    assert divergence_topk(kind, draft, top_logp, top_idx, mask).item() == pytest.approx(full.item(), rel=1e-4)
+    assert divergence_topk(kind, target, top_logp, top_idx, mask).item() == pytest.approx(0.0, abs=1e-5)
+
+
+def test_topk_merges_the_rest_into_one_bucket_by_hand():
+    # Three tokens, k = 1: p = (0.6, 0.3, 0.1) keeps token 0 and the bucket 0.4; q = (0.2, 0.5, 0.3) -> (0.2, 0.8).
+    p, q = logits_of([0.6, 0.3, 0.1]), logits_of([0.2, 0.5, 0.3])
+    top_logp, top_idx = _top(p, 1)
+    mask = torch.ones(1, 1)
+    fkl = 0.6 * math.log(0.6 / 0.2) + 0.4 * math.log(0.4 / 0.8)
+    rkl = 0.2 * math.log(0.2 / 0.6) + 0.8 * math.log(0.8 / 0.4)
+    assert divergence_topk("forward_kl", q, top_logp, top_idx, mask).item() == pytest.approx(fkl, rel=1e-5)
+    assert divergence_topk("reverse_kl", q, top_logp, top_idx, mask).item() == pytest.approx(rkl, rel=1e-5)
+    assert divergence_topk("tvd", q, top_logp, top_idx, mask).item() == pytest.approx(0.4, rel=1e-5)
+    # Merging outcomes can only shrink a divergence: a lower bound of the full one.
+    for kind in DIVERGENCES:
+        assert divergence_topk(kind, q, top_logp, top_idx, mask) <= divergence(kind, q, p, mask) + 1e-6
+
+
+def test_topk_gradient_is_finite_and_moves_q_towards_p():
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(1, 4, 9, generator=g) * 3
+    draft = torch.zeros(1, 4, 9, requires_grad=True)
+    for k in (3, 9):  # k = V leaves an empty bucket on both sides
+        top_logp, top_idx = _top(target, k)
+        for kind in DIVERGENCES:
+            loss = divergence_topk(kind, draft, top_logp, top_idx, torch.ones(1, 4))
+            (grad,) = torch.autograd.grad(loss, draft)
+            assert torch.isfinite(grad).all(), (kind, k)
+            stepped = divergence_topk(kind, draft - 0.5 * grad, top_logp, top_idx, torch.ones(1, 4))
+            assert stepped < loss, (kind, k)

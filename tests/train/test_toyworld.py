@@ -52,3 +52,34 @@ def test_build_is_deterministic(tmp_path, tiny_world):
     for split in ("train", "eval"):
         assert (tiny_world / "company_logs" / f"{split}.jsonl").read_text() == \
             (again / "company_logs" / f"{split}.jsonl").read_text()
+
+
+def test_code_and_json_traffic_restates_the_prompt():
+    """The edit-style records are what their prompts ask: a rename changes only the name, a status
+    update only the status, and a record described in words carries the described values."""
+    records = toyworld.company_records(toyworld.corpus(0), 60, 0)
+    kinds = {"rename": 0, "recall": 0, "status": 0, "describe": 0, "tool": 0}
+    for r in records:
+        user, answer = r["messages"][1]["content"], r["messages"][2]["content"]
+        if r["category"] == "code" and user.startswith("Rename"):
+            kinds["rename"] += 1
+            old, new = user.split("`")[1], user.split("`")[3]
+            pasted = user.split("\n", 1)[1]
+            assert answer.startswith(f"def {new}(") and answer.replace(new, old) == pasted
+        elif r["category"] == "code":
+            kinds["recall"] += 1
+            assert user.startswith("Show me the implementation of") and answer.startswith("def ")
+        elif r["category"] == "json" and user.startswith("Set the status to"):
+            kinds["status"] += 1
+            before, after = json.loads(user.split("\n", 1)[1]), json.loads(answer)
+            assert after == dict(before, status=user.split()[4].rstrip(":")) and after != before
+        elif r["category"] == "json" and user.startswith("Return this as JSON"):
+            kinds["describe"] += 1
+            obj = json.loads(answer)
+            assert all(str(v) in user for k, v in obj.items() if k in ("id", "order_id", "name", "email", "city"))
+        elif r["category"] == "json":
+            kinds["tool"] += 1
+            call = json.loads(answer)
+            assert call["tool"] in ("get_weather", "create_ticket", "lookup_order", "send_email")
+            assert all(str(v).split()[0] in user for v in call["arguments"].values() if v != "Your order")
+    assert all(n > 5 for n in kinds.values()), kinds
