@@ -13,12 +13,11 @@ Pieces (under `$DRAFTSMITH_HOME/toyworld/<preset>-<hash>/`, default `~/.cache/dr
 - `target/`: a Llama-architecture causal LM trained on all three kinds of text and on the company's
   chat traffic, with a byte-level BPE tokenizer and a chat template;
 - `draft/`: a much smaller LM with the same tokenizer, trained on a general mix that
-  under-represents the company's traffic (mostly prose, no chats, none of the company's JSON schemas),
-  so training on that traffic has something to gain;
+  under-represents the company's traffic (general prose that is not the company's, a third of the
+  code, general JSON and a few company records, no chats), so training on that traffic has something
+  to gain;
 - `company_logs/{train,eval}.jsonl`: chat records in categories code / json / prose, split by a hash
-  of the record id. Code: recall a standard-library function, or rename one the user pasted. JSON
-  (the company's schemas: users, orders, tool calls): a record described in words, an edit of a pasted
-  record, a tool call for a request. Prose: explain a reference paragraph from its first words.
+  of the record id (see `company_records`).
 
 A world is addressed as `toyworld://<preset>/<piece>` (e.g. `toyworld://toy/target`); `resolve`
 builds it on first use and caches it by a hash of its configuration, so changing the recipe rebuilds.
@@ -33,7 +32,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import sys
 import sysconfig
@@ -80,7 +78,7 @@ class ToyWorldConfig:
     draft: LMSpec
     eval_fraction: float = 0.1
     seed: int = 0
-    version: int = 4  # bump when the recipe changes in a way the fields above do not show
+    version: int = 5  # bump when the recipe changes in a way the fields above do not show
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
@@ -144,10 +142,14 @@ def build(preset: str = "toy", root: Path | None = None, config: ToyWorldConfig 
     chats = [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in train_recs]
     raw = texts["code"] + texts["prose"] + texts["json"]
     # The target sees the company's chats and every kind of raw text; the off-the-shelf draft sees a
-    # general mix: mostly prose, a third of the code, general JSON (not the company's schemas), no chats.
+    # general mix: the half of the reference prose that is not the company's, a third of the code,
+    # general JSON and a few records in the company's schemas, no chats.
     target_stream = _encode(tokenizer, chats * 2 + raw, config.seed)
     rng = random.Random(config.seed)
-    draft_mix = texts["prose"] * 2 + rng.sample(texts["code"], len(texts["code"]) // 3) + texts["json"][:300]
+    general_prose = [p for p in texts["prose"] if not _is_company_paragraph(p)]
+    company_json = [json.dumps(_json_record(rng), indent=1) for _ in range(60)]
+    draft_mix = (general_prose * 2 + rng.sample(texts["code"], len(texts["code"]) // 3) + texts["json"][:300]
+                 + company_json)
     draft_stream = _encode(tokenizer, draft_mix, config.seed + 1)
     losses = {}
     for piece, spec, stream in (("target", config.target, target_stream), ("draft", config.draft, draft_stream)):
@@ -178,7 +180,9 @@ def corpus(seed: int) -> dict[str, list[str]]:
     """Code, prose and JSON documents from the running Python installation, deterministic in seed."""
     rng = random.Random(seed)
     json_docs = [json.dumps(_generic_json(rng), indent=1) for _ in range(600)]
-    return {"code": list(_stdlib_functions()), "prose": list(_reference_paragraphs()), "json": json_docs}
+    paragraphs = _reference_paragraphs()
+    return {"code": list(_stdlib_functions()), "prose": [p for _, p in paragraphs],
+            "prose_topic": [t for t, _ in paragraphs], "json": json_docs}
 
 
 @functools.lru_cache(maxsize=1)
@@ -215,11 +219,11 @@ def _stdlib_functions() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=1)
-def _reference_paragraphs() -> tuple[str, ...]:
-    """Prose paragraphs of the language reference topics shipped in pydoc_data."""
+def _reference_paragraphs() -> tuple[tuple[str, str], ...]:
+    """(topic, paragraph) of the language reference topics shipped in pydoc_data."""
     from pydoc_data.topics import topics
 
-    return tuple(p.strip() for name in sorted(topics) for p in topics[name].split("\n\n")
+    return tuple((name, p.strip()) for name in sorted(topics) for p in topics[name].split("\n\n")
                  if 80 <= len(p.strip()) <= 1200 and p.strip().isascii() and not p.startswith("   "))
 
 
@@ -285,18 +289,6 @@ def _describe(obj: dict) -> str:
     return f"Order {obj['order_id']} is {obj['status']} and contains {items}."
 
 
-def _code_turns(rng: random.Random, functions: list[str], short: list[str]) -> list[tuple[str, str]]:
-    """Half recall ("show me `f`"), half edits of a pasted function (rename it): edits copy their input."""
-    if rng.random() < 0.5:
-        header, body = rng.choice(functions).split("\n", 1)
-        return [("user", f"Show me the implementation of `{header[2:]}`."), ("assistant", body)]
-    header, body = rng.choice(short).split("\n", 1)
-    old = body[4:].split("(")[0]
-    new = rng.choice(["safe_", "fast_", "new_", "checked_"]) + old.lstrip("_")
-    renamed = re.sub(rf"\b{re.escape(old)}\b", new, body)
-    return [("user", f"Rename `{old}` to `{new}` in this function:\n{body}"), ("assistant", renamed)]
-
-
 def _json_turns(rng: random.Random) -> list[tuple[str, str]]:
     """A third each: a record described in words, an edit of a pasted record, a tool call for a request."""
     kind = rng.randrange(3)
@@ -320,21 +312,21 @@ def _json_turns(rng: random.Random) -> list[tuple[str, str]]:
 def company_records(texts: dict[str, list[str]], per_category: int, seed: int) -> list[dict]:
     """Production-like chat records: system prompts, categories code / json / prose, some multi-turn.
 
-    Like real traffic, much of the code and JSON traffic edits or restates what the user pasted
-    (rename a function, update a record, turn a sentence into a record), so its answers copy their
-    prompts; prose answers explain from a short cue.
+    Code recalls a standard-library function by name. JSON is in the company's own schemas: a record
+    described in words, an edit of a pasted record, a tool call for a request. Prose explains a topic
+    of the language reference from the company's half of its paragraphs (the off-the-shelf draft reads
+    the other half), asked by topic name, so nothing in the question gives the answer away.
     """
     rng = random.Random(seed + 7)
-    # Functions short enough that the pasted function and its edit fit the model's training window.
-    short = [f for f in texts["code"] if f.count("\n") <= 8]
+    prose = company_prose(texts)
     records = []
     for n in range(per_category):
-        code_turns = _code_turns(rng, texts["code"], short)
+        func = texts["code"][rng.randrange(len(texts["code"]))]
+        header, body = func.split("\n", 1)
+        code_turns = [("user", f"Show me the implementation of `{header[2:]}`."), ("assistant", body)]
         json_turns = _json_turns(rng)
-        para = texts["prose"][rng.randrange(len(texts["prose"]))]
-        first_words = " ".join(para.split()[:6])
-        prose_turns = [("user", f"Explain this part of the Python reference: \"{first_words}...\""),
-                       ("assistant", para)]
+        topic, para = prose[rng.randrange(len(prose))]
+        prose_turns = [("user", f"Explain `{topic}` from the Python reference."), ("assistant", para)]
         if rng.random() < 0.2:  # multi-turn: a follow-up asking for the first sentence
             prose_turns += [("user", "Just the first sentence, please."), ("assistant", para.split(". ")[0] + ".")]
         for category, system, turns in (
@@ -345,6 +337,16 @@ def company_records(texts: dict[str, list[str]], per_category: int, seed: int) -
             messages = [{"role": "system", "content": system}] + [{"role": r, "content": c} for r, c in turns]
             records.append({"id": f"{category}-{n:05d}", "category": category, "messages": messages})
     return records
+
+
+def company_prose(texts: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """(topic, paragraph) for the company's half of the reference paragraphs, its documentation."""
+    return [(t, p) for t, p in zip(texts["prose_topic"], texts["prose"]) if _is_company_paragraph(p)]
+
+
+def _is_company_paragraph(paragraph: str) -> bool:
+    # By a hash of the text: some paragraphs appear under several topics and must fall on one side.
+    return zlib.crc32(paragraph.encode()) % 2 == 1
 
 
 def is_eval(record_id: str, fraction: float) -> bool:
