@@ -2,7 +2,7 @@
 # make demo:    the main job end to end on the built-in toy world (built on first use): trains an EAGLE-3 head
 #               on its company traffic and prints the evaluation table against the off-the-shelf draft.
 # make test:    the test suite (what CI runs).
-# make bench:   the benchmarks behind BENCHMARKS.md sections 1, 3 and 5 (about an hour; not run in CI).
+# make bench:   the benchmarks behind BENCHMARKS.md sections 1, 3, 4 and 5 (about two hours; not run in CI).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -30,6 +30,8 @@ bench: install
 	$(BIN)/python scripts/bench_eval.py
 	$(BIN)/python scripts/bench_data.py
 	$(BIN)/python scripts/bench_heads.py --offline
+	$(BIN)/python scripts/bench_train.py --steps 300 --ks 3,4 --repeats 2 \
+		--variants sft,forward_kl,forward_kl+cached_top64,reverse_kl,jsd,tvd,forward_kl+on_policy
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache *.egg-info
