@@ -132,21 +132,30 @@ class DistillRecipe:
 
     def _setup_logit_cache(self) -> None:
         """The target's top-k log-probabilities over the training set, computed once (rank 0) and shared."""
-        from train.data import Example
         from train.logit_cache import LogitCache, write_logit_cache
         from train.shards import complete
 
         t, d = self.cfg.trainer, self.cfg.drafter
-        key = zlib.crc32(json.dumps([str(self.data_dirs["train"]), t.max_length, d.cached_top_k,
-                                     d.temperature]).encode())
-        directory = Path(self.cfg.data_cache) / f"logits-{key:08x}"
+        directory = self._cache_dir("logits", t.max_length, d.cached_top_k, d.temperature)
         with self.acc.main_process_first():
             if not complete(directory):
-                examples = [Example(r["id"], r["category"], r["input_ids"][: t.max_length],
-                                    r["loss_mask"][: t.max_length]) for r in self.train_set]
-                write_logit_cache(examples, self.target, directory, top_k=d.cached_top_k, temperature=d.temperature,
-                                  batch_size=t.batch_size, progress=self.cfg.progress and self.is_main)
+                write_logit_cache(self._training_examples(), self.target, directory, top_k=d.cached_top_k,
+                                  temperature=d.temperature, batch_size=t.batch_size,
+                                  progress=self.cfg.progress and self.is_main)
         self.logit_cache = LogitCache(directory)
+
+    def _cache_dir(self, prefix: str, *settings) -> Path:
+        """Where a cache computed from the training set with these settings lives (under data_cache)."""
+        key = zlib.crc32(json.dumps([str(self.data_dirs["train"]), *settings]).encode())
+        return Path(self.cfg.data_cache) / f"{prefix}-{key:08x}"
+
+    def _training_examples(self) -> list:
+        """The training set as the steps see it: truncated to trainer.max_length."""
+        from train.data import Example
+
+        limit = self.cfg.trainer.max_length
+        return [Example(r["id"], r["category"], r["input_ids"][:limit], r["loss_mask"][:limit])
+                for r in self.train_set]
 
     def _setup_models(self) -> None:
         from transformers import AutoModelForCausalLM

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import zlib
 from pathlib import Path
 
 import torch
@@ -113,18 +112,13 @@ class HeadRecipe(DistillRecipe):
         self.shards = None
         if self.cfg.drafter.hidden_states != "offline":
             return
-        from train.data import Example
-
         t, d, layers = self.cfg.trainer, self.cfg.drafter, self.capture_layers
-        key = zlib.crc32(json.dumps([str(self.data_dirs["train"]), layers, t.max_length, d.offline_dtype]).encode())
-        directory = Path(self.cfg.data_cache) / f"hidden-{key:08x}"
+        directory = self._cache_dir("hidden", layers, t.max_length, d.offline_dtype)
         with self.acc.main_process_first():
             if not complete(directory):
-                examples = [Example(r["id"], r["category"], r["input_ids"][: t.max_length], r["loss_mask"][: t.max_length])
-                            for r in self.train_set]
                 max_bytes = None if d.offline_max_gib is None else int(d.offline_max_gib * 2**30)
-                write_shards(examples, self.target, layers, directory, dtype=d.offline_dtype, batch_size=t.batch_size,
-                             max_bytes=max_bytes, progress=self.cfg.progress and self.is_main)
+                write_shards(self._training_examples(), self.target, layers, directory, dtype=d.offline_dtype,
+                             batch_size=t.batch_size, max_bytes=max_bytes, progress=self.cfg.progress and self.is_main)
         self.shards = ShardReader(directory)
 
     # --- data -------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd")
+_TINY = math.exp(-60)  # floor of a probability in divergence_topk
 
 
 def _masked_mean(per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -90,9 +91,6 @@ def divergence_topk(
     log_p = torch.cat([log_p_top, p_rest.clamp_min(_TINY).log()], -1)
     log_q = torch.cat([log_q_top, log_q_rest.clamp_min(math.log(_TINY))], -1)
     return _masked_mean(_per_position(kind, log_p, log_q, beta), mask)
-
-
-_TINY = math.exp(-60)
 
 
 def _per_position(kind: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:

@@ -420,17 +420,19 @@ def train_lm(model, stream: torch.Tensor, spec: LMSpec, seq_len: int, seed: int,
     model.train()
     recent: list[torch.Tensor] = []
     bar = tqdm(range(spec.steps), desc=desc, unit="step", file=sys.stderr)
-    for step in bar:
-        starts = torch.randint(0, len(stream) - seq_len, (spec.batch_size,), generator=generator)
-        batch = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])  # (B, T)
-        loss = model(input_ids=batch, labels=batch).loss  # labels are shifted inside the model
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        recent = (recent + [loss.detach()])[-10:]
-        if step % 10 == 0 or step == spec.steps - 1:  # .item() syncs: only when the bar shows it
-            bar.set_postfix(loss=f"{torch.stack(recent).mean().item():.3f}")
+    # A world may be built on first use from inside torch.no_grad() (an evaluation, a script): train anyway.
+    with torch.enable_grad():
+        for step in bar:
+            starts = torch.randint(0, len(stream) - seq_len, (spec.batch_size,), generator=generator)
+            batch = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])  # (B, T)
+            loss = model(input_ids=batch, labels=batch).loss  # labels are shifted inside the model
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            recent = (recent + [loss.detach()])[-10:]
+            if step % 10 == 0 or step == spec.steps - 1:  # .item() syncs: only when the bar shows it
+                bar.set_postfix(loss=f"{torch.stack(recent).mean().item():.3f}")
     model.eval()
     return torch.stack(recent).mean().item()
