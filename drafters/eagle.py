@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from drafters.base import Proposal
 from drafters.heads import FeatureDrafter
-from drafters.layers import Attention, KVCache, SharedTarget, causal_mask, soft_cross_entropy, step_stats
+from drafters.layers import (Attention, KVCache, RMSNorm, Rotary, SharedTarget, causal_mask, soft_cross_entropy,
+                             step_stats)
 from eval.sampling import Sampling, draw
 
 
@@ -78,9 +79,9 @@ class Eagle3Layer(nn.Module):
         d = config.hidden_size
         self.self_attn = Attention(config, input_size=2 * d)
         self.mlp = LlamaMLP(config)
-        self.hidden_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
-        self.input_layernorm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps)
 
     def forward(self, embeds, hidden, cos, sin, mask, cache=None, base=None, diagonal=()):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
@@ -99,8 +100,8 @@ class Eagle3(nn.Module):
         d = config.hidden_size
         self.fc = nn.Linear(len(config.feature_layers) * config.target_hidden_size, d, bias=False)
         self.midlayer = Eagle3Layer(config)
-        self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
-        self.rotary = LlamaRotaryEmbedding(config)
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.rotary = Rotary(config)
         size = getattr(config, "draft_vocab_size", None) or config.vocab_size
         self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
@@ -140,10 +141,10 @@ class Eagle3(nn.Module):
             self._rows = (key, weight[self.target_ids()].detach())
         return self._rows[1]
 
-    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Inference: entries (hidden (1, q, d), tokens (q,)) at `positions` on top of `cache`."""
-        cos, sin = self.rotary(hidden, positions[None])
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        """Inference: entries (hidden (1, q, d), tokens (q,)) at positions start..start+q-1 on top of `cache`."""
         q = hidden.shape[1]
+        cos, sin = self.rotary(hidden, start, q)
         mask = causal_mask(q, len(cache), hidden.device) if q > 1 else None
         embeds = self.shared.embed_tokens(tokens[None], hidden.dtype)
         return self.midlayer(embeds, hidden, cos, sin, mask, cache=cache)[0]
@@ -163,8 +164,7 @@ class Eagle3(nn.Module):
         hidden = self.fc(features[:, :-1])
         base, diagonal, logits = None, [], []
         for s in range(S):
-            positions = torch.arange(s, s + E, device=input_ids.device)[None]
-            cos, sin = self.rotary(hidden, positions)
+            cos, sin = self.rotary(hidden, s, E)
             embeds = self.shared.embed_tokens(ids[:, 1 + s: 1 + s + E], hidden.dtype)
             out, kv = self.midlayer(embeds, hidden, cos, sin, mask, base=base, diagonal=diagonal)
             if s == 0:
@@ -220,7 +220,7 @@ class Eagle3Drafter(FeatureDrafter):
             return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
         new = self.pending.shape[0]
         tokens = torch.tensor(self.ids[m - new + 1: m + 1], device=self.device)
-        out = head.step(head.fc(self.pending)[None], tokens, torch.arange(m - new, m, device=self.device), self.cache)
+        out = head.step(head.fc(self.pending)[None], tokens, m - new, self.cache)
         self.pending, self.fed = self.pending[:0], m
         h = out[:, -1:]
         guesses, dists = [], []
@@ -230,7 +230,7 @@ class Eagle3Drafter(FeatureDrafter):
             guesses.append(token)
             dists.append(q)
             if s < k - 1:
-                h = head.step(h, token.view(1), torch.tensor([m + s], device=self.device), self.cache)
+                h = head.step(h, token.view(1), m + s, self.cache)
         self.guesses = torch.stack(guesses).tolist()
         return Proposal(torch.stack(guesses), None if sampling.greedy else torch.stack(dists))
 

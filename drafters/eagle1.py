@@ -16,11 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from drafters.base import Proposal
 from drafters.heads import FeatureDrafter
-from drafters.layers import DecoderLayer, KVCache, SharedTarget, causal_mask, soft_cross_entropy, step_stats
+from drafters.layers import DecoderLayer, KVCache, Rotary, SharedTarget, causal_mask, soft_cross_entropy, step_stats
 from eval.sampling import Sampling, draw
 
 
@@ -35,22 +34,22 @@ class Eagle1(nn.Module):
         d = config.hidden_size
         self.fc = nn.Linear(d + config.target_hidden_size, d, bias=False)
         self.layer = DecoderLayer(config)
-        self.rotary = LlamaRotaryEmbedding(config)
+        self.rotary = Rotary(config)
         self.shared: SharedTarget | None = None
 
     def attach(self, target) -> None:
         self.shared = SharedTarget(target)
 
-    def _entries(self, hidden, tokens, positions, mask, cache=None):
+    def _entries(self, hidden, tokens, start, mask, cache=None):
         embeds = self.shared.embed_tokens(tokens, hidden.dtype)
-        cos, sin = self.rotary(hidden, positions)
+        cos, sin = self.rotary(hidden, start, hidden.shape[1])
         return self.layer(self.fc(torch.cat([embeds, hidden], dim=-1)), cos, sin, mask, cache)
 
-    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Inference: entries (hidden (1, q, d), tokens (q,)) at `positions` on top of `cache`."""
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        """Inference: entries (hidden (1, q, d), tokens (q,)) at positions start..start+q-1 on top of `cache`."""
         q = hidden.shape[1]
         mask = causal_mask(q, len(cache), hidden.device) if q > 1 else None
-        return self._entries(hidden, tokens[None], positions[None], mask, cache)
+        return self._entries(hidden, tokens[None], start, mask, cache)
 
     def forward(self, features, input_ids, attention_mask, loss_mask, target_probs):
         """Training loss (teacher forced): feature regression + token loss. Shapes as in drafters/eagle.py."""
@@ -59,8 +58,7 @@ class Eagle1(nn.Module):
         key_valid = attention_mask[:, 1:].bool().clone()
         key_valid[:, 0] = True
         mask = causal_mask(E, 0, input_ids.device, key_valid)
-        positions = torch.arange(E, device=input_ids.device)[None]
-        out = self._entries(features[:, :-1], input_ids[:, 1:], positions, mask)
+        out = self._entries(features[:, :-1], input_ids[:, 1:], 0, mask)
         # Entry e predicts the feature at e+1 and the token at e+2 (whose distribution is target_probs[e+1]).
         m = torch.zeros_like(loss_mask[:, 1:], dtype=torch.bool)
         m[:, :-1] = loss_mask[:, 2:].bool() & attention_mask[:, 2:].bool()
@@ -91,7 +89,7 @@ class Eagle1Drafter(FeatureDrafter):
             return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
         new = self.pending.shape[0]
         tokens = torch.tensor(self.ids[m - new + 1: m + 1], device=self.device)
-        h = head.step(self.pending[None], tokens, torch.arange(m - new, m, device=self.device), self.cache)[:, -1:]
+        h = head.step(self.pending[None], tokens, m - new, self.cache)[:, -1:]
         self.pending, self.fed = self.pending[:0], m
         guesses, dists = [], []
         for s in range(k):
@@ -101,7 +99,7 @@ class Eagle1Drafter(FeatureDrafter):
                 dists.append(q)
             guesses.append(token)
             if s < k - 1:
-                h = head.step(h, token.view(1), torch.tensor([m + s], device=self.device), self.cache)
+                h = head.step(h, token.view(1), m + s, self.cache)
         self.guesses = torch.stack(guesses).tolist()
         return Proposal(torch.stack(guesses), torch.stack(dists) if dists else None)
 

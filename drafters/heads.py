@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 from transformers import LlamaConfig
 
@@ -73,11 +73,15 @@ def build_head(kind: str, target, feature_layers: list[int], **settings) -> nn.M
     return head
 
 
-def save_head(head: nn.Module, out_dir: str | Path) -> Path:
+def save_head(head: nn.Module, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Config and weights of `head`; `state_dict` (e.g. gathered from a sharded run) replaces its own."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     head.config.save_pretrained(out)
-    save_model(head, str(out / "model.safetensors"))
+    if state_dict is None:
+        save_model(head, str(out / "model.safetensors"))
+    else:
+        save_file({name: t.contiguous() for name, t in state_dict.items()}, str(out / "model.safetensors"))
     return out
 
 

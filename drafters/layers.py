@@ -7,6 +7,8 @@
   attends to the head's own earlier draft entries for that position ("diagonal" keys).
 - `DecoderLayer`: the standard pre-norm Llama block on that attention.
 - `SharedTarget`: the target's embedding and output head, referenced, never copied or trained.
+- `RMSNorm`, `Rotary`: Llama's RMSNorm and RoPE with the same weights and values, cheaper per call (a
+  drafting step runs a handful of tiny ops, so per-call overhead is most of a head's cost c).
 - `causal_mask`: the boolean masks all of the above use (True = may attend).
 
 Module names follow Hugging Face Llama (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...)
@@ -18,7 +20,50 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm (statistics in fp32, then scaled by `weight`) through torch's fused kernel: one
+    op where `LlamaRMSNorm` runs six. Same parameter name, so checkpoints and exports are unchanged."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE cos/sin of positions start..start+length-1, looked up in a table computed by Llama's own
+    rotary embedding (so the values are the same) and grown on demand. Positions are Python ints:
+    drafting never waits on the device to learn where it is. RoPE types that rescale with the sequence
+    length (dynamic, longrope) are computed per call instead."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.rope = LlamaRotaryEmbedding(config)
+        self.static = not ("dynamic" in self.rope.rope_type or self.rope.rope_type == "longrope")
+        self._table: dict = {}  # (device, dtype) -> (cos, sin), each (1, N, head_dim)
+
+    def forward(self, x: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + length
+        if not self.static:
+            return self.rope(x, torch.arange(start, end, device=x.device)[None])
+        key = (x.device, x.dtype)
+        cos, sin = self._table.get(key, (None, None))
+        if cos is None or cos.shape[1] < end:
+            size = max(end, 2 * (0 if cos is None else cos.shape[1]), 256)
+            # A normal tensor even when the first call comes from the (inference-mode) drafting loop,
+            # so that training afterwards may save it for backward.
+            with torch.inference_mode(False):
+                cos, sin = self.rope(x, torch.arange(size, device=x.device)[None])
+            self._table[key] = (cos, sin)
+        return cos[:, start:end], sin[:, start:end]
 
 
 class KVCache:
@@ -116,8 +161,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
         h, _ = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from drafters.base import Proposal
 from drafters.heads import FeatureDrafter
-from drafters.layers import DecoderLayer, KVCache, SharedTarget, causal_mask, soft_cross_entropy, step_stats
+from drafters.layers import (DecoderLayer, KVCache, RMSNorm, Rotary, SharedTarget, causal_mask, soft_cross_entropy,
+                             step_stats)
 from eval.sampling import Sampling, draw
 
 
@@ -31,11 +31,11 @@ class MTPModule(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         d = config.hidden_size
-        self.enorm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
-        self.hnorm = LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps)
+        self.enorm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.target_hidden_size, eps=config.rms_norm_eps)
         self.eh_proj = nn.Linear(d + config.target_hidden_size, d, bias=False)
         self.block = DecoderLayer(config)
-        self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps)
 
     def forward(self, hidden, embeds, cos, sin, mask, cache=None):
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
@@ -51,15 +51,15 @@ class MTP(nn.Module):
             raise ValueError(f"MTP reads one feature layer (the last), got {list(config.feature_layers)}")
         self.config = config
         self.layers = nn.ModuleList(MTPModule(config) for _ in range(config.depth))
-        self.rotary = LlamaRotaryEmbedding(config)
+        self.rotary = Rotary(config)
         self.shared: SharedTarget | None = None
 
     def attach(self, target) -> None:
         self.shared = SharedTarget(target)
 
-    def run(self, k: int, hidden, tokens, positions, mask, cache=None) -> torch.Tensor:
-        """Module k (0-based) on (hidden (B, q, d), tokens (B, q)) at positions (B|1, q)."""
-        cos, sin = self.rotary(hidden, positions)
+    def run(self, k: int, hidden, tokens, start: int, mask, cache=None) -> torch.Tensor:
+        """Module k (0-based) on (hidden (B, q, d), tokens (B, q)) at positions start..start+q-1."""
+        cos, sin = self.rotary(hidden, start, hidden.shape[1])
         return self.layers[k](hidden, self.shared.embed_tokens(tokens, hidden.dtype), cos, sin, mask, cache)
 
     def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
@@ -73,10 +73,9 @@ class MTP(nn.Module):
         key_valid = attention_mask.bool().clone()
         key_valid[:, 0] = True
         mask = causal_mask(T, 0, input_ids.device, key_valid)
-        positions = torch.arange(T, device=input_ids.device)[None]
         hidden, logits = features, []
         for k in range(1, self.config.depth + 1):
-            hidden = self.run(k - 1, hidden, ids[:, k: k + T], positions, mask)
+            hidden = self.run(k - 1, hidden, ids[:, k: k + T], 0, mask)
             logits.append(self.logits(k - 1, hidden))
         return logits
 
@@ -118,9 +117,8 @@ class MTPDrafter(FeatureDrafter):
         q, cache = hidden.shape[0], self.caches[j]
         assert len(cache) == lo, (len(cache), lo)
         mask = causal_mask(q, lo, self.device) if q > 1 else None
-        positions = torch.arange(lo, lo + q, device=self.device)[None]
         ids = torch.tensor([tokens], device=self.device)
-        return self.head.run(j, hidden[None], ids, positions, mask, cache)[0]
+        return self.head.run(j, hidden[None], ids, lo, mask, cache)[0]
 
     def _stable(self, j: int, lo: int, hi: int) -> torch.Tensor:
         return self.outputs[j][lo - self.base[j]: hi - self.base[j]]

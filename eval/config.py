@@ -85,7 +85,9 @@ class RegenerateConfig:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0
     top_p: float = 1.0
-    max_new_tokens: int = 256
+    # Sized with trainer=cpu (max_length 384) for the toy world, whose code answers rarely end: 128 covers
+    # the evaluation's 64 new tokens twice. For real traffic raise it with trainer.max_length (e.g. 1024).
+    max_new_tokens: int = 128
 
 
 @dataclass

@@ -2,15 +2,23 @@
 
 A checkpoint is a directory `step-000120/` holding
 
-- `model.safetensors`: the trainable model's state dict (weights: safetensors, never pickle);
-- `optimizer.pt`: the optimizer's state dict (tensors and numbers only, loaded with
-  `torch.load(weights_only=True)`, which refuses arbitrary objects);
+- `model.safetensors`: the trainable model's whole state dict (weights: safetensors, never pickle);
+- `optimizer.pt`: the optimizer's whole state dict, keyed by parameter name (tensors, names and numbers
+  only, loaded with `torch.load(weights_only=True)`, which refuses arbitrary objects);
 - `rng.safetensors`: the torch CPU (and CUDA) generator states;
 - `state.json`: step, scheduler state, Python `random` state and the metric used to pick the best;
 - `COMPLETE`: written last.
 
 Everything is written into `step-000120.tmp-<pid>/` and renamed into place, so a checkpoint directory
 exists under its final name only when complete; `latest` ignores anything else.
+
+Model and optimizer states go through torch's distributed state-dict API
+(`torch.distributed.checkpoint.state_dict`), which sees through the wrappers Accelerate puts around
+them: a plain module, DDP, or FSDP with sharded parameters and optimizer state. Saving gathers the full
+states (every process must call `save`; the first one writes), loading gives each process its part.
+The files are therefore the same whatever ran the training, and a checkpoint written by an FSDP run
+loads into a single process and the other way round. DeepSpeed's engine keeps its partitions outside
+that API; the recipes refuse it (train/distill.py).
 """
 
 from __future__ import annotations
@@ -22,9 +30,40 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 MARKER = "COMPLETE"
+
+
+def _is_main() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _raw(optimizer):
+    """The torch optimizer inside Accelerate's wrapper (AcceleratedOptimizer keeps it as `.optimizer`)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def full_model_state(model: torch.nn.Module, everywhere: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's weights as CPU tensors, whatever wraps or shards it. Collective: every process
+    calls it. The first process gets the weights, the others {} unless `everywhere`."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not everywhere))
+    return {name: t.detach().cpu() for name, t in state.items()}
+
+
+def write_weights(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """A state dict to safetensors. Tied weights (an embedding shared with the output head) are
+    written under each of their names, so the file loads strictly into the model either way."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in state.items():
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone().contiguous() if ptr in seen else t.contiguous()
+        seen.add(ptr)
+    save_file(out, str(path))
 
 
 def _name(step: int) -> str:
@@ -33,14 +72,22 @@ def _name(step: int) -> str:
 
 def save(directory: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler, extra: dict | None = None,
          keep: int | None = None) -> Path:
-    """Write checkpoint `step` under directory atomically; keep only the newest `keep` (None = all)."""
+    """Write checkpoint `step` under directory atomically; keep only the newest `keep` (None = all).
+
+    Collective: every process calls it with its (possibly wrapped or sharded) model and optimizer; the
+    first process writes. Returns the checkpoint's path."""
     directory = Path(directory)
     final = directory / _name(step)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = full_model_state(model)
+    optim_state = get_optimizer_state_dict(model, _raw(optimizer), options=options)
+    if not _is_main():
+        return final
     tmp = directory / f"{_name(step)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))  # handles tied weights (embedding = LM head)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    write_weights(weights, tmp / "model.safetensors")
+    torch.save(optim_state, tmp / "optimizer.pt")
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -79,12 +126,16 @@ def latest(directory: str | Path) -> Path | None:
 
 
 def load(path: str | Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
-    """Restore model, optimizer, scheduler and RNG states from a checkpoint; return its state.json."""
+    """Restore model, optimizer, scheduler and RNG states from a checkpoint; return its state.json.
+
+    Every process calls it (each reads the files and keeps its own part of sharded states)."""
     path = Path(path)
     if not (path / MARKER).exists():
         raise ValueError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
-    load_model(model, str(path / "model.safetensors"), strict=True)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    options = StateDictOptions(full_state_dict=True, strict=True)
+    set_model_state_dict(model, load_file(str(path / "model.safetensors")), options=options)
+    set_optimizer_state_dict(model, _raw(optimizer), torch.load(path / "optimizer.pt", weights_only=True),
+                             options=options)
     state = json.loads((path / "state.json").read_text())
     scheduler.load_state_dict(state["scheduler"])
     rng = load_file(str(path / "rng.safetensors"))

@@ -74,10 +74,24 @@ class DistillRecipe:
         self.acc = Accelerator(cpu=t.cpu or not torch.cuda.is_available(), mixed_precision=t.precision)
         self.device = self.acc.device
         self.is_main = self.acc.is_main_process
+        self._check_distributed()
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
+
+    def _check_distributed(self) -> None:
+        """Refuse the set-ups whose weights this recipe cannot gather into a checkpoint."""
+        from accelerate.utils import DistributedType
+
+        kind = self.acc.distributed_type
+        if kind == DistributedType.DEEPSPEED:
+            raise ValueError("DeepSpeed is not supported: its engine keeps weights and optimizer state partitioned "
+                             "outside torch's state-dict API, which draftsmith's checkpoints use. Use FSDP or DDP "
+                             "(`accelerate config`)")
+        if kind == DistributedType.FSDP and self.cfg.drafter.get("lora", {}).get("enabled"):
+            raise ValueError("drafter.lora with FSDP is not supported: merging LoRA into the weights on save needs "
+                             "unsharded weights. Use DDP, or train without LoRA")
 
     def _validate(self) -> None:
         if self.cfg.drafter.loss not in LOSSES:
@@ -215,7 +229,7 @@ class DistillRecipe:
         if path is None:
             log.info("trainer.resume=auto: no complete checkpoint in %s, starting from scratch", self.out)
             return
-        state = checkpoint.load(path, self.acc.unwrap_model(self.model), self.optimizer, self.scheduler)
+        state = checkpoint.load(path, self.model, self.optimizer, self.scheduler)
         self.step = state["step"]
         self.best = state.get("best")
         log.info("resumed from %s at step %d", path, self.step)
@@ -361,15 +375,16 @@ class DistillRecipe:
     def _save_best(self) -> None:
         """The best model so far, in Hugging Face format (LoRA merged) with the target's tokenizer."""
         self.acc.wait_for_everyone()
+        model = self.acc.unwrap_model(self.model)
+        state = None if self.cfg.drafter.lora.enabled else checkpoint.full_model_state(self.model)  # collective
         if not self.is_main:
             return
-        model = self.acc.unwrap_model(self.model)
-        if self.cfg.drafter.lora.enabled:
+        if self.cfg.drafter.lora.enabled:  # never sharded (see _check_distributed)
             import copy
 
             model = copy.deepcopy(model).merge_and_unload()
         tmp = self.out / "best.tmp"
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state)
         self.tokenizer.save_pretrained(tmp)
         (tmp / "best.json").write_text(json.dumps(self.best) + "\n")
         final = self.out / "best"
@@ -381,9 +396,9 @@ class DistillRecipe:
 
     def save_checkpoint(self) -> None:
         self.acc.wait_for_everyone()
-        if self.is_main:
-            checkpoint.save(self.out / "checkpoints", self.step, self.acc.unwrap_model(self.model), self.optimizer,
-                            self.scheduler, extra={"best": self.best}, keep=self.cfg.trainer.keep_checkpoints)
+        # Every process takes part (the states are gathered); the first one writes.
+        checkpoint.save(self.out / "checkpoints", self.step, self.model, self.optimizer, self.scheduler,
+                        extra={"best": self.best}, keep=self.cfg.trainer.keep_checkpoints)
         self.acc.wait_for_everyone()
 
     def _log(self, record: dict) -> None:
@@ -399,8 +414,9 @@ class DistillRecipe:
     def finish(self) -> dict:
         """Check that every process holds the same weights, then run the evaluation instrument
         (off-the-shelf draft as baseline, the best trained draft as candidate)."""
-        checksum = torch.tensor([sum(float(p.detach().double().sum()) for p in self.acc.unwrap_model(self.model).parameters())],
-                                dtype=torch.float64, device=self.device)
+        weights = checkpoint.full_model_state(self.model, everywhere=True)  # whole, even when sharded
+        checksum = torch.tensor([sum(float(t.double().sum()) for t in weights.values())], dtype=torch.float64,
+                                device=self.device)
         sums = self.acc.gather(checksum).tolist()
         summary = {"steps": self.step, "best": self.best, "rank_checksums": sums}
         if len(set(sums)) != 1:

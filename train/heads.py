@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from drafters.heads import KINDS, build_head, load_head, save_head
+from train.checkpoint import full_model_state
 from train.distill import DistillRecipe, _pad
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
 from train.shards import complete
@@ -188,11 +189,12 @@ class HeadRecipe(DistillRecipe):
 
     def _save_best(self) -> None:
         self.acc.wait_for_everyone()
+        state = full_model_state(self.model)  # collective: whole even when sharded
         if not self.is_main:
             return
         tmp = self.out / "best.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_head(self.acc.unwrap_model(self.model), tmp)
+        save_head(self.acc.unwrap_model(self.model), tmp, state_dict=state)
         (tmp / "best.json").write_text(json.dumps({**self.best, "vocabulary_coverage": self.coverage}) + "\n")
         final = self.out / "best"
         if final.exists():

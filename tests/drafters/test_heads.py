@@ -193,7 +193,7 @@ def _reference_guesses(head, kind, ids, feats, guesses):
             hidden, out = feats[None], []
             for s in range(n):
                 tokens = torch.tensor(ids[1:] + guesses[:s])
-                o = head.step(hidden, tokens, torch.arange(hidden.shape[1]), KVCache())
+                o = head.step(hidden, tokens, 0, KVCache())
                 out.append(int(head.shared.logits(o[:, -1]).argmax()))
                 hidden = torch.cat([hidden, o[:, -1:]], dim=1)
             return out

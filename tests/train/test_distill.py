@@ -54,6 +54,26 @@ def test_config_errors_are_clear(tiny_world, tmp_path):
         train(make_cfg("experiment=smoke", "drafter.loss=sft", "drafter.on_policy.ratio=0.5", f"out_dir={tmp_path}"))
 
 
+@pytest.mark.parametrize("kind,lora,error", [("DEEPSPEED", False, "DeepSpeed is not supported"),
+                                             ("FSDP", True, "drafter.lora with FSDP is not supported"),
+                                             ("FSDP", False, None), ("MULTI_GPU", True, None)])
+def test_unsupported_distributed_setups_are_refused(kind, lora, error, tmp_path):
+    """Accelerate does not start DeepSpeed or FSDP without GPUs, so the check is called directly."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from train.distill import DistillRecipe
+
+    recipe = DistillRecipe(make_cfg(f"drafter.lora.enabled={lora}", f"out_dir={tmp_path}"))
+    recipe.acc = SimpleNamespace(distributed_type=DistributedType[kind])
+    if error is None:
+        recipe._check_distributed()
+    else:
+        with pytest.raises(ValueError, match=error):
+            recipe._check_distributed()
+
+
 def smoke(tmp_path, *overrides, run="run"):
     return make_cfg("experiment=smoke", "progress=false", f"out_dir={tmp_path / run}",
                     f"data_cache={tmp_path / 'data'}", *overrides)

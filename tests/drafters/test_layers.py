@@ -1,0 +1,83 @@
+"""The shared head pieces against the Hugging Face Llama modules they stand in for."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+from drafters.layers import RMSNorm, Rotary
+
+
+def _config(**kw):
+    return LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=4096, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_llama(dtype):
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(64, eps=1e-6), LlamaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.normal_()
+    ref.load_state_dict(ours.state_dict())  # same parameter names: checkpoints load either way
+    ours, ref = ours.to(dtype), ref.to(dtype)
+    x = torch.randn(3, 5, 64, dtype=dtype) * 4
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours(x), ref(x), atol=tol, rtol=tol)
+    assert ours(x).dtype == dtype
+
+
+def test_rmsnorm_gradient_matches_llama():
+    torch.manual_seed(1)
+    ours, ref = RMSNorm(64), LlamaRMSNorm(64)
+    x = torch.randn(2, 7, 64, requires_grad=True)
+    y = torch.randn(2, 7, 64)
+    (ours(x) * y).sum().backward()
+    g_ours, w_ours = x.grad.clone(), ours.weight.grad.clone()
+    x.grad = None
+    (ref(x) * y).sum().backward()
+    torch.testing.assert_close(g_ours, x.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w_ours, ref.weight.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}])
+def test_rotary_table_equals_llama_rotary_at_every_position(rope):
+    config = _config(**({"rope_parameters": rope} if rope else {}))
+    ours, ref = Rotary(config), LlamaRotaryEmbedding(config)
+    x = torch.zeros(1, 1, 64)
+    # Out of order, and far enough to make the table grow twice (it starts at 256 positions).
+    for start, length in [(0, 1), (5, 3), (255, 2), (300, 1), (0, 40), (900, 7), (17, 1)]:
+        cos, sin = ours(x, start, length)
+        ref_cos, ref_sin = ref(x, torch.arange(start, start + length)[None])
+        assert cos.shape == (1, length, 16)
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin), (start, length)
+    # A second dtype gets its own table in that dtype.
+    cos, _ = ours(x.to(torch.bfloat16), 10, 2)
+    assert cos.dtype == torch.bfloat16
+    assert torch.equal(cos, ref(x.to(torch.bfloat16), torch.arange(10, 12)[None])[0])
+
+
+def test_rotary_has_no_weights_in_the_state_dict():
+    assert Rotary(_config()).state_dict() == {}
+
+
+def test_dynamic_rope_is_computed_per_call():
+    config = _config(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    ours, ref = Rotary(config), LlamaRotaryEmbedding(config)
+    assert not ours.static
+    x = torch.zeros(1, 1, 64)
+    cos, sin = ours(x, 3, 4)
+    ref_cos, ref_sin = ref(x, torch.arange(3, 7)[None])
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
+def test_rotary_table_built_while_drafting_still_trains():
+    """The loop drafts under inference_mode; a table built there must not be an inference tensor, or
+    training the same head afterwards fails when autograd saves cos/sin for backward."""
+    rotary = Rotary(_config())
+    with torch.inference_mode():
+        rotary(torch.zeros(1, 1, 64), 0, 4)
+    q = torch.randn(1, 4, 16, requires_grad=True)
+    cos, sin = rotary(torch.zeros(1, 1, 64), 0, 4)
+    (q * cos + q * sin).sum().backward()
+    assert q.grad is not None
