@@ -12,8 +12,9 @@ the step-0 entries 0..e (the target's real features) and its own step 1..s entri
 exactly what it sees at inference when drafting the (s+1)-th token after position e; its loss is
 the cross-entropy against the target's distribution, weighted by `ttt_decay ** s` (token loss only).
 
-Draft vocabulary (optional, `draft_vocab_size`): the output head keeps only the most frequent target
-tokens of the training traffic. `d2t[d]` holds OFFSETS (target id = d + d2t[d]); `t2d` is a boolean
+Draft vocabulary (`draft_vocab_size`; the recipe's default is a quarter of the target's, as EAGLE-3's
+32,000 of Llama 3's 128,256): the output head keeps only the most frequent target tokens of the
+training traffic. `d2t[d]` holds OFFSETS (target id = d + d2t[d]); `t2d` is a boolean
 mask over the target vocabulary; `check_vocab_maps` rejects inconsistent maps. Module and buffer
 names follow the EAGLE-3 checkpoints SGLang and vLLM load (`fc`, `midlayer.*`, `norm`, `d2t`, `t2d`).
 """

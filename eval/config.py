@@ -162,7 +162,8 @@ class DrafterConfig:
     offline_max_gib: Optional[float] = 20.0
     ttt_steps: int = 3  # eagle: training-time-test unroll
     ttt_decay: float = 0.8  # eagle: weight of step s is ttt_decay ** s
-    draft_vocab_size: Optional[int] = None  # eagle: reduced draft vocabulary (null = the target's)
+    draft_vocab_size: Optional[int] = None  # eagle: draft vocabulary in tokens (overrides draft_vocab_share)
+    draft_vocab_share: Optional[float] = None  # eagle: draft vocabulary as a share of the target's (null = all)
     token_loss_weight: float = 0.1  # eagle1: token loss weight next to the feature regression
     depth: int = 3  # mtp: chained modules
     module_decay: float = 0.8  # mtp

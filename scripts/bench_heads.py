@@ -31,7 +31,8 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 KINDS = {
     "draft_lm_sft": ["drafter=draft_lm", "drafter.loss=sft"],
     "draft_lm_fkl": ["drafter=draft_lm", "drafter.loss=forward_kl"],
-    "eagle": ["drafter=eagle"],
+    "eagle": ["drafter=eagle"],  # default: a draft vocabulary of a quarter of the target's
+    "eagle_full_vocab": ["drafter=eagle", "drafter.draft_vocab_share=null"],
     "eagle1": ["drafter=eagle1"],
     "mtp": ["drafter=mtp"],
     "medusa": ["drafter=medusa"],

@@ -1,7 +1,7 @@
 """Recipe: train a feature-reading head (EAGLE-3, EAGLE-1, MTP, Medusa) on the frozen target's hidden states.
 
     python -m train drafter=eagle                        # EAGLE-3 on the toy world's company traffic
-    python -m train drafter=eagle drafter.draft_vocab_size=1024 drafter.hidden_states=offline
+    python -m train drafter=eagle drafter.draft_vocab_size=2048 drafter.hidden_states=offline
     python -m train drafter=eagle1 | drafter=mtp | drafter=medusa
 
 The draft-LM recipe's machinery, reused as is (train/distill.py): Accelerate, the regenerated and
@@ -51,6 +51,17 @@ def tokens_per_round_estimate(alphas: list[float]) -> float:
     return total
 
 
+def draft_vocab_size(drafter_cfg, vocab_size: int) -> int | None:
+    """EAGLE-3's draft vocabulary in tokens: `draft_vocab_size` if set, else `draft_vocab_share` of the
+    target's vocabulary (EAGLE-3 keeps 32,000 of Llama 3's 128,256, about a quarter); None = all of it."""
+    size, share = drafter_cfg.get("draft_vocab_size"), drafter_cfg.get("draft_vocab_share")
+    if size is None and share is not None:
+        if not 0 < share <= 1:
+            raise ValueError(f"drafter.draft_vocab_share must be in (0, 1], got {share}")
+        size = max(1, round(share * vocab_size))
+    return None if size is None or size == vocab_size else size
+
+
 class HeadRecipe(DistillRecipe):
     """One training run of a head (see the module docstring)."""
 
@@ -73,11 +84,13 @@ class HeadRecipe(DistillRecipe):
     def _setup_models(self) -> None:
         d, target = self.cfg.drafter, self.target
         settings = {name: d[name] for name in SETTINGS[d.kind]}
+        if d.kind == "eagle":
+            settings["draft_vocab_size"] = draft_vocab_size(d, target.config.vocab_size)
         torch.manual_seed(self.cfg.trainer.seed)
         head = build_head(d.kind, target, self.layers, **settings)
         self.coverage = None
-        if d.kind == "eagle" and d.draft_vocab_size:
-            self._set_draft_vocabulary(head, d.draft_vocab_size)
+        if d.kind == "eagle" and settings["draft_vocab_size"]:
+            self._set_draft_vocabulary(head, settings["draft_vocab_size"])
         self.model = head.to(self.device)
         if self.is_main:
             own = sum(p.numel() for p in head.parameters())

@@ -102,3 +102,20 @@ def test_head_config_errors_are_clear(tiny_world, tmp_path):
         train(smoke(tmp_path, "drafter=eagle", "drafter.hidden_states=disk"))
     with pytest.raises(ValueError, match="layer indices must be in 0..2"):
         train(smoke(tmp_path, "drafter=eagle", "drafter.layers=[0,1,3]"))
+
+
+def test_draft_vocabulary_size_from_share_or_count():
+    from omegaconf import OmegaConf
+
+    from train.heads import draft_vocab_size
+
+    def size(**kw):
+        return draft_vocab_size(OmegaConf.create({"draft_vocab_size": None, "draft_vocab_share": None, **kw}), 4096)
+
+    assert size(draft_vocab_share=0.25) == 1024  # the default: a quarter, as EAGLE-3 on Llama 3
+    assert size(draft_vocab_share=0.25, draft_vocab_size=300) == 300  # a count wins
+    assert size() is None and size(draft_vocab_share=1.0) is None and size(draft_vocab_size=4096) is None
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="draft_vocab_share must be in"):
+            size(draft_vocab_share=bad)
+
