@@ -89,7 +89,7 @@ class DistillRecipe:
             raise ValueError("DeepSpeed is not supported: its engine keeps weights and optimizer state partitioned "
                              "outside torch's state-dict API, which draftsmith's checkpoints use. Use FSDP or DDP "
                              "(`accelerate config`)")
-        if kind == DistributedType.FSDP and self.cfg.drafter.get("lora", {}).get("enabled"):
+        if kind == DistributedType.FSDP and self.cfg.drafter.lora.enabled:
             raise ValueError("drafter.lora with FSDP is not supported: merging LoRA into the weights on save needs "
                              "unsharded weights. Use DDP, or train without LoRA")
 
