@@ -27,8 +27,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from drafters.base import Proposal
 from drafters.heads import FeatureDrafter
-from drafters.layers import (Attention, KVCache, RMSNorm, Rotary, SharedTarget, causal_mask, soft_cross_entropy,
-                             step_stats)
+from drafters.layers import (Attention, KVCache, RMSNorm, Rotary, SharedTarget, causal_mask, mlp_decode, norm,
+                             soft_cross_entropy, step_stats)
 from eval.sampling import Sampling, draw
 
 
@@ -90,6 +90,12 @@ class Eagle3Layer(nn.Module):
         h = hidden + h
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
+    def decode(self, embeds, hidden, cos, sin, mask, cache: KVCache):
+        """`forward(...)[0]` on top of `cache` for drafting (inference only), on the fused ops."""
+        x = torch.cat([norm(embeds, self.input_layernorm), norm(hidden, self.hidden_norm)], dim=-1)
+        h = hidden + self.self_attn.decode(x, cos, sin, mask, cache)
+        return h + mlp_decode(self.mlp, norm(h, self.post_attention_layernorm))
+
 
 class Eagle3(nn.Module):
     """The head. config: a Llama config from drafters.heads.head_config with `ttt_steps`, `ttt_decay`
@@ -148,7 +154,7 @@ class Eagle3(nn.Module):
         cos, sin = self.rotary(hidden, start, q)
         mask = causal_mask(q, len(cache), hidden.device) if q > 1 else None
         embeds = self.shared.embed_tokens(tokens[None], hidden.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, mask, cache=cache)[0]
+        return self.midlayer.decode(embeds, hidden, cos, sin, mask, cache)
 
     def unroll(self, features, input_ids, attention_mask) -> list[torch.Tensor]:
         """Training-time test over whole sequences: draft-vocabulary logits (B, T-1, N) of each step.

@@ -6,6 +6,9 @@
   drafting step on top of a `KVCache`, and in EAGLE-3's training-time test, where each position also
   attends to the head's own earlier draft entries for that position ("diagonal" keys).
 - `DecoderLayer`: the standard pre-norm Llama block on that attention.
+- `decode` methods (`Attention.decode`, `DecoderLayer.decode`, `mlp_decode`): the drafting-time
+  forward, inference only, on the same weights: q/k/v and gate/up each as one matmul (`Fused`) and RoPE
+  applied to queries and keys together, so a drafted token runs fewer, larger ops.
 - `SharedTarget`: the target's embedding and output head, referenced, never copied or trained.
 - `RMSNorm`, `Rotary`: Llama's RMSNorm and RoPE with the same weights and values, cheaper per call (a
   drafting step runs a handful of tiny ops, so per-call overhead is most of a head's cost c).
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb, rotate_half
 
 
 class RMSNorm(nn.Module):
@@ -93,6 +96,54 @@ class KVCache:
             self.k, self.v = self.k[:, :, :keep], self.v[:, :, :keep]
 
 
+class Fused:
+    """Several `nn.Linear`s on the same input as one matmul: their weights (and biases) concatenated,
+    for drafting (inference only). The concatenation is a copy, rebuilt whenever a source changes in
+    place (an optimizer step, `load_state_dict`) or is replaced (a move to another device or dtype), so
+    drafting always runs the current weights. (Weights that are themselves inference tensors carry no
+    version counter: only their replacement is seen.)"""
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self.linears = linears
+        self._key: tuple | None = None
+        self._weight = self._bias = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., sum of the out_features), the outputs side by side in the given order."""
+        key = tuple((t.data_ptr(), t.device, t.dtype, 0 if t.is_inference() else t._version)
+                    for lin in self.linears for t in (lin.weight, lin.bias) if t is not None)
+        if key != self._key:
+            with torch.no_grad():
+                self._weight = torch.cat([lin.weight for lin in self.linears])
+                biases = [lin.bias for lin in self.linears]
+                self._bias = None
+                if any(b is not None for b in biases):
+                    self._bias = torch.cat([b if b is not None else lin.weight.new_zeros(lin.out_features)
+                                            for b, lin in zip(biases, self.linears)])
+            self._key = key
+        return F.linear(x, self._weight, self._bias)
+
+
+def mlp_decode(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
+    """`mlp(x)` for drafting (inference only): gate and up projections as one matmul."""
+    fused = mlp.__dict__.get("_fused_gate_up")
+    if fused is None:
+        fused = mlp.__dict__["_fused_gate_up"] = Fused(mlp.gate_proj, mlp.up_proj)
+    gate, up = fused(x).chunk(2, dim=-1)
+    act = F.silu(gate) if isinstance(mlp.act_fn, nn.SiLU) else mlp.act_fn(gate)
+    return _linear(act * up, mlp.down_proj)
+
+
+def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    """module(x) without the module call (a few microseconds each, per drafted token)."""
+    return F.linear(x, module.weight, module.bias)
+
+
+def norm(x: torch.Tensor, module: "RMSNorm") -> torch.Tensor:
+    """module(x) for an `RMSNorm`, without the module call."""
+    return rms_norm(x, module.weight, module.eps)
+
+
 def causal_mask(q_len: int, past: int, device: torch.device, key_valid: torch.Tensor | None = None) -> torch.Tensor:
     """(B or 1, 1, q_len, past + q_len) bool: query i (at position past + i) sees keys 0..past + i.
 
@@ -114,6 +165,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
+        self.fused_qkv = Fused(self.q_proj, self.k_proj, self.v_proj)  # drafting's q/k/v (not a parameter)
 
     def forward(
         self,
@@ -146,6 +198,20 @@ class Attention(nn.Module):
             out = self._ttt_attention(q, base, [*diagonal, own], mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), own
 
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+               cache: KVCache) -> torch.Tensor:
+        """`forward(x, cos, sin, mask, cache)[0]` for drafting (inference only): q/k/v as one matmul and
+        RoPE on queries and keys in one pass, the same arithmetic element for element."""
+        B, T, _ = x.shape
+        H, Hkv = self.heads, self.kv_heads
+        qkv = self.fused_qkv(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
+        qk = qkv[:, : H + Hkv]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        qk = qk * cos + rotate_half(qk) * sin
+        keys, values = cache.append(qk[:, H:], qkv[:, H + Hkv:])
+        out = F.scaled_dot_product_attention(qk[:, :H], keys, values, attn_mask=mask, enable_gqa=Hkv != H)
+        return _linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)
+
     def _ttt_attention(self, q, base, diagonal, mask):
         rep = self.heads // self.kv_heads
         k0, v0 = (t.repeat_interleave(rep, dim=1) for t in base)
@@ -174,6 +240,11 @@ class DecoderLayer(nn.Module):
         h, _ = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x, cos, sin, mask, cache: KVCache):
+        """`forward` on top of `cache` for drafting (inference only), on the fused ops."""
+        x = x + self.self_attn.decode(norm(x, self.input_layernorm), cos, sin, mask, cache)
+        return x + mlp_decode(self.mlp, norm(x, self.post_attention_layernorm))
 
 
 class SharedTarget:

@@ -38,8 +38,9 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
 
     def forward(self, hidden, embeds, cos, sin, mask, cache=None):
+        """Training (no cache) or drafting on top of `cache` (inference only, the fused ops)."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        return self.block(x, cos, sin, mask, cache)
+        return self.block(x, cos, sin, mask) if cache is None else self.block.decode(x, cos, sin, mask, cache)
 
 
 class MTP(nn.Module):

@@ -5,12 +5,12 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from drafters.layers import RMSNorm, Rotary
+from drafters.layers import DecoderLayer, Fused, KVCache, RMSNorm, Rotary, causal_mask
 
 
 def _config(**kw):
-    return LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=4096, **kw)
+    return LlamaConfig(**{"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                          "max_position_embeddings": 4096, **kw})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -81,3 +81,46 @@ def test_rotary_table_built_while_drafting_still_trains():
     cos, sin = rotary(torch.zeros(1, 1, 64), 0, 4)
     (q * cos + q * sin).sum().backward()
     assert q.grad is not None
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_decode_is_forward_on_a_cache(kv_heads):
+    """Drafting's fused path (`decode`) against the training path (`forward`) of the same layer: the
+    prompt in one call, then single tokens, then a rollback and a chunk, as the loop feeds it."""
+    torch.manual_seed(2)
+    config = _config(num_key_value_heads=kv_heads, intermediate_size=96)
+    layer, rotary = DecoderLayer(config), Rotary(config)
+    for p in layer.parameters():  # no ones-initialised norms: every weight matters
+        torch.nn.init.normal_(p, std=0.3)
+    seq = torch.randn(1, 12, 64)
+    reference = layer(seq, *rotary(seq, 0, 12), causal_mask(12, 0, seq.device))  # teacher forced, no cache
+    cache = KVCache()
+    with torch.inference_mode():
+        outs = [layer.decode(seq[:, :5], *rotary(seq, 0, 5), causal_mask(5, 0, seq.device), cache)]
+        for i in range(5, 9):
+            outs.append(layer.decode(seq[:, i: i + 1], *rotary(seq, i, 1), None, cache))
+        cache.crop(7)
+        outs = outs[:3] + [layer.decode(seq[:, 7:], *rotary(seq, 7, 5), causal_mask(5, 7, seq.device), cache)]
+    ours = torch.cat([outs[0], *[o for o in outs[1:3]], outs[3]], dim=1)
+    torch.testing.assert_close(ours, reference.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_linears_follow_their_weights():
+    """The concatenated copy is rebuilt after an optimizer step, a load_state_dict and a dtype move,
+    and carries the biases (zeros for a linear without one)."""
+    torch.manual_seed(3)
+    a, b = torch.nn.Linear(8, 3), torch.nn.Linear(8, 5, bias=False)
+    fused = Fused(a, b)
+    x = torch.randn(2, 8)
+    expected = lambda: torch.cat([a(x), b(x)], dim=-1).detach()  # noqa: E731
+    torch.testing.assert_close(fused(x), expected())
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.5)
+    (a(x).sum() + b(x).square().sum()).backward()
+    opt.step()
+    torch.testing.assert_close(fused(x), expected())
+    b.load_state_dict({"weight": torch.randn(5, 8)})
+    torch.testing.assert_close(fused(x), expected())
+    a.to(torch.float64), b.to(torch.float64)
+    x = x.double()
+    assert fused(x).dtype == torch.float64
+    torch.testing.assert_close(fused(x), expected())
