@@ -161,6 +161,7 @@ class DrafterConfig:
     hidden_states: str = "online"  # online (computed in the step) | offline (precomputed shards)
     offline_dtype: str = "float16"
     offline_max_gib: Optional[float] = 20.0
+    label_temperature: float = 1.0  # heads: token-loss label softmax(target logits / T); 0 = the target's argmax
     ttt_steps: int = 4  # eagle: training-time-test unroll (as deep as the default k drafts)
     ttt_decay: float = 0.8  # eagle: weight of step s is ttt_decay ** s
     draft_vocab_size: Optional[int] = None  # eagle: draft vocabulary in tokens (overrides draft_vocab_share)

@@ -2,11 +2,14 @@
 
     python scripts/bench_draft_step.py                       # the toy world's off-the-shelf draft and target
     python scripts/bench_draft_step.py --draft DIR --target DIR --context 512
+    python scripts/bench_draft_step.py --eagle runs/bench_heads/eagle/best   # also an EAGLE-3 head's layer
 
 A step feeds one token on top of a cached context, as drafting does. The two paths alternate in
 blocks, so machine noise hits both alike; medians are reported, and each draft step also as a share of
 one target step through the Hugging Face forward (the target's cost in the loop), which is the cost
-ratio c a drafter contributes.
+ratio c a drafter contributes. With `--eagle`, the table adds a trained EAGLE-3 head's decoder layer
+on the same context, through its training-path forward (module calls, separate q/k/v and gate/up
+matmuls) and through `decode`, the fused path drafting uses.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from drafters.heads import load_head
+from drafters.layers import KVCache
 from drafters.llama_decode import LeanLlama
 from eval.speculative import rollback
 from train import toyworld
@@ -47,6 +52,29 @@ def lean_steps(model, context: torch.Tensor, n: int) -> list[float]:
     return times
 
 
+def eagle_layer_steps(fused: bool):
+    """One EAGLE-3 layer step (embedding, RoPE and the output head excluded: the same on both paths)."""
+    def run(head, context: torch.Tensor, n: int) -> list[float]:
+        length = context.numel()
+        hidden = torch.randn(1, length, head.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        cache = KVCache()
+        head.step(hidden, context, 0, cache)
+        h, layer = hidden[:, -1:], head.midlayer
+        cos, sin = head.rotary(h, length, 1)
+        embeds = head.shared.embed_tokens(context[None, -1:], h.dtype)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            if fused:
+                layer.decode(embeds, h, cos, sin, None, cache)
+            else:
+                layer(embeds, h, cos, sin, None, cache=cache)
+            times.append(time.perf_counter() - t0)
+            cache.crop(length)
+        return times
+    return run
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -56,6 +84,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="steps per block")
     ap.add_argument("--blocks", type=int, default=5, help="alternating blocks per path")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--eagle", default=None, help="a saved EAGLE-3 head for the target: time its layer too")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -65,6 +94,13 @@ def main() -> None:
     context = torch.randint(3, vocab, (args.context,), generator=torch.Generator().manual_seed(0))
     runs = {"target, Hugging Face forward": (hf_steps, target), "draft, Hugging Face forward": (hf_steps, draft),
             "draft, lean path": (lean_steps, draft), "target, lean path": (lean_steps, target)}
+    if args.eagle:
+        head = load_head(toyworld.resolve(args.eagle), target)
+        if not hasattr(head, "midlayer"):
+            raise SystemExit(f"--eagle {args.eagle}: not an EAGLE-3 head (config.json draftsmith_kind "
+                             f"{head.config.draftsmith_kind!r})")
+        runs["EAGLE-3 layer, forward"] = (eagle_layer_steps(False), head)
+        runs["EAGLE-3 layer, fused decode"] = (eagle_layer_steps(True), head)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for fn, model in runs.values():  # warm-up: allocator, kernels
         fn(model, context, 20)
@@ -80,6 +116,9 @@ def main() -> None:
         print(f"{name:<32}{ms:>8.3f}{ms / base:>15.3f}x")
     print(f"draft: the lean path takes {median['draft, lean path'] / median['draft, Hugging Face forward']:.2f} "
           f"of the Hugging Face forward's time")
+    if args.eagle:
+        print(f"EAGLE-3 layer: the fused decode takes "
+              f"{median['EAGLE-3 layer, fused decode'] / median['EAGLE-3 layer, forward']:.2f} of the forward's time")
 
 
 if __name__ == "__main__":

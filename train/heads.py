@@ -52,6 +52,15 @@ def tokens_per_round_estimate(alphas: list[float]) -> float:
     return total
 
 
+def label_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / temperature), and for temperature 0 the one-hot of the argmax: the label a
+    head is trained towards (1 = the target's distribution, as EAGLE trains; 0 = its greedy choice,
+    which is all greedy verification accepts)."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return torch.softmax(logits / temperature, dim=-1)
+
+
 def draft_vocab_size(drafter_cfg, vocab_size: int) -> int | None:
     """EAGLE-3's draft vocabulary in tokens: `draft_vocab_size` if set, else `draft_vocab_share` of the
     target's vocabulary (EAGLE-3 keeps 32,000 of Llama 3's 128,256, about a quarter); None = all of it."""
@@ -72,6 +81,9 @@ class HeadRecipe(DistillRecipe):
             raise ValueError(f"this recipe trains drafter.kind in {sorted(KINDS)}, got {d.kind!r}")
         if d.hidden_states not in ("online", "offline"):
             raise ValueError(f"drafter.hidden_states must be online or offline, got {d.hidden_states!r}")
+        if not d.label_temperature >= 0:
+            raise ValueError(f"drafter.label_temperature must be >= 0 (0 = the target's argmax), "
+                             f"got {d.label_temperature}")
 
     # --- setup ------------------------------------------------------------------------------------
 
@@ -149,22 +161,24 @@ class HeadRecipe(DistillRecipe):
             batch["features"] = feats.to(self.device)
         return batch
 
-    def _features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's input features (B, T, L*d) and the target's next-token distribution (B, T, V)."""
+    def _features(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's input features (B, T, L*d) and the target's next-token distribution (B, T, V) at
+        `temperature` (0: one-hot on its argmax)."""
         if "features" in batch:
             states = batch["features"].to(self.target.dtype)
         else:
             states = capture(self.target, batch["input_ids"], batch["attention_mask"], self.capture_layers)
         head_states = states[:, :, : len(self.layers)].flatten(2).float()
         with torch.no_grad():
-            logits = self.target.get_output_embeddings()(states[:, :, -1])
-            probs = torch.softmax(logits.float(), dim=-1)
+            logits = self.target.get_output_embeddings()(states[:, :, -1]).float()
+            probs = label_distribution(logits, temperature)
         return head_states, probs
 
     # --- training ---------------------------------------------------------------------------------
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        features, probs = self._features(batch)
+        # The token loss's label; held-out statistics always read the target's own distribution.
+        features, probs = self._features(batch, self.cfg.drafter.label_temperature)
         loss, _ = self.model(features, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], probs)
         return loss
 

@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from transformers import AutoModelForCausalLM
+
+from drafters.heads import build_head, save_head
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_draft_step.py"
 
 
@@ -14,3 +18,16 @@ def test_reports_both_paths_for_draft_and_target(tiny_world):
     for path in ("target, Hugging Face forward", "draft, Hugging Face forward", "draft, lean path", "target, lean path"):
         assert path in out
     assert "target, Hugging Face forward" in out and "1.000x" in out  # the reference row
+
+
+def test_times_an_eagle_head_layer_on_both_paths(tiny_world, tmp_path):
+    target = AutoModelForCausalLM.from_pretrained(tiny_world / "target")
+    save_head(build_head("eagle", target, [0, 1, 2], ttt_steps=2, ttt_decay=0.8), tmp_path / "eagle")
+    save_head(build_head("medusa", target, [target.config.num_hidden_layers], num_heads=2, num_layers=1,
+                         head_decay=0.8), tmp_path / "medusa")
+    cmd = [sys.executable, str(SCRIPT), "--draft", str(tiny_world / "draft"), "--target", str(tiny_world / "target"),
+           "--context", "16", "--steps", "3", "--blocks", "1"]
+    out = subprocess.run([*cmd, "--eagle", str(tmp_path / "eagle")], capture_output=True, text=True, check=True).stdout
+    assert "EAGLE-3 layer, forward" in out and "EAGLE-3 layer, fused decode" in out
+    wrong = subprocess.run([*cmd, "--eagle", str(tmp_path / "medusa")], capture_output=True, text=True)
+    assert wrong.returncode != 0 and "not an EAGLE-3 head" in wrong.stderr
