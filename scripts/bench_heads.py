@@ -36,6 +36,7 @@ KINDS = {
     "draft_lm_fkl": ["drafter=draft_lm", "drafter.loss=forward_kl"],
     "eagle": ["drafter=eagle"],  # default: a draft vocabulary of a quarter of the target's
     "eagle_full_vocab": ["drafter=eagle", "drafter.draft_vocab_share=null"],
+    "eagle_argmax_labels": ["drafter=eagle", "drafter.label_temperature=0"],  # trained towards greedy choices
     "eagle1": ["drafter=eagle1"],
     "mtp": ["drafter=mtp"],
     "medusa": ["drafter=medusa"],
