@@ -111,6 +111,31 @@ def test_head_config_errors_are_clear(tiny_world, tmp_path):
         train(smoke(tmp_path, "drafter=eagle", "drafter.hidden_states=disk"))
     with pytest.raises(ValueError, match="layer indices must be in 0..2"):
         train(smoke(tmp_path, "drafter=eagle", "drafter.layers=[0,1,3]"))
+    with pytest.raises(ValueError, match="drafter.label_temperature must be >= 0"):
+        train(smoke(tmp_path, "drafter=eagle", "drafter.label_temperature=-0.5"))
+
+
+def test_label_distribution_sharpens_to_the_argmax():
+    from train.heads import label_distribution
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0 - 1e-3], [0.0, -1.0, 5.0, 4.0]])
+    torch.testing.assert_close(label_distribution(logits, 1.0), torch.softmax(logits, -1))
+    torch.testing.assert_close(label_distribution(logits, 0.5), torch.softmax(2 * logits, -1))
+    assert torch.equal(label_distribution(logits, 0), torch.tensor([[0.0, 1, 0, 0], [0, 0, 1, 0]]))
+
+
+def test_label_temperature_sets_the_training_label_only(tiny_world, tmp_path, monkeypatch):
+    """The token loss reads the label at drafter.label_temperature; the held-out estimates (acceptance
+    is sum min(p, q) under the target's own distribution) always read temperature 1."""
+    import train.heads as heads
+
+    seen, original = [], heads.label_distribution
+    monkeypatch.setattr(heads, "label_distribution", lambda logits, t: seen.append(t) or original(logits, t))
+    train(smoke(tmp_path, "drafter=medusa", "drafter.label_temperature=0", "trainer.max_steps=3",
+                "trainer.eval_every=3", "evaluate.enabled=false"))
+    held_out_batches = -(-8 // 4)  # experiment=smoke: 8 held-out records in batches of 4, evaluated once
+    assert seen.count(0) == 3 and set(seen) == {0, 1.0}
+    assert seen.count(1.0) == held_out_batches
 
 
 def test_draft_vocabulary_size_from_share_or_count():
