@@ -69,7 +69,7 @@ class DraftLM:
         self.device = next(model.parameters()).device
         # The lean path when asked for and the model is one it reproduces; else Hugging Face's forward.
         self.lean = LeanLlama(model) if lean and LeanLlama.supports(model) else None
-        self.cache = DynamicCache()
+        self.cache: DynamicCache | None = None  # the Hugging Face path's cache (the lean path keeps its own)
         self.ids: list[int] = []  # the committed sequence (prompt + generated)
         self._fed = 0  # how many tokens of ids + pending guesses are in the cache
         self._guesses: list[int] = []  # the last proposal, to know what commit() keeps
@@ -106,9 +106,10 @@ class DraftLM:
         return cls(model, name=name, lean=lean)
 
     def start(self, prompt_ids: torch.Tensor) -> None:
-        self.cache = DynamicCache()
         if self.lean is not None:
             self.lean.reset()
+        else:
+            self.cache = DynamicCache()
         self.ids = prompt_ids.tolist()
         self._fed = 0
         self._guesses = []
