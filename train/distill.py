@@ -465,7 +465,9 @@ class DistillRecipe:
             log.warning("data.eval_path is not set: the final evaluation reads the last %d records of %s, "
                         "held out of training but also used to choose the best checkpoint; set "
                         "data.eval_path to separate traffic for an unbiased measurement", last, cfg.data.path)
+        # Records read as training read them (split, bad-record policy), so `last` is training's held-out slice.
         prompts = load_prompts(cfg.data.eval_path or cfg.data.path, self.tokenizer, device=self.device, last=last,
+                               split=cfg.data.split, on_bad_record=cfg.data.on_bad_record,
                                max_per_category=e.prompts_per_category, max_prompt_tokens=cfg.data.max_prompt_tokens)
         drafters = self._final_drafters()
         plan = EvalPlan(ks=list(e.ks), max_new_tokens=e.max_new_tokens, repeats=e.repeats, seed=cfg.trainer.seed)

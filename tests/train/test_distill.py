@@ -2,6 +2,7 @@
 two processes agree."""
 
 import json
+import logging
 import os
 import random
 import signal
@@ -174,6 +175,23 @@ def test_checkpoints_are_chosen_on_records_neither_trained_on_nor_evaluated(tiny
     assert not set(held) & evaluated and not set(held) & set(trained)
     with pytest.raises(ValueError, match="holds the last trainer.eval_examples=500 out"):
         train(smoke(tmp_path, "trainer.eval_examples=500", run="too_few"))
+
+
+def test_without_eval_path_the_final_evaluation_reads_the_held_out_records(tiny_world, tmp_path, monkeypatch, caplog):
+    """One traffic file: the final evaluation reads the last trainer.eval_examples records, loaded as
+    training loaded them (here skipping a malformed line), and warns that they also chose the checkpoint."""
+    import eval.run
+
+    lines = (tiny_world / "company_logs" / "train.jsonl").read_text().splitlines()
+    data = tmp_path / "traffic.jsonl"
+    data.write_text("\n".join([*lines[:30], "{not json", *lines[30:]]) + "\n")
+    seen, real = [], eval.run.load_prompts
+    monkeypatch.setattr(eval.run, "load_prompts", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    with caplog.at_level(logging.WARNING):
+        train(smoke(tmp_path, f"data.path={data}", "data.eval_path=null", "data.on_bad_record=skip",
+                    "data.max_records=20", "trainer.max_steps=1"))
+    assert [(kw["last"], kw["on_bad_record"]) for kw in seen] == [(8, "skip")]  # smoke: trainer.eval_examples=8
+    assert "data.eval_path is not set" in caplog.text
 
 
 def _launch(tmp_path, *overrides, env=None):
