@@ -3,13 +3,16 @@
     python scripts/bench_draft_step.py                       # the toy world's off-the-shelf draft and target
     python scripts/bench_draft_step.py --draft DIR --target DIR --context 512
     python scripts/bench_draft_step.py --eagle runs/bench_heads/eagle/best   # also an EAGLE-3 head's layer
+    python scripts/bench_draft_step.py --draft runs/bench_heads/draft_lm_sft/best --eagle runs/bench_heads/eagle/best
 
 A step feeds one token on top of a cached context, as drafting does. The two paths alternate in
 blocks, so machine noise hits both alike; medians are reported, and each draft step also as a share of
 one target step through the Hugging Face forward (the target's cost in the loop), which is the cost
 ratio c a drafter contributes. With `--eagle`, the table adds a trained EAGLE-3 head's decoder layer
 on the same context, through its training-path forward (module calls, separate q/k/v and gate/up
-matmuls) and through `decode`, the fused path drafting uses.
+matmuls) and through `decode`, the fused path drafting uses, and whole drafting rounds of the head and
+of the draft LM (propose k = 4 greedily, then commit 2 accepted and a correction, as the loop does),
+alone and with a 5-token target forward before each round, as verification runs between rounds.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from drafters.heads import load_head
+from drafters.draft_lm import DraftLM
+from drafters.heads import features_of, load_head
 from drafters.layers import KVCache
 from drafters.llama_decode import LeanLlama
+from eval.sampling import Sampling
 from eval.speculative import rollback
 from train import toyworld
 
@@ -75,6 +80,44 @@ def eagle_layer_steps(fused: bool):
     return run
 
 
+def drafting_rounds(target, verify_between: bool):
+    """Rounds of propose(k=4) then commit(2 accepted, a correction) over the context's second half,
+    restarting from its first half when it runs out; optionally a 5-token target forward (rolled back)
+    before each round. The drafter is a DraftLM or a head's drafter (which reads the target's features)."""
+    def run(drafter, context: torch.Tensor, n: int) -> list[float]:
+        half, accepted, greedy = context.numel() // 2, 2, Sampling()
+        feats = None
+        if hasattr(drafter, "feature_layers"):
+            out = target(input_ids=context[None], output_hidden_states=True)
+            feats = features_of(out.hidden_states, drafter.feature_layers)[0]
+        cache = DynamicCache()
+        target(input_ids=context[None, :half], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+        def start() -> int:
+            drafter.start(context[:half], *([] if feats is None else [feats[: half - 1]]))
+            return half
+
+        pos, times = start(), []
+        for _ in range(n):
+            if verify_between:
+                target(input_ids=context[None, half: half + 5], past_key_values=cache, use_cache=True,
+                       output_hidden_states=feats is not None)
+                rollback(cache, half)
+            t0 = time.perf_counter()
+            drafter.propose(4, greedy)
+            times.append(time.perf_counter() - t0)
+            token = int(context[pos + accepted])
+            if feats is None:
+                drafter.commit(accepted, token)
+            else:
+                drafter.commit(accepted, token, feats[pos - 1: pos + accepted])
+            pos += accepted + 1
+            if pos + accepted + 1 >= context.numel():
+                pos = start()
+        return times
+    return run
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -101,6 +144,10 @@ def main() -> None:
                              f"{head.config.draftsmith_kind!r})")
         runs["EAGLE-3 layer, forward"] = (eagle_layer_steps(False), head)
         runs["EAGLE-3 layer, fused decode"] = (eagle_layer_steps(True), head)
+        runs["EAGLE-3 round"] = (drafting_rounds(target, False), head.drafter("eagle"))
+        runs["draft round, lean path"] = (drafting_rounds(target, False), DraftLM(draft))
+        runs["EAGLE-3 round after target"] = (drafting_rounds(target, True), head.drafter("eagle"))
+        runs["draft round after target"] = (drafting_rounds(target, True), DraftLM(draft))
     times: dict[str, list[float]] = {name: [] for name in runs}
     for fn, model in runs.values():  # warm-up: allocator, kernels
         fn(model, context, 20)
@@ -109,8 +156,8 @@ def main() -> None:
             times[name] += fn(model, context, args.steps)
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     base = median["target, Hugging Face forward"]
-    print(f"one decoding step on a {args.context}-token context, {torch.get_num_threads()} threads, "
-          f"median of {args.blocks} x {args.steps} steps per path (alternating blocks)")
+    print(f"one decoding step (rounds: one propose of k = 4) on a {args.context}-token context, "
+          f"{torch.get_num_threads()} threads, median of {args.blocks} x {args.steps} per path (alternating blocks)")
     print(f"{'path':<32}{'ms':>8}{'vs target (HF)':>16}")
     for name, ms in median.items():
         print(f"{name:<32}{ms:>8.3f}{ms / base:>15.3f}x")
@@ -119,6 +166,8 @@ def main() -> None:
     if args.eagle:
         print(f"EAGLE-3 layer: the fused decode takes "
               f"{median['EAGLE-3 layer, fused decode'] / median['EAGLE-3 layer, forward']:.2f} of the forward's time")
+        print(f"EAGLE-3 round / draft round: {median['EAGLE-3 round'] / median['draft round, lean path']:.2f} alone, "
+              f"{median['EAGLE-3 round after target'] / median['draft round after target']:.2f} after a target forward")
 
 
 if __name__ == "__main__":

@@ -29,5 +29,6 @@ def test_times_an_eagle_head_layer_on_both_paths(tiny_world, tmp_path):
            "--context", "16", "--steps", "3", "--blocks", "1"]
     out = subprocess.run([*cmd, "--eagle", str(tmp_path / "eagle")], capture_output=True, text=True, check=True).stdout
     assert "EAGLE-3 layer, forward" in out and "EAGLE-3 layer, fused decode" in out
+    assert "EAGLE-3 round after target" in out and "draft round, lean path" in out
     wrong = subprocess.run([*cmd, "--eagle", str(tmp_path / "medusa")], capture_output=True, text=True)
     assert wrong.returncode != 0 and "not an EAGLE-3 head" in wrong.stderr
