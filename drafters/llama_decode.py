@@ -29,7 +29,7 @@ _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
 _MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
 
-def _linear(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _weight_bias(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return module.weight, module.bias
 
 
@@ -55,12 +55,12 @@ class LeanLlama:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append((
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj), _linear(attn.o_proj),
+                *(_weight_bias(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)),
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj),
+                *(_weight_bias(p) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)),
             ))
         self.norm, self.norm_eps = decoder.norm.weight, decoder.norm.variance_epsilon
-        self.head = _linear(model.get_output_embeddings())
+        self.head = _weight_bias(model.get_output_embeddings())
         self.rotary = Rotary(config).to(self.embed.device)
         self.length = 0  # positions held in the cache
         self._k: list[torch.Tensor] = []
