@@ -135,9 +135,12 @@ class Eagle3(nn.Module):
     def target_ids(self) -> torch.Tensor:
         return check_vocab_maps(self.d2t, self.t2d)
 
-    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary: the target's output head (only the kept rows) on norm(h)."""
-        return self.shared.logits(self.norm(h), self._draft_rows() if self.reduced else None)
+    def draft_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits over the draft vocabulary: the target's output head (only the kept rows) on norm(h).
+        `rows`: `_draft_rows()` already looked up (drafting fetches them once per round)."""
+        if rows is None and self.reduced:
+            rows = self._draft_rows()
+        return self.shared.logits(norm(h, self.norm), rows)
 
     def _draft_rows(self) -> torch.Tensor:
         """The output head's rows of the draft vocabulary, gathered once (the target is frozen) and
@@ -151,7 +154,7 @@ class Eagle3(nn.Module):
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
         """Inference: entries (hidden (1, q, d), tokens (q,)) at positions start..start+q-1 on top of `cache`."""
         q = hidden.shape[1]
-        cos, sin = self.rotary(hidden, start, q)
+        cos, sin = self.rotary.decode(hidden, start, q)
         mask = causal_mask(q, len(cache), hidden.device) if q > 1 else None
         embeds = self.shared.embed_tokens(tokens[None], hidden.dtype)
         return self.midlayer.decode(embeds, hidden, cos, sin, mask, cache)
@@ -230,9 +233,10 @@ class Eagle3Drafter(FeatureDrafter):
         out = head.step(head.fc(self.pending)[None], tokens, m - new, self.cache)
         self.pending, self.fed = self.pending[:0], m
         h = out[:, -1:]
+        rows = head._draft_rows() if self.target_ids is not None else None
         guesses, dists = [], []
         for s in range(k):
-            logits = head.draft_logits(h)[0, -1]
+            logits = head.draft_logits(h, rows)[0, -1]
             token, q = _pick(logits, sampling, generator, self.target_ids, head.config.vocab_size)
             guesses.append(token)
             dists.append(q)

@@ -43,9 +43,10 @@ class Eagle1(nn.Module):
     def _entries(self, hidden, tokens, start, mask, cache=None):
         """Training (no cache) or drafting on top of `cache` (inference only, the fused ops)."""
         embeds = self.shared.embed_tokens(tokens, hidden.dtype)
-        cos, sin = self.rotary(hidden, start, hidden.shape[1])
         x = self.fc(torch.cat([embeds, hidden], dim=-1))
-        return self.layer(x, cos, sin, mask) if cache is None else self.layer.decode(x, cos, sin, mask, cache)
+        if cache is None:
+            return self.layer(x, *self.rotary(hidden, start, hidden.shape[1]), mask)
+        return self.layer.decode(x, *self.rotary.decode(hidden, start, hidden.shape[1]), mask, cache)
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
         """Inference: entries (hidden (1, q, d), tokens (q,)) at positions start..start+q-1 on top of `cache`."""

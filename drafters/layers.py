@@ -1,6 +1,6 @@
 """Pieces the feature-reading heads (EAGLE-3, EAGLE-1, MTP) share.
 
-- `KVCache`: a head's own key/value cache as two tensors; rollback is a slice.
+- `KVCache`: a head's own key/value cache for drafting, in preallocated buffers; rollback is an integer.
 - `Attention`: Llama attention (RoPE, grouped-query) whose input width may differ from the hidden size
   (EAGLE-3 feeds [embedding; feature], 2d wide), used three ways: over a whole training sequence, one
   drafting step on top of a `KVCache`, and in EAGLE-3's training-time test, where each position also
@@ -8,7 +8,8 @@
 - `DecoderLayer`: the standard pre-norm Llama block on that attention.
 - `decode` methods (`Attention.decode`, `DecoderLayer.decode`, `mlp_decode`): the drafting-time
   forward, inference only, on the same weights: q/k/v and gate/up each as one matmul (`Fused`) and RoPE
-  applied to queries and keys together, so a drafted token runs fewer, larger ops.
+  (`rope`, with `Rotary.decode`'s tables) applied to queries and keys together in fewer ops, so a
+  drafted token runs fewer, larger ops.
 - `SharedTarget`: the target's embedding and output head, referenced, never copied or trained.
 - `RMSNorm`, `Rotary`: Llama's RMSNorm and RoPE with the same weights and values, cheaper per call (a
   drafting step runs a handful of tiny ops, so per-call overhead is most of a head's cost c).
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb, rotate_half
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 
 class RMSNorm(nn.Module):
@@ -51,49 +52,91 @@ class Rotary(nn.Module):
     """RoPE cos/sin of positions start..start+length-1, looked up in a table computed by Llama's own
     rotary embedding (so the values are the same) and grown on demand. Positions are Python ints:
     drafting never waits on the device to learn where it is. RoPE types that rescale with the sequence
-    length (dynamic, longrope) are computed per call instead."""
+    length (dynamic, longrope) are computed per call instead.
+
+    `forward` gives (cos, sin) for `apply_rotary_pos_emb` (training); `decode` gives them in the form the
+    drafting path's `rope` takes: (1, 1, length, head_dim) and with sin's first half negated."""
 
     def __init__(self, config) -> None:
         super().__init__()
         self.rope = LlamaRotaryEmbedding(config)
         self.static = not ("dynamic" in self.rope.rope_type or self.rope.rope_type == "longrope")
-        self._table: dict = {}  # (device, dtype) -> (cos, sin), each (1, N, head_dim)
+        self._table: dict = {}  # (device, dtype) -> (cos, sin, cos (1, 1, N, hd), signed sin (1, 1, N, hd))
 
     def forward(self, x: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + length
         if not self.static:
-            return self.rope(x, torch.arange(start, end, device=x.device)[None])
+            return self.rope(x, torch.arange(start, start + length, device=x.device)[None])
+        cos, sin = self._lookup(x, start + length)[:2]
+        return cos[:, start:start + length], sin[:, start:start + length]
+
+    def decode(self, x: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) for `rope`, each (1, 1, length, head_dim)."""
+        if not self.static:
+            cos, sin = self.forward(x, start, length)
+            return cos[:, None], signed_sin(sin)[:, None]
+        cos, sin = self._lookup(x, start + length)[2:]
+        return cos[:, :, start:start + length], sin[:, :, start:start + length]
+
+    def _lookup(self, x: torch.Tensor, end: int) -> tuple:
         key = (x.device, x.dtype)
-        cos, sin = self._table.get(key, (None, None))
-        if cos is None or cos.shape[1] < end:
-            size = max(end, 2 * (0 if cos is None else cos.shape[1]), 256)
-            # A normal tensor even when the first call comes from the (inference-mode) drafting loop,
-            # so that training afterwards may save it for backward.
+        table = self._table.get(key)
+        if table is None or table[0].shape[1] < end:
+            size = max(end, 2 * (0 if table is None else table[0].shape[1]), 256)
+            # Normal tensors even when the first call comes from the (inference-mode) drafting loop,
+            # so that training afterwards may save them for backward.
             with torch.inference_mode(False):
                 cos, sin = self.rope(x, torch.arange(size, device=x.device)[None])
-            self._table[key] = (cos, sin)
-        return cos[:, start:end], sin[:, start:end]
+                table = (cos, sin, cos[:, None], signed_sin(sin)[:, None])
+            self._table[key] = table
+        return table
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == x.roll(head_dim // 2, -1) * signed_sin(sin)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's RoPE, x * cos + rotate_half(x) * sin, for drafting: `cos` and `sin` from `Rotary.decode`.
+    rotate_half(x) = [-x2, x1] is written as the roll [x2, x1] times a sin whose first half is negated,
+    one op in place of two slices, a negation and a concatenation; the products and the sum are the
+    same, so the values are too."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class KVCache:
-    """Keys and values of one attention layer, (1, kv_heads, L, head_dim) each."""
+    """Keys and values of one attention layer for drafting (inference only): preallocated buffers
+    (batch, kv_heads, capacity, head_dim) that grow by doubling, so an append writes the new positions
+    in place instead of copying the whole cache, and a rollback is an integer (as in the draft LM's
+    lean path, drafters/llama_decode.py)."""
 
     def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
+        self.k: torch.Tensor | None = None  # the buffers; positions 0..length-1 are valid
         self.v: torch.Tensor | None = None
+        self.length = 0
 
     def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        return self.length
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
+        """Add k, v (batch, kv_heads, T, head_dim) after the valid positions; return all valid keys and values."""
+        start, end = self.length, self.length + k.shape[2]
+        if self.k is None or end > self.k.shape[2] or self.k.dtype != k.dtype or self.k.device != k.device:
+            size = max(end, 2 * (0 if self.k is None else self.k.shape[2]), 256)
+            keys = k.new_empty((*k.shape[:2], size, k.shape[3]))
+            values = v.new_empty((*v.shape[:2], size, v.shape[3]))
+            if start:
+                keys[:, :, :start], values[:, :, :start] = self.k[:, :, :start], self.v[:, :, :start]
+            self.k, self.v = keys, values
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
 
     def crop(self, keep: int) -> None:
         """Roll back to the first `keep` positions."""
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :keep], self.v[:, :, :keep]
+        self.length = min(self.length, keep)
 
 
 class Fused:
@@ -110,16 +153,17 @@ class Fused:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., sum of the out_features), the outputs side by side in the given order."""
+        # Parameters are read from `_parameters` (a dict lookup) rather than as module attributes (which
+        # go through nn.Module.__getattr__): this check runs on every drafted token.
+        params = [(lin._parameters["weight"], lin._parameters.get("bias")) for lin in self.linears]
         key = tuple((t.data_ptr(), t.device, t.dtype, 0 if t.is_inference() else t._version)
-                    for lin in self.linears for t in (lin.weight, lin.bias) if t is not None)
+                    for pair in params for t in pair if t is not None)
         if key != self._key:
             with torch.no_grad():
-                self._weight = torch.cat([lin.weight for lin in self.linears])
-                biases = [lin.bias for lin in self.linears]
+                self._weight = torch.cat([w for w, _ in params])
                 self._bias = None
-                if any(b is not None for b in biases):
-                    self._bias = torch.cat([b if b is not None else lin.weight.new_zeros(lin.out_features)
-                                            for b, lin in zip(biases, self.linears)])
+                if any(b is not None for _, b in params):
+                    self._bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in params])
             self._key = key
         return F.linear(x, self._weight, self._bias)
 
@@ -136,12 +180,13 @@ def mlp_decode(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
 
 def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """module(x) without the module call (a few microseconds each, per drafted token)."""
-    return F.linear(x, module.weight, module.bias)
+    params = module._parameters
+    return F.linear(x, params["weight"], params.get("bias"))
 
 
 def norm(x: torch.Tensor, module: "RMSNorm") -> torch.Tensor:
     """module(x) for an `RMSNorm`, without the module call."""
-    return rms_norm(x, module.weight, module.eps)
+    return rms_norm(x, module._parameters["weight"], module.eps)
 
 
 def causal_mask(q_len: int, past: int, device: torch.device, key_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,14 +245,13 @@ class Attention(nn.Module):
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                cache: KVCache) -> torch.Tensor:
-        """`forward(x, cos, sin, mask, cache)[0]` for drafting (inference only): q/k/v as one matmul and
-        RoPE on queries and keys in one pass, the same arithmetic element for element."""
+        """`forward(x, cos, sin, mask, cache)[0]` for drafting (inference only), with cos/sin from
+        `Rotary.decode`: q/k/v as one matmul and RoPE (`rope`) on queries and keys in one pass, the same
+        arithmetic element for element."""
         B, T, _ = x.shape
         H, Hkv = self.heads, self.kv_heads
         qkv = self.fused_qkv(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
-        qk = qkv[:, : H + Hkv]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        qk = qk * cos + rotate_half(qk) * sin
+        qk = rope(qkv[:, : H + Hkv], cos, sin)
         keys, values = cache.append(qk[:, H:], qkv[:, H + Hkv:])
         out = F.scaled_dot_product_attention(qk[:, :H], keys, values, attn_mask=mask, enable_gqa=Hkv != H)
         return _linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)
@@ -254,9 +298,14 @@ class SharedTarget:
     def __init__(self, target) -> None:
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
+        # A stock nn.Embedding without max_norm is exactly F.embedding on its weight (padding_idx only
+        # affects gradients, and the target is frozen).
+        self.plain_embedding = type(self.embed) is nn.Embedding and self.embed.max_norm is None
 
     def embed_tokens(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.embed(ids).to(dtype)
+        if self.plain_embedding:  # the lookup itself, without the module call (once per drafted token)
+            return F.embedding(ids, self.embed._parameters["weight"]).to(dtype)
+        return self.embed(ids).to(dtype)  # e.g. an embedding that scales its output: its own forward
 
     def logits(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """Output-head logits (fp32) of features h; `weight` replaces the head's rows (a draft vocabulary)."""

@@ -4,9 +4,10 @@ model, without its per-call machinery.
 A draft LM spends its time in tiny forwards (one or two tokens through a few small layers), where
 Python overhead, not arithmetic, sets the cost: the Hugging Face forward builds masks, cache objects
 and output dataclasses on every call, and `DynamicCache` concatenates on every append. This decoder
-reads the model's own parameters (shared, never copied, so a fine-tuned or merged model is what runs)
-and keeps its keys and values in preallocated buffers, so a step is the layers' ops and nothing else
-and a rollback is an integer. `python scripts/bench_draft_step.py` measures both paths side by side.
+reads the model's own parameters (shared; q/k/v and gate/up each run as one matmul on a concatenated
+copy that is rebuilt whenever a weight changes, so a fine-tuned or merged model is what runs), applies
+RoPE to queries and keys in one pass, and keeps its keys and values in preallocated buffers, so a step
+is the layers' ops and nothing else and a rollback is an integer. `python scripts/bench_draft_step.py` measures both paths side by side.
 
 Only models it reproduces exactly are taken (`LeanLlama.supports`): Llama, Mistral without a sliding
 window, and Qwen2 without one, built from the stock modules (plain `nn.Linear` projections, so a
@@ -21,9 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from drafters.layers import Rotary, rms_norm
+from drafters.layers import Fused, Rotary, rms_norm, rope
 
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
 _MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -55,9 +55,9 @@ class LeanLlama:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append((
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                *(_weight_bias(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)),
+                Fused(attn.q_proj, attn.k_proj, attn.v_proj), _weight_bias(attn.o_proj),
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                *(_weight_bias(p) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)),
+                Fused(mlp.gate_proj, mlp.up_proj), _weight_bias(mlp.down_proj),
             ))
         self.norm, self.norm_eps = decoder.norm.weight, decoder.norm.variance_epsilon
         self.head = _weight_bias(model.get_output_embeddings())
@@ -138,22 +138,20 @@ class LeanLlama:
         end = start + T
         self._reserve(end)
         x = F.embedding(ids[None], self.embed)  # (1, T, d)
-        cos, sin = self.rotary(x, start, T)
+        cos, sin = self.rotary.decode(x, start, T)
         # One query sees every cached key; several see the cache plus their own causal prefix.
         mask = None if T == 1 else torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start)
-        for i, (ln1, eps1, q_p, k_p, v_p, o_p, ln2, eps2, gate, up, down) in enumerate(self.layers):
-            h = rms_norm(x, ln1, eps1)
-            q = F.linear(h, *q_p).view(1, T, self.heads, self.head_dim).transpose(1, 2)
-            k = F.linear(h, *k_p).view(1, T, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = F.linear(h, *v_p).view(1, T, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        H, Hkv = self.heads, self.kv_heads
+        for i, (ln1, eps1, qkv_p, o_p, ln2, eps2, gate_up, down) in enumerate(self.layers):
+            qkv = qkv_p(rms_norm(x, ln1, eps1)).view(1, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
+            qk = rope(qkv[:, : H + Hkv], cos, sin)
             keys, values = self._k[i], self._v[i]
-            keys[:, :, start:end] = k
-            values[:, :, start:end] = v
-            out = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
+            keys[:, :, start:end] = qk[:, H:]
+            values[:, :, start:end] = qkv[:, H + Hkv:]
+            out = F.scaled_dot_product_attention(qk[:, :H], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
                                                  enable_gqa=self.gqa)
             x = x + F.linear(out.transpose(1, 2).reshape(1, T, -1), *o_p)
-            h = rms_norm(x, ln2, eps2)
-            x = x + F.linear(F.silu(F.linear(h, *gate)) * F.linear(h, *up), *down)
+            gate, up = gate_up(rms_norm(x, ln2, eps2)).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, *down)
         self.length = end
         return F.linear(rms_norm(x[0, -1], self.norm, self.norm_eps), *self.head)

@@ -38,7 +38,8 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
 
     def forward(self, hidden, embeds, cos, sin, mask, cache=None):
-        """Training (no cache) or drafting on top of `cache` (inference only, the fused ops)."""
+        """Training (no cache; cos/sin from `Rotary`) or drafting on top of `cache` (inference only, the
+        fused ops; cos/sin from `Rotary.decode`)."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         return self.block(x, cos, sin, mask) if cache is None else self.block.decode(x, cos, sin, mask, cache)
 
@@ -60,7 +61,8 @@ class MTP(nn.Module):
 
     def run(self, k: int, hidden, tokens, start: int, mask, cache=None) -> torch.Tensor:
         """Module k (0-based) on (hidden (B, q, d), tokens (B, q)) at positions start..start+q-1."""
-        cos, sin = self.rotary(hidden, start, hidden.shape[1])
+        rotary = self.rotary if cache is None else self.rotary.decode  # decode: the drafting path's tables
+        cos, sin = rotary(hidden, start, hidden.shape[1])
         return self.layers[k](hidden, self.shared.embed_tokens(tokens, hidden.dtype), cos, sin, mask, cache)
 
     def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:

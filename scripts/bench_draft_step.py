@@ -66,12 +66,13 @@ def eagle_layer_steps(fused: bool):
         head.step(hidden, context, 0, cache)
         h, layer = hidden[:, -1:], head.midlayer
         cos, sin = head.rotary(h, length, 1)
+        cos_d, sin_d = head.rotary.decode(h, length, 1)  # the drafting path's form of the same values
         embeds = head.shared.embed_tokens(context[None, -1:], h.dtype)
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
             if fused:
-                layer.decode(embeds, h, cos, sin, None, cache)
+                layer.decode(embeds, h, cos_d, sin_d, None, cache)
             else:
                 layer(embeds, h, cos, sin, None, cache=cache)
             times.append(time.perf_counter() - t0)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from drafters.layers import DecoderLayer, Fused, KVCache, RMSNorm, Rotary, causal_mask
+from drafters.layers import DecoderLayer, Fused, KVCache, RMSNorm, Rotary, causal_mask, rope
 
 
 def _config(**kw):
@@ -71,6 +71,23 @@ def test_dynamic_rope_is_computed_per_call():
     assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
 
 
+@pytest.mark.parametrize("rope_parameters", [None, {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}])
+def test_drafting_rope_equals_llama_rope(rope_parameters):
+    """`rope` on `Rotary.decode`'s tables (a roll and a signed sin) gives exactly the values of Llama's
+    apply_rotary_pos_emb on `Rotary`'s (cos, sin), queries and keys alike, at any position."""
+    config = _config(**({"rope_parameters": rope_parameters} if rope_parameters else {}))
+    rotary = Rotary(config)
+    x = torch.zeros(1, 1, 64)
+    q, k = torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16)
+    for start in (0, 3, 250, 600):
+        ref_q, ref_k = apply_rotary_pos_emb(q, k, *rotary(x, start, 9))
+        cos, sin = rotary.decode(x, start, 9)
+        assert cos.shape == sin.shape == (1, 1, 9, 16)
+        assert torch.equal(rope(q, cos, sin), ref_q) and torch.equal(rope(k, cos, sin), ref_k), start
+        both = rope(torch.cat([q, k], dim=1), cos, sin)  # queries and keys in one pass, as decode runs it
+        assert torch.equal(both, torch.cat([ref_q, ref_k], dim=1))
+
+
 def test_rotary_table_built_while_drafting_still_trains():
     """The loop drafts under inference_mode; a table built there must not be an inference tensor, or
     training the same head afterwards fails when autograd saves cos/sin for backward."""
@@ -96,13 +113,34 @@ def test_decode_is_forward_on_a_cache(kv_heads):
     reference = layer(seq, *rotary(seq, 0, 12), causal_mask(12, 0, seq.device))  # teacher forced, no cache
     cache = KVCache()
     with torch.inference_mode():
-        outs = [layer.decode(seq[:, :5], *rotary(seq, 0, 5), causal_mask(5, 0, seq.device), cache)]
+        outs = [layer.decode(seq[:, :5], *rotary.decode(seq, 0, 5), causal_mask(5, 0, seq.device), cache)]
         for i in range(5, 9):
-            outs.append(layer.decode(seq[:, i: i + 1], *rotary(seq, i, 1), None, cache))
+            outs.append(layer.decode(seq[:, i: i + 1], *rotary.decode(seq, i, 1), None, cache))
         cache.crop(7)
-        outs = outs[:3] + [layer.decode(seq[:, 7:], *rotary(seq, 7, 5), causal_mask(5, 7, seq.device), cache)]
+        outs = outs[:3] + [layer.decode(seq[:, 7:], *rotary.decode(seq, 7, 5), causal_mask(5, 7, seq.device), cache)]
     ours = torch.cat([outs[0], *[o for o in outs[1:3]], outs[3]], dim=1)
     torch.testing.assert_close(ours, reference.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_appends_rolls_back_and_grows():
+    """The cache holds exactly what was appended and not rolled back, through a growth of its buffers."""
+    cache, reference = KVCache(), []
+    gen = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for length, keep in [(5, None), (1, None), (3, 4), (250, None), (1, 100), (300, None), (2, 3)]:
+            k, v = torch.randn(2, 1, 2, length, 8, generator=gen)
+            keys, values = cache.append(k, v)
+            reference.append((k, v))
+            assert torch.equal(keys, torch.cat([r[0] for r in reference], dim=2))
+            assert torch.equal(values, torch.cat([r[1] for r in reference], dim=2))
+            assert len(cache) == keys.shape[2]
+            if keep is not None:
+                cache.crop(keep)
+                flat_k, flat_v = (torch.cat([r[i] for r in reference], dim=2)[:, :, :keep] for i in (0, 1))
+                reference = [(flat_k, flat_v)]
+                assert len(cache) == keep
+        cache.crop(10_000)  # never extends
+        assert len(cache) == reference[0][0].shape[2] + sum(r[0].shape[2] for r in reference[1:])
 
 
 def test_fused_linears_follow_their_weights():
@@ -123,4 +161,6 @@ def test_fused_linears_follow_their_weights():
     a.to(torch.float64), b.to(torch.float64)
     x = x.double()
     assert fused(x).dtype == torch.float64
+    torch.testing.assert_close(fused(x), expected())
+    a.weight = torch.nn.Parameter(torch.randn(3, 8, dtype=torch.float64))  # a parameter replaced outright
     torch.testing.assert_close(fused(x), expected())

@@ -79,12 +79,18 @@ def test_cache_grows_past_its_first_allocation():
     assert lean._k[0].shape[2] >= 600
 
 
-def test_reads_the_models_weights_not_a_copy():
-    model = MODELS["llama"]()
+@pytest.mark.parametrize("module", ["down_proj", "q_proj", "v_proj", "up_proj"])
+def test_reads_the_models_current_weights(module):
+    model = MODELS["llama_biases_tied"]()
     lean = LeanLlama(model)
-    with torch.no_grad():
-        model.model.layers[1].mlp.down_proj.weight.mul_(3.0)  # e.g. an optimizer step or a LoRA merge
     seq = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(4))
+    feed_and_compare(model, lean, seq, [12])  # q/k/v and gate/up concatenated for this step
+    layer = model.model.layers[1]
+    linear = getattr(layer.self_attn if module.endswith(("q_proj", "v_proj")) else layer.mlp, module)
+    with torch.no_grad():  # e.g. an optimizer step or a LoRA merge, after the lean path has run
+        linear.weight.mul_(3.0)
+        linear.bias.add_(0.5)
+    lean.reset()
     feed_and_compare(model, lean, seq, [12])
 
 
