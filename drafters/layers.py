@@ -280,8 +280,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
-        h, _ = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+    def forward(self, x, cos, sin, mask):
+        h, _ = self.self_attn(self.input_layernorm(x), cos, sin, mask)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -7,7 +7,8 @@ and output dataclasses on every call, and `DynamicCache` concatenates on every a
 reads the model's own parameters (shared; q/k/v and gate/up each run as one matmul on a concatenated
 copy that is rebuilt whenever a weight changes, so a fine-tuned or merged model is what runs), applies
 RoPE to queries and keys in one pass, and keeps its keys and values in preallocated buffers, so a step
-is the layers' ops and nothing else and a rollback is an integer. `python scripts/bench_draft_step.py` measures both paths side by side.
+is the layers' ops and nothing else and a rollback is an integer. `python scripts/bench_draft_step.py`
+measures both paths side by side.
 
 Only models it reproduces exactly are taken (`LeanLlama.supports`): Llama, Mistral without a sliding
 window, and Qwen2 without one, built from the stock modules (plain `nn.Linear` projections, so a
