@@ -4,6 +4,7 @@
     python scripts/bench_draft_step.py --draft DIR --target DIR --context 512
     python scripts/bench_draft_step.py --eagle runs/bench_heads/eagle/best   # also an EAGLE-3 head's layer
     python scripts/bench_draft_step.py --draft runs/bench_heads/draft_lm_sft/best --eagle runs/bench_heads/eagle/best
+    python scripts/bench_draft_step.py --eagle runs/bench_heads/eagle/best --draft-layers 3   # a deeper draft's cost
 
 A step feeds one token on top of a cached context, as drafting does. The two paths alternate in
 blocks, so machine noise hits both alike; medians are reported, and each draft step also as a share of
@@ -13,11 +14,14 @@ on the same context, through its training-path forward (module calls, separate q
 matmuls) and through `decode`, the fused path drafting uses, and whole drafting rounds of the head and
 of the draft LM (propose k = 4 greedily, then commit 2 accepted and a correction, as the loop does),
 alone and with a 5-token target forward before each round, as verification runs between rounds.
+`--draft-layers N` times, in place of the draft, a randomly initialised model of its width and N layers:
+what a draft of another depth would cost (a step's time does not depend on the weights' values).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -129,10 +133,17 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=5, help="alternating blocks per path")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--eagle", default=None, help="a saved EAGLE-3 head for the target: time its layer too")
+    ap.add_argument("--draft-layers", type=int, default=None,
+                    help="time a randomly initialised draft of the same width with this many layers instead")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     draft = AutoModelForCausalLM.from_pretrained(toyworld.resolve(args.draft)).eval()
+    if args.draft_layers:
+        config = copy.deepcopy(draft.config)
+        config.num_hidden_layers = args.draft_layers
+        torch.manual_seed(0)
+        draft = AutoModelForCausalLM.from_config(config).eval()
     target = AutoModelForCausalLM.from_pretrained(toyworld.resolve(args.target)).eval()
     vocab = min(draft.config.vocab_size, target.config.vocab_size)
     context = torch.randint(3, vocab, (args.context,), generator=torch.Generator().manual_seed(0))
@@ -159,6 +170,8 @@ def main() -> None:
     base = median["target, Hugging Face forward"]
     print(f"one decoding step (rounds: one propose of k = 4) on a {args.context}-token context, "
           f"{torch.get_num_threads()} threads, median of {args.blocks} x {args.steps} per path (alternating blocks)")
+    print(f"draft: {draft.config.num_hidden_layers} layers, hidden size {draft.config.hidden_size}"
+          + (" (randomly initialised: --draft-layers)" if args.draft_layers else ""))
     print(f"{'path':<32}{'ms':>8}{'vs target (HF)':>16}")
     for name, ms in median.items():
         print(f"{name:<32}{ms:>8.3f}{ms / base:>15.3f}x")

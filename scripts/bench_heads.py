@@ -37,6 +37,8 @@ KINDS = {
     "eagle": ["drafter=eagle"],  # default: a draft vocabulary of a quarter of the target's
     "eagle_full_vocab": ["drafter=eagle", "drafter.draft_vocab_share=null"],
     "eagle_argmax_labels": ["drafter=eagle", "drafter.label_temperature=0"],  # trained towards greedy choices
+    # the draft vocabulary ranked by the target's probabilities instead of token counts (sampled serving)
+    "eagle_probability_vocab": ["drafter=eagle", "drafter.draft_vocab_from=target_probabilities"],
     "eagle1": ["drafter=eagle1"],
     "mtp": ["drafter=mtp"],
     "medusa": ["drafter=medusa"],
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--offline-steps", type=int, default=60, help="steps of the offline run (throughput only)")
     ap.add_argument("--out", default="runs/bench_heads")
     ap.add_argument("--ks", default="4")
+    ap.add_argument("--temperatures", default="0", help="sampling temperatures to measure (0 = greedy)")
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts per category")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every run")
@@ -85,10 +88,12 @@ def main() -> None:
     if "draft_lm_sft" in trained:
         drafters.append(build_drafter({"name": "draft_lm_sft_hf_forward", "kind": "draft_lm", "lean": False,
                                        "path": str(trained["draft_lm_sft"]["dir"])}, target=target, tokenizer=tok))
-    plan = EvalPlan(ks=[int(k) for k in args.ks.split(",")], max_new_tokens=64, repeats=args.repeats)
+    plan = EvalPlan(ks=[int(k) for k in args.ks.split(",")], temperatures=[float(t) for t in args.temperatures.split(",")],
+                    max_new_tokens=64, repeats=args.repeats)
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tok.eos_token_id)
     report = build_report(rows, target=cfg.target.name_or_path, baseline="off_the_shelf",
                           settings={"steps": args.steps, "drafters": list(trained), "ks": plan.ks,
+                                    "temperatures": plan.temperatures,
                                     "training_tokens_per_s": {n: round(t["tokens_per_s"]) for n, t in trained.items()}})
     paths = write_report(report, out / "report")
     print(console_summary(report))

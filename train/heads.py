@@ -18,6 +18,7 @@ top-1 agreement).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -61,6 +62,29 @@ def label_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor
     return torch.softmax(logits / temperature, dim=-1)
 
 
+@torch.no_grad()
+def expected_token_counts(target, rows, *, batch_size: int, max_length: int, pad_id: int,
+                          device: torch.device) -> dict[str, tuple[torch.Tensor, int]]:
+    """Per category of `rows` (tokenized records): the target's next-token distribution (temperature 1)
+    summed over the positions that predict an assistant token, as fp32 (V,), and how many positions.
+    A token's entry is its expected count when the target samples that traffic: what a draft
+    vocabulary must hold for sampled serving to accept (greedy-regenerated responses alone show only
+    the target's argmax tokens)."""
+    sums: dict[str, tuple[torch.Tensor, int]] = {}
+    for start in range(0, len(rows), batch_size):
+        batch = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
+        ids = _pad([r["input_ids"][:max_length] for r in batch], pad_id).to(device)
+        attention = _pad([[1] * min(len(r["input_ids"]), max_length) for r in batch], 0).to(device)
+        loss_mask = _pad([r["loss_mask"][:max_length] for r in batch], 0).to(device).bool()
+        logits = target(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        probs = torch.softmax(logits, dim=-1)
+        for j, row in enumerate(batch):
+            chosen = probs[j][loss_mask[j, 1:]]  # position t predicts token t + 1
+            total, count = sums.get(row["category"], (torch.zeros(probs.shape[-1], device=device), 0))
+            sums[row["category"]] = (total + chosen.sum(0), count + chosen.shape[0])
+    return {c: (total.cpu(), count) for c, (total, count) in sums.items()}
+
+
 def draft_vocab_size(drafter_cfg, vocab_size: int) -> int | None:
     """EAGLE-3's draft vocabulary in tokens: `draft_vocab_size` if set, else `draft_vocab_share` of the
     target's vocabulary (EAGLE-3 keeps 32,000 of Llama 3's 128,256, about a quarter); None = all of it."""
@@ -81,6 +105,11 @@ class HeadRecipe(DistillRecipe):
             raise ValueError(f"this recipe trains drafter.kind in {sorted(KINDS)}, got {d.kind!r}")
         if d.hidden_states not in ("online", "offline"):
             raise ValueError(f"drafter.hidden_states must be online or offline, got {d.hidden_states!r}")
+        if d.draft_vocab_from not in ("tokens", "target_probabilities"):
+            raise ValueError(f"drafter.draft_vocab_from must be tokens or target_probabilities, "
+                             f"got {d.draft_vocab_from!r}")
+        if d.draft_vocab_examples < 1:
+            raise ValueError(f"drafter.draft_vocab_examples must be >= 1, got {d.draft_vocab_examples}")
         if not d.label_temperature >= 0:
             raise ValueError(f"drafter.label_temperature must be >= 0 (0 = the target's argmax), "
                              f"got {d.label_temperature}")
@@ -101,7 +130,7 @@ class HeadRecipe(DistillRecipe):
             settings["draft_vocab_size"] = draft_vocab_size(d, target.config.vocab_size)
         torch.manual_seed(self.cfg.trainer.seed)
         head = build_head(d.kind, target, self.layers, **settings)
-        self.coverage = None
+        self.coverage = self.mass = None
         if d.kind == "eagle" and settings["draft_vocab_size"]:
             self._set_draft_vocabulary(head, settings["draft_vocab_size"])
         self.model = head.to(self.device)
@@ -110,14 +139,27 @@ class HeadRecipe(DistillRecipe):
             log.info("%s head: %.2fM parameters of its own, layers %s", d.kind, own / 1e6, self.layers)
 
     def _set_draft_vocabulary(self, head, size: int) -> None:
-        """The `size` most frequent target tokens of the training traffic's assistant turns (plus EOS),
-        and the share of each held-out category's assistant tokens the vocabulary covers."""
+        """The `size` target tokens most frequent in the training traffic's assistant turns (plus EOS):
+        counted as tokens (`drafter.draft_vocab_from=tokens`, EAGLE-3's recipe) or as the target's
+        probabilities at those positions (`target_probabilities`, over the first
+        `drafter.draft_vocab_examples` training records). Reports two coverages per held-out category:
+        the share of assistant tokens the vocabulary can propose (greedy serving's ceiling), and the
+        share of the target's probability it holds (sampled serving's: sum_x min(p, q) <= that mass)."""
         from drafters.eagle import draft_vocabulary, vocabulary_coverage
 
+        d, t = self.cfg.drafter, self.cfg.trainer
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        expected = functools.partial(expected_token_counts, self.target, batch_size=t.batch_size,
+                                     max_length=t.max_length, pad_id=pad, device=self.device)
         counts = torch.zeros(self.target.config.vocab_size)
-        for row in self.train_set:
-            ids = torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)]
-            counts += torch.bincount(ids, minlength=counts.numel()).float()
+        if d.draft_vocab_from == "tokens":
+            for row in self.train_set:
+                ids = torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)]
+                counts += torch.bincount(ids, minlength=counts.numel()).float()
+        else:
+            rows = self.train_set.select(range(min(len(self.train_set), d.draft_vocab_examples)))
+            for total, _ in expected(rows).values():
+                counts += total
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         d2t, t2d = draft_vocabulary(counts, size, always=eos)
         head.set_vocabulary(d2t, t2d)
@@ -126,12 +168,17 @@ class HeadRecipe(DistillRecipe):
         for row in held_out:
             per_category.setdefault(row["category"], []).extend(
                 t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
+        mass = {c: round(float(total[t2d].sum()) / max(n, 1), 4)
+                for c, (total, n) in sorted(expected(held_out).items())}
         self.coverage = {c: round(vocabulary_coverage(ids, t2d), 4) for c, ids in sorted(per_category.items())}
-        log.info("draft vocabulary %d of %d tokens; held-out coverage per category: %s", size,
-                 counts.numel(), self.coverage)
+        self.mass = mass
+        log.info("draft vocabulary %d of %d tokens (from %s); held-out coverage per category: %s; target "
+                 "probability inside it: %s", size, counts.numel(), d.draft_vocab_from,
+                 self.coverage, mass)
         if self.is_main:
             print(f"draft vocabulary: {size} of {counts.numel()} tokens; coverage of held-out assistant tokens "
-                  f"per category: {self.coverage}")
+                  f"per category: {self.coverage}; share of the target's probability (temperature 1) inside "
+                  f"it, the most sampled serving can accept: {mass}")
 
     def _setup_data(self) -> None:
         super()._setup_data()
@@ -226,7 +273,8 @@ class HeadRecipe(DistillRecipe):
         tmp = self.out / "best.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         save_head(self.acc.unwrap_model(self.model), tmp, state_dict=state)
-        (tmp / "best.json").write_text(json.dumps({**self.best, "vocabulary_coverage": self.coverage}) + "\n")
+        (tmp / "best.json").write_text(json.dumps({**self.best, "vocabulary_coverage": self.coverage,
+                                                    "vocabulary_probability": self.mass}) + "\n")
         final = self.out / "best"
         if final.exists():
             shutil.rmtree(final)

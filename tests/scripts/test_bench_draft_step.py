@@ -32,3 +32,11 @@ def test_times_an_eagle_head_layer_on_both_paths(tiny_world, tmp_path):
     assert "EAGLE-3 round after target" in out and "draft round, lean path" in out
     wrong = subprocess.run([*cmd, "--eagle", str(tmp_path / "medusa")], capture_output=True, text=True)
     assert wrong.returncode != 0 and "not an EAGLE-3 head" in wrong.stderr
+
+
+def test_times_a_draft_of_another_depth(tiny_world):
+    out = subprocess.run([sys.executable, str(SCRIPT), "--draft", str(tiny_world / "draft"),
+                          "--target", str(tiny_world / "target"), "--context", "16", "--steps", "2", "--blocks", "1",
+                          "--draft-layers", "3"], capture_output=True, text=True, check=True).stdout
+    assert AutoModelForCausalLM.from_pretrained(tiny_world / "draft").config.num_hidden_layers != 3
+    assert "draft: 3 layers" in out and "randomly initialised" in out

@@ -77,6 +77,60 @@ def test_end_to_end_eagle_with_a_draft_vocabulary_prints_coverage(tiny_world, tm
     best = json.loads((tmp_path / "run" / "best" / "best.json").read_text())
     assert set(best["vocabulary_coverage"]) == {"code", "json", "prose"}
     assert all(0 < c <= 1 for c in best["vocabulary_coverage"].values())
+    # ... and the share of the target's probability the 200 tokens hold, per held-out category.
+    assert set(best["vocabulary_probability"]) == {"code", "json", "prose"}
+    assert all(0 < m < 1 for m in best["vocabulary_probability"].values())
+
+
+def test_expected_token_counts_sum_the_targets_distribution_at_assistant_positions(tiny_world):
+    from train.heads import expected_token_counts
+
+    target, _ = load_target("toyworld://tiny/target", device=torch.device("cpu"))
+    rows = [{"input_ids": [5, 9, 14, 20, 7], "loss_mask": [0, 0, 1, 1, 1], "category": "code"},
+            {"input_ids": [3, 8, 11], "loss_mask": [0, 1, 1], "category": "json"},
+            {"input_ids": [4, 6, 12, 13], "loss_mask": [0, 0, 0, 1], "category": "code"}]
+    got = expected_token_counts(target, rows, batch_size=2, max_length=16, pad_id=0, device=torch.device("cpu"))
+    with torch.no_grad():
+        def alone(row):  # unpadded, one record at a time: position t predicts token t + 1
+            probs = torch.softmax(target(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1].float(), -1)
+            return probs[torch.tensor(row["loss_mask"][1:], dtype=torch.bool)]
+        code = torch.cat([alone(rows[0]), alone(rows[2])])
+        json_ = alone(rows[1])
+    assert set(got) == {"code", "json"}
+    assert got["code"][1] == 4 and got["json"][1] == 2
+    torch.testing.assert_close(got["code"][0], code.sum(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got["json"][0], json_.sum(0), atol=1e-5, rtol=1e-5)
+    assert got["code"][0].sum().item() == pytest.approx(4.0, abs=1e-4)
+
+
+def test_draft_vocabulary_from_the_targets_probabilities(tiny_world, tmp_path, capsys):
+    import datasets
+
+    from drafters.eagle import draft_vocabulary
+    from drafters.heads import load_head
+    from train.heads import expected_token_counts
+
+    train(smoke(tmp_path, "drafter=eagle", "drafter.draft_vocab_size=120", "drafter.draft_vocab_from=target_probabilities",
+                "drafter.draft_vocab_examples=10", "trainer.max_steps=1", "trainer.eval_every=1",
+                "evaluate.enabled=false"))
+    assert "share of the target's probability" in capsys.readouterr().out
+    # The saved vocabulary is the top 120 (plus EOS) of the target's expected counts over the first 10
+    # training records, which differs from the count-ranked one.
+    target, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
+    rows = datasets.load_from_disk(str(next((tmp_path / "data").glob("tiny-train-*")) / "tokenized"))
+    expected = expected_token_counts(target, rows.select(range(10)), batch_size=4, max_length=384, pad_id=0,
+                                     device=torch.device("cpu"))
+    counts = sum(total for total, _ in expected.values())
+    _, t2d = draft_vocabulary(counts, 120, always=[tok.eos_token_id])
+    head = load_head(tmp_path / "run" / "best", target)
+    assert torch.equal(head.t2d, t2d)
+    tokens = torch.zeros(target.config.vocab_size)
+    for row in rows:
+        tokens += torch.bincount(torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)],
+                                 minlength=tokens.numel()).float()
+    assert not torch.equal(draft_vocabulary(tokens, 120, always=[tok.eos_token_id])[1], t2d)
+    with pytest.raises(ValueError, match="draft_vocab_from must be tokens or target_probabilities"):
+        train(smoke(tmp_path, "drafter=eagle", "drafter.draft_vocab_from=probabilities", run="bad"))
 
 
 def test_offline_hidden_states_train_like_online(tiny_world, tmp_path):
