@@ -37,6 +37,7 @@ import sys
 import sysconfig
 import time
 import zlib
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -145,23 +146,10 @@ def build(preset: str = "toy", root: Path | None = None, config: ToyWorldConfig 
     # general mix: the half of the reference prose that is not the company's, a third of the code,
     # general JSON and a few records in the company's schemas, no chats.
     target_stream = _encode(tokenizer, chats * 2 + raw, config.seed)
-    rng = random.Random(config.seed)
-    general_prose = [p for p in texts["prose"] if not _is_company_paragraph(p)]
-    company_json = [json.dumps(_json_record(rng), indent=1) for _ in range(60)]
-    draft_mix = (general_prose * 2 + rng.sample(texts["code"], len(texts["code"]) // 3) + texts["json"][:300]
-                 + company_json)
-    draft_stream = _encode(tokenizer, draft_mix, config.seed + 1)
+    draft_stream = _draft_stream(config, texts, tokenizer)
     losses = {}
     for piece, spec, stream in (("target", config.target, target_stream), ("draft", config.draft, draft_stream)):
-        # Seed the initialisation too: otherwise the weights would depend on whatever used the global
-        # RNG earlier in the process (a test session, the training entry point's own seeding).
-        torch.manual_seed(config.seed + (piece == "draft"))
-        model = _llama(spec, tokenizer, config.seq_len)
-        losses[piece] = train_lm(model, stream, spec, config.seq_len, seed=config.seed, desc=f"toyworld {piece}")
-        model.save_pretrained(tmp / piece)
-        tokenizer.save_pretrained(tmp / piece)
-        print(f"[toyworld] {piece}: {_params(model) / 1e6:.2f}M parameters, final loss {losses[piece]:.3f}",
-              file=sys.stderr)
+        losses[piece] = _train_piece(piece, spec, stream, tokenizer, config, tmp / piece)
     meta = {"preset": preset, "config": asdict(config), "final_loss": losses,
             "build_seconds": round(time.perf_counter() - started, 1),
             "tokens": {"target": len(target_stream), "draft": len(draft_stream)}}
@@ -171,6 +159,42 @@ def build(preset: str = "toy", root: Path | None = None, config: ToyWorldConfig 
     tmp.rename(out)
     print(f"[toyworld] built in {meta['build_seconds']} s", file=sys.stderr)
     return out
+
+
+def _draft_stream(config: ToyWorldConfig, texts: dict[str, list[str]], tokenizer) -> torch.Tensor:
+    """The off-the-shelf draft's training text, encoded."""
+    rng = random.Random(config.seed)
+    general_prose = [p for p in texts["prose"] if not _is_company_paragraph(p)]
+    company_json = [json.dumps(_json_record(rng), indent=1) for _ in range(60)]
+    draft_mix = (general_prose * 2 + rng.sample(texts["code"], len(texts["code"]) // 3) + texts["json"][:300]
+                 + company_json)
+    return _encode(tokenizer, draft_mix, config.seed + 1)
+
+
+def _train_piece(piece: str, spec: LMSpec, stream: torch.Tensor, tokenizer, config: ToyWorldConfig, out: Path) -> float:
+    """Train one model of the world on its stream and save it (with the tokenizer) to `out`; its final loss."""
+    # Seed the initialisation too: otherwise the weights would depend on whatever used the global
+    # RNG earlier in the process (a test session, the training entry point's own seeding).
+    torch.manual_seed(config.seed + (piece == "draft"))
+    model = _llama(spec, tokenizer, config.seq_len)
+    loss = train_lm(model, stream, spec, config.seq_len, seed=config.seed, desc=f"toyworld {piece}")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print(f"[toyworld] {piece}: {_params(model) / 1e6:.2f}M parameters, final loss {loss:.3f}", file=sys.stderr)
+    return loss
+
+
+def build_draft_variant(preset: str, out: Path, **changes) -> float:
+    """The preset's off-the-shelf draft trained by the same recipe (same text, seed and steps) with
+    `changes` to its shape (e.g. layers=3), saved to `out`; returns its final loss. For checking how a
+    draft's size moves its cost and acceptance against the heads; the world itself is not changed."""
+    from transformers import AutoTokenizer
+
+    config = PRESETS[preset]
+    world = build(preset)
+    tokenizer = AutoTokenizer.from_pretrained(world / "draft")
+    stream = _draft_stream(config, corpus(config.seed), tokenizer)
+    return _train_piece("draft", dataclasses.replace(config.draft, **changes), stream, tokenizer, config, Path(out))
 
 
 # --- text -------------------------------------------------------------------------------------------

@@ -150,6 +150,19 @@ def test_sampled_output_follows_target_distribution(small_pair, k, which):
     assert chi2_pvalue(counts, exact) > 1e-3
 
 
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_drafter_that_is_the_target_has_every_sampled_guess_accepted(target, prompts, lean):
+    """q = p: each guess is kept with probability min(1, p/q) = 1, so every round accepts all k (the
+    last may be cut by the budget). A mismatch between the distribution the drafter samples from and
+    the one it reports (temperature, top-k/top-p, the draft-vocabulary mapping) would reject some."""
+    for sampling in (Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=20, top_p=0.9)):
+        for prompt in prompts:
+            out = speculative_generate(target, DraftLM(target, lean=lean), prompt, k=4, sampling=sampling,
+                                       max_new_tokens=30, generator=torch.Generator().manual_seed(0))
+            assert [r.accepted for r in out.rounds[:-1]] == [4] * (len(out.rounds) - 1)
+            assert out.target_forwards == -(-30 // 5)
+
+
 def test_sampled_with_top_k_top_p_follows_processed_target(small_pair):
     target, draft, prompt = small_pair
     sampling = Sampling(temperature=0.8, top_k=4, top_p=0.9)

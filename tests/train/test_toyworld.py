@@ -89,3 +89,20 @@ def test_traffic_is_what_the_prompts_ask():
             kinds["prose"] += 1
             assert answer in company and user.startswith("Explain `") and answer[:30] not in user
     assert all(n > 5 for n in kinds.values()), kinds
+
+
+def test_draft_variant_follows_the_worlds_draft_recipe(tiny_world, tmp_path):
+    import torch
+
+    # The unchanged shape reproduces the world's own draft, weight for weight: same text, seed and steps.
+    spec = toyworld.PRESETS["tiny"].draft
+    toyworld.build_draft_variant("tiny", tmp_path / "same", layers=spec.layers)
+    built = AutoModelForCausalLM.from_pretrained(tiny_world / "draft").state_dict()
+    same = AutoModelForCausalLM.from_pretrained(tmp_path / "same").state_dict()
+    assert built.keys() == same.keys() and all(torch.equal(built[k], same[k]) for k in built)
+    toyworld.build_draft_variant("tiny", tmp_path / "deeper", layers=spec.layers + 1)
+    deeper = AutoModelForCausalLM.from_pretrained(tmp_path / "deeper")
+    assert deeper.config.num_hidden_layers == spec.layers + 1
+    assert deeper.config.hidden_size == spec.hidden_size
+    assert AutoTokenizer.from_pretrained(tmp_path / "deeper").get_vocab() == \
+        AutoTokenizer.from_pretrained(tiny_world / "draft").get_vocab()
