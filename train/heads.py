@@ -76,11 +76,11 @@ def expected_token_counts(target, rows, *, batch_size: int, max_length: int, pad
         ids = _pad([r["input_ids"][:max_length] for r in batch], pad_id).to(device)
         attention = _pad([[1] * min(len(r["input_ids"]), max_length) for r in batch], 0).to(device)
         loss_mask = _pad([r["loss_mask"][:max_length] for r in batch], 0).to(device).bool()
-        logits = target(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-        probs = torch.softmax(logits, dim=-1)
+        logits = target(input_ids=ids, attention_mask=attention).logits[:, :-1]
         for j, row in enumerate(batch):
-            chosen = probs[j][loss_mask[j, 1:]]  # position t predicts token t + 1
-            total, count = sums.get(row["category"], (torch.zeros(probs.shape[-1], device=device), 0))
+            # Position t predicts token t + 1; only those positions are turned into fp32 probabilities.
+            chosen = torch.softmax(logits[j][loss_mask[j, 1:]].float(), dim=-1)
+            total, count = sums.get(row["category"], (torch.zeros(logits.shape[-1], device=device), 0))
             sums[row["category"]] = (total + chosen.sum(0), count + chosen.shape[0])
     return {c: (total.cpu(), count) for c, (total, count) in sums.items()}
 
@@ -168,17 +168,15 @@ class HeadRecipe(DistillRecipe):
         for row in held_out:
             per_category.setdefault(row["category"], []).extend(
                 t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
-        mass = {c: round(float(total[t2d].sum()) / max(n, 1), 4)
-                for c, (total, n) in sorted(expected(held_out).items())}
         self.coverage = {c: round(vocabulary_coverage(ids, t2d), 4) for c, ids in sorted(per_category.items())}
-        self.mass = mass
+        self.mass = {c: round(float(total[t2d.to(total.device)].sum()) / max(n, 1), 4)
+                     for c, (total, n) in sorted(expected(held_out).items())}
         log.info("draft vocabulary %d of %d tokens (from %s); held-out coverage per category: %s; target "
-                 "probability inside it: %s", size, counts.numel(), d.draft_vocab_from,
-                 self.coverage, mass)
+                 "probability inside it: %s", size, counts.numel(), d.draft_vocab_from, self.coverage, self.mass)
         if self.is_main:
             print(f"draft vocabulary: {size} of {counts.numel()} tokens; coverage of held-out assistant tokens "
                   f"per category: {self.coverage}; share of the target's probability (temperature 1) inside "
-                  f"it, the most sampled serving can accept: {mass}")
+                  f"it, the most sampled serving can accept: {self.mass}")
 
     def _setup_data(self) -> None:
         super()._setup_data()
