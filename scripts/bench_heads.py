@@ -88,7 +88,8 @@ def main() -> None:
     if "draft_lm_sft" in trained:
         drafters.append(build_drafter({"name": "draft_lm_sft_hf_forward", "kind": "draft_lm", "lean": False,
                                        "path": str(trained["draft_lm_sft"]["dir"])}, target=target, tokenizer=tok))
-    plan = EvalPlan(ks=[int(k) for k in args.ks.split(",")], temperatures=[float(t) for t in args.temperatures.split(",")],
+    plan = EvalPlan(ks=[int(k) for k in args.ks.split(",")],
+                    temperatures=[float(t) for t in args.temperatures.split(",")],
                     max_new_tokens=64, repeats=args.repeats)
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tok.eos_token_id)
     report = build_report(rows, target=cfg.target.name_or_path, baseline="off_the_shelf",

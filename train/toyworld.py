@@ -26,6 +26,7 @@ builds it on first use and caches it by a hash of its configuration, so changing
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import hashlib
 import json
@@ -37,7 +38,6 @@ import sys
 import sysconfig
 import time
 import zlib
-import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -171,7 +171,8 @@ def _draft_stream(config: ToyWorldConfig, texts: dict[str, list[str]], tokenizer
     return _encode(tokenizer, draft_mix, config.seed + 1)
 
 
-def _train_piece(piece: str, spec: LMSpec, stream: torch.Tensor, tokenizer, config: ToyWorldConfig, out: Path) -> float:
+def _train_piece(piece: str, spec: LMSpec, stream: torch.Tensor, tokenizer, config: ToyWorldConfig,
+                 out: Path) -> float:
     """Train one model of the world on its stream and save it (with the tokenizer) to `out`; its final loss."""
     # Seed the initialisation too: otherwise the weights would depend on whatever used the global
     # RNG earlier in the process (a test session, the training entry point's own seeding).
