@@ -1,6 +1,7 @@
 """Pieces the feature-reading heads (EAGLE-3, EAGLE-1, MTP) share.
 
-- `KVCache`: a head's own key/value cache for drafting, in preallocated buffers; rollback is an integer.
+- `KVCache`: a key/value cache for drafting (a head's own, and the lean draft LM's), in preallocated
+  buffers; rollback is an integer.
 - `Attention`: Llama attention (RoPE, grouped-query) whose input width may differ from the hidden size
   (EAGLE-3 feeds [embedding; feature], 2d wide), used three ways: over a whole training sequence, one
   drafting step on top of a `KVCache`, and in EAGLE-3's training-time test, where each position also
@@ -108,8 +109,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 class KVCache:
     """Keys and values of one attention layer for drafting (inference only): preallocated buffers
     (batch, kv_heads, capacity, head_dim) that grow by doubling, so an append writes the new positions
-    in place instead of copying the whole cache, and a rollback is an integer (as in the draft LM's
-    lean path, drafters/llama_decode.py)."""
+    in place instead of copying the whole cache, and a rollback is an integer. The heads and the draft
+    LM's lean path (drafters/llama_decode.py) both keep one per attention layer."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None  # the buffers; positions 0..length-1 are valid

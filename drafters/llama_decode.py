@@ -6,7 +6,8 @@ Python overhead, not arithmetic, sets the cost: the Hugging Face forward builds 
 and output dataclasses on every call, and `DynamicCache` concatenates on every append. This decoder
 reads the model's own parameters (shared; q/k/v and gate/up each run as one matmul on a concatenated
 copy that is rebuilt whenever a weight changes, so a fine-tuned or merged model is what runs), applies
-RoPE to queries and keys in one pass, and keeps its keys and values in preallocated buffers, so a step
+RoPE to queries and keys in one pass, and keeps its keys and values in preallocated buffers (a
+`drafters.layers.KVCache` per layer, the heads' cache too), so a step
 is the layers' ops and nothing else and a rollback is an integer. `python scripts/bench_draft_step.py`
 measures both paths side by side.
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from drafters.layers import Fused, Rotary, rms_norm, rope
+from drafters.layers import Fused, KVCache, Rotary, rms_norm, rope
 
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
 _MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -63,9 +64,7 @@ class LeanLlama:
         self.norm, self.norm_eps = decoder.norm.weight, decoder.norm.variance_epsilon
         self.head = _weight_bias(model.get_output_embeddings())
         self.rotary = Rotary(config).to(self.embed.device)
-        self.length = 0  # positions held in the cache
-        self._k: list[torch.Tensor] = []
-        self._v: list[torch.Tensor] = []
+        self.caches = [KVCache() for _ in self.layers]  # one per layer, always the same length
 
     @staticmethod
     def unsupported(model: PreTrainedModel) -> str | None:
@@ -104,31 +103,18 @@ class LeanLlama:
     def supports(cls, model: PreTrainedModel) -> bool:
         return cls.unsupported(model) is None
 
+    @property
+    def length(self) -> int:
+        """Positions held in the cache."""
+        return len(self.caches[0])
+
     def reset(self) -> None:
-        self.length = 0
+        self.crop(0)
 
     def crop(self, keep: int) -> None:
         """Roll back to the first `keep` positions."""
-        self.length = min(self.length, keep)
-
-    def _reserve(self, end: int) -> None:
-        capacity = self._k[0].shape[2] if self._k else 0
-        if end <= capacity:
-            return
-        size = max(end, 2 * capacity, 256)
-        shape = (1, self.kv_heads, size, self.head_dim)
-        dtype, device = self.embed.dtype, self.embed.device
-        for i in range(len(self.layers)):
-            k = torch.empty(shape, dtype=dtype, device=device)
-            v = torch.empty(shape, dtype=dtype, device=device)
-            if capacity:
-                k[:, :, : self.length] = self._k[i][:, :, : self.length]
-                v[:, :, : self.length] = self._v[i][:, :, : self.length]
-            if i < len(self._k):
-                self._k[i], self._v[i] = k, v
-            else:
-                self._k.append(k)
-                self._v.append(v)
+        for cache in self.caches:
+            cache.crop(keep)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -137,7 +123,6 @@ class LeanLlama:
         tensors)."""
         T, start = ids.shape[0], self.length
         end = start + T
-        self._reserve(end)
         x = F.embedding(ids[None], self.embed)  # (1, T, d)
         cos, sin = self.rotary.decode(x, start, T)
         # One query sees every cached key; several see the cache plus their own causal prefix.
@@ -146,13 +131,9 @@ class LeanLlama:
         for i, (ln1, eps1, qkv_p, o_p, ln2, eps2, gate_up, down) in enumerate(self.layers):
             qkv = qkv_p(rms_norm(x, ln1, eps1)).view(1, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
             qk = rope(qkv[:, : H + Hkv], cos, sin)
-            keys, values = self._k[i], self._v[i]
-            keys[:, :, start:end] = qk[:, H:]
-            values[:, :, start:end] = qkv[:, H + Hkv:]
-            out = F.scaled_dot_product_attention(qk[:, :H], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                                 enable_gqa=self.gqa)
+            keys, values = self.caches[i].append(qk[:, H:], qkv[:, H + Hkv:])
+            out = F.scaled_dot_product_attention(qk[:, :H], keys, values, attn_mask=mask, enable_gqa=self.gqa)
             x = x + F.linear(out.transpose(1, 2).reshape(1, T, -1), *o_p)
             gate, up = gate_up(rms_norm(x, ln2, eps2)).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, *down)
-        self.length = end
         return F.linear(rms_norm(x[0, -1], self.norm, self.norm_eps), *self.head)
