@@ -49,6 +49,14 @@ def _pad(rows: list[list[int]], value: int, left: bool = False) -> torch.Tensor:
     return torch.tensor([([value] * (width - len(r)) + r) if left else (r + [value] * (width - len(r))) for r in rows])
 
 
+def _records_batch(rows, pad_id: int, max_length: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Tokenized records (input_ids, loss_mask), cut at max_length and right-padded: input_ids,
+    attention_mask and loss_mask (B, T) on `device`."""
+    return {"input_ids": _pad([r["input_ids"][:max_length] for r in rows], pad_id).to(device),
+            "attention_mask": _pad([[1] * min(len(r["input_ids"]), max_length) for r in rows], 0).to(device),
+            "loss_mask": _pad([r["loss_mask"][:max_length] for r in rows], 0).to(device)}
+
+
 class DistillRecipe:
     """One training run of a standalone draft LM (see the module docstring)."""
 
@@ -371,9 +379,8 @@ class DistillRecipe:
         for start in range(0, len(self.eval_set), bs):
             rows = self.eval_set.select(range(start, min(start + bs, len(self.eval_set))))
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-            ids = _pad([r["input_ids"][: self.cfg.trainer.max_length] for r in rows], pad).to(self.device)
-            attn = _pad([[1] * min(len(r["input_ids"]), self.cfg.trainer.max_length) for r in rows], 0).to(self.device)
-            mask = _pad([r["loss_mask"][: self.cfg.trainer.max_length] for r in rows], 0).to(self.device)[:, 1:]
+            batch = _records_batch(rows, pad, self.cfg.trainer.max_length, self.device)
+            ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"][:, 1:]
             q = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
             p = self.target(input_ids=ids, attention_mask=attn).logits[:, :-1]
             n = float(mask.sum())

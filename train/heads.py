@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 
 from drafters.heads import KINDS, build_head, load_head, save_head
 from train.checkpoint import full_model_state
-from train.distill import DistillRecipe, _pad
+from train.distill import DistillRecipe, _records_batch
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
 from train.shards import complete
 
@@ -73,10 +73,9 @@ def expected_token_counts(target, rows, *, batch_size: int, max_length: int, pad
     sums: dict[str, tuple[torch.Tensor, int]] = {}
     for start in range(0, len(rows), batch_size):
         batch = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
-        ids = _pad([r["input_ids"][:max_length] for r in batch], pad_id).to(device)
-        attention = _pad([[1] * min(len(r["input_ids"]), max_length) for r in batch], 0).to(device)
-        loss_mask = _pad([r["loss_mask"][:max_length] for r in batch], 0).to(device).bool()
-        logits = target(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        tensors = _records_batch(batch, pad_id, max_length, device)
+        loss_mask = tensors["loss_mask"].bool()
+        logits = target(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits[:, :-1]
         for j, row in enumerate(batch):
             # Position t predicts token t + 1; only those positions are turned into fp32 probabilities.
             chosen = torch.softmax(logits[j][loss_mask[j, 1:]].float(), dim=-1)
@@ -237,9 +236,7 @@ class HeadRecipe(DistillRecipe):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for start in range(0, len(self.eval_set), bs):
             rows = self.eval_set.select(range(start, min(start + bs, len(self.eval_set))))
-            batch = {"input_ids": _pad([r["input_ids"][:limit] for r in rows], pad).to(self.device),
-                     "attention_mask": _pad([[1] * min(len(r["input_ids"]), limit) for r in rows], 0).to(self.device),
-                     "loss_mask": _pad([r["loss_mask"][:limit] for r in rows], 0).to(self.device)}
+            batch = _records_batch(rows, pad, limit, self.device)
             features, probs = self._features(batch)
             _, stats = self.model(features, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], probs)
             for s, st in enumerate(stats):
