@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from drafters.layers import Fused, KVCache, Rotary, rms_norm, rope
+from drafters.layers import Fused, KVCache, Rotary, causal_mask, rms_norm, rope
 
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
 _MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -122,11 +122,10 @@ class LeanLlama:
         Drafting never needs gradients: inference mode, whoever calls (the cache buffers are inference
         tensors)."""
         T, start = ids.shape[0], self.length
-        end = start + T
         x = F.embedding(ids[None], self.embed)  # (1, T, d)
         cos, sin = self.rotary.decode(x, start, T)
         # One query sees every cached key; several see the cache plus their own causal prefix.
-        mask = None if T == 1 else torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start)
+        mask = None if T == 1 else causal_mask(T, start, x.device)
         H, Hkv = self.heads, self.kv_heads
         for i, (ln1, eps1, qkv_p, o_p, ln2, eps2, gate_up, down) in enumerate(self.layers):
             qkv = qkv_p(rms_norm(x, ln1, eps1)).view(1, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
