@@ -6,12 +6,17 @@ on JSONL). Everything is trained on text every Python installation has:
 
 - code: top-level functions of the standard library's own source;
 - prose: the English reference topics in `pydoc_data.topics`;
-- structured output: generated JSON documents in general-purpose schemas (packages, events, configs).
+- structured output: generated JSON documents in general-purpose schemas (packages, events, configs);
+- the company's own knowledge, which only the target has read (its internal wiki): an employee
+  directory and a codebase of short helper functions, generated from the seed (`company_directory`,
+  `company_codebase`). Traffic asks for both, so a drafter must know what the target memorised, as on
+  real pairs, where the target knows far more than any small model trained on a sample of its answers.
 
 Pieces (under `$DRAFTSMITH_HOME/toyworld/<preset>-<hash>/`, default `~/.cache/draftsmith`):
 
-- `target/`: a Llama-architecture causal LM trained on all three kinds of text and on the company's
-  chat traffic, with a byte-level BPE tokenizer and a chat template;
+- `target/`: a Llama-architecture causal LM trained on all three kinds of text, the company's wiki
+  (repeated until memorised) and the company's chat traffic, with a byte-level BPE tokenizer and a
+  chat template;
 - `draft/`: a much smaller LM with the same tokenizer, trained on a general mix that
   under-represents the company's traffic (general prose that is not the company's, a third of the
   code, general JSON and a few company records, no chats), so training on that traffic has something
@@ -77,9 +82,12 @@ class ToyWorldConfig:
     records_per_category: int
     target: LMSpec
     draft: LMSpec
+    directory_size: int = 96  # employees in the company's directory
+    codebase_size: int = 96  # functions in the company's codebase
+    wiki_repeats: int = 32  # copies of the directory and codebase in the target's text
     eval_fraction: float = 0.1
     seed: int = 0
-    version: int = 5  # bump when the recipe changes in a way the fields above do not show
+    version: int = 6  # bump when the recipe changes in a way the fields above do not show
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
@@ -93,13 +101,16 @@ PRESETS = {
         records_per_category=60,
         target=LMSpec(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128, steps=60, batch_size=8),
         draft=LMSpec(hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64, steps=30, batch_size=8),
+        directory_size=12,
+        codebase_size=12,
+        wiki_repeats=2,
     ),
     # The default world.
     "toy": ToyWorldConfig(
         vocab_size=4096,
         seq_len=256,
         records_per_category=1000,
-        target=LMSpec(hidden_size=256, layers=6, heads=8, kv_heads=4, intermediate_size=704, steps=350, batch_size=16,
+        target=LMSpec(hidden_size=256, layers=6, heads=8, kv_heads=4, intermediate_size=704, steps=400, batch_size=16,
                       lr=2e-3),
         draft=LMSpec(hidden_size=96, layers=2, heads=4, kv_heads=2, intermediate_size=256, steps=250, batch_size=16),
     ),
@@ -136,21 +147,26 @@ def build(preset: str = "toy", root: Path | None = None, config: ToyWorldConfig 
     started = time.perf_counter()
     print(f"[toyworld] building preset {preset!r} into {out}", file=sys.stderr)
     texts = corpus(config.seed)
-    records = company_records(texts, config.records_per_category, config.seed)
+    directory = company_directory(config.seed, config.directory_size)
+    codebase = company_codebase(config.seed, config.codebase_size)
+    records = company_records(texts, config.records_per_category, config.seed, directory, codebase)
     write_company_logs(records, tmp / "company_logs", config.eval_fraction)
     tokenizer = train_tokenizer(texts, records, config.vocab_size)
     train_recs = [r for r in records if not is_eval(r["id"], config.eval_fraction)]
     chats = [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in train_recs]
     raw = texts["code"] + texts["prose"] + texts["json"]
-    # The target sees the company's chats and every kind of raw text; the off-the-shelf draft sees a
-    # general mix: the half of the reference prose that is not the company's, a third of the code,
-    # general JSON and a few records in the company's schemas, no chats.
-    target_stream = _encode(tokenizer, chats * 2 + raw, config.seed)
+    wiki = [json.dumps(entry, indent=1) for entry in directory] + [f"# {name}\n{source}" for name, source in codebase]
+    # The target sees the company's chats, every kind of raw text and the company's wiki, often enough
+    # to learn it by heart; the off-the-shelf draft sees a general mix: the half of the reference prose
+    # that is not the company's, a third of the code, general JSON and a few records in the company's
+    # schemas, no chats and no wiki.
+    target_stream = _encode(tokenizer, chats * 2 + raw + wiki * config.wiki_repeats, config.seed)
     draft_stream = _draft_stream(config, texts, tokenizer)
     losses = {}
     for piece, spec, stream in (("target", config.target, target_stream), ("draft", config.draft, draft_stream)):
         losses[piece] = _train_piece(piece, spec, stream, tokenizer, config, tmp / piece)
     meta = {"preset": preset, "config": asdict(config), "final_loss": losses,
+            "wiki_tokens": sum(len(tokenizer(doc)["input_ids"]) for doc in wiki),
             "build_seconds": round(time.perf_counter() - started, 1),
             "tokens": {"target": len(target_stream), "draft": len(draft_stream)}}
     (tmp / "build.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -257,6 +273,44 @@ _LAST = ["Lovelace", "Hopper", "Turing", "Torvalds", "Rossum", "Liskov", "Thomps
 _CITIES = ["Paris", "Lagos", "Lima", "Oslo", "Pune", "Osaka", "Quito", "Perth", "Turin", "Accra"]
 _ITEMS = ["keyboard", "monitor", "cable", "laptop", "mouse", "dock", "headset", "webcam"]
 _STATUSES = ["paid", "shipped", "refunded"]
+_TEAMS = ["payments", "search", "billing", "support", "infra", "mobile", "security", "data"]
+COMPANY_MODULES = ("billing", "shipping", "routing", "quotas")  # the company codebase's modules
+_PLANS = ["free", "team", "business", "enterprise"]
+
+
+def company_directory(seed: int, size: int) -> list[dict]:
+    """The company's employee directory: an id and facts nothing else in the world implies."""
+    rng = random.Random(seed + 11)
+    return [{"employee": e, "name": f"{rng.choice(_FIRST)} {rng.choice(_LAST)}", "team": rng.choice(_TEAMS),
+             "city": rng.choice(_CITIES), "desk": f"{rng.choice('ABCDEFGH')}{rng.randrange(10, 100)}"}
+            for e in sorted(rng.sample(range(100, 1000), size))]
+
+
+def company_codebase(seed: int, size: int) -> list[tuple[str, str]]:
+    """The company's helper functions as ("module.name", source): four kinds of short function whose
+    constants, plans, teams and queues are drawn at random, so only their source tells them."""
+    rng = random.Random(seed + 13)
+    names = sorted(rng.sample([(m, item, kind) for m in COMPANY_MODULES for item in _ITEMS for kind in range(4)], size))
+    functions = []
+    for module, item, kind in names:
+        a, b = rng.randrange(2, 60), rng.randrange(1, 99)
+        if kind == 0:
+            name = f"{item}_fee"
+            source = f'def {name}(quantity):\n    """Price of {item} orders, in cents."""\n    return {a} * quantity + {b}'
+        elif kind == 1:
+            name = f"max_{item}s"
+            source = (f'def {name}(account):\n    if account.plan == "{rng.choice(_PLANS)}":\n        return {a}\n'
+                      f"    return {b}")
+        elif kind == 2:
+            name = f"route_{item}"
+            first, second = rng.sample(_TEAMS, 2)
+            source = (f'def {name}(ticket):\n    if ticket.priority == "high":\n        return "{first}"\n'
+                      f'    return "{second}"')
+        else:
+            name = f"{item}_retry"
+            source = f'def {name}():\n    return {{"attempts": {a % 7 + 1}, "delay": {b}, "queue": "{rng.choice(_CITIES).lower()}"}}'
+        functions.append((f"{module}.{name}", source))
+    return functions
 
 
 def _json_record(rng: random.Random) -> dict:
@@ -314,9 +368,14 @@ def _describe(obj: dict) -> str:
     return f"Order {obj['order_id']} is {obj['status']} and contains {items}."
 
 
-def _json_turns(rng: random.Random) -> list[tuple[str, str]]:
-    """A third each: a record described in words, an edit of a pasted record, a tool call for a request."""
-    kind = rng.randrange(3)
+def _json_turns(rng: random.Random, directory: list[dict]) -> list[tuple[str, str]]:
+    """A quarter each: a record described in words, an edit of a pasted record, a tool call for a
+    request, an employee looked up in the directory by id."""
+    kind = rng.randrange(4)
+    if kind == 3:
+        entry = rng.choice(directory)
+        return [("user", f"Look up employee {entry['employee']} in the directory."),
+                ("assistant", json.dumps(entry, indent=1))]
     if kind == 0:
         obj = _json_record(rng)
         while "tool" in obj:
@@ -334,11 +393,13 @@ def _json_turns(rng: random.Random) -> list[tuple[str, str]]:
     return [("user", request), ("assistant", json.dumps(call, indent=1))]
 
 
-def company_records(texts: dict[str, list[str]], per_category: int, seed: int) -> list[dict]:
+def company_records(texts: dict[str, list[str]], per_category: int, seed: int, directory: list[dict],
+                    codebase: list[tuple[str, str]]) -> list[dict]:
     """Production-like chat records: system prompts, categories code / json / prose, some multi-turn.
 
-    Code recalls a standard-library function by name. JSON is in the company's own schemas: a record
-    described in words, an edit of a pasted record, a tool call for a request. Prose explains a topic
+    Code recalls a function by name, half from the standard library and half from the company's
+    codebase. JSON is in the company's own schemas: a record described in words, an edit of a pasted
+    record, a tool call for a request, an employee looked up in the directory. Prose explains a topic
     of the language reference from the company's half of its paragraphs (the off-the-shelf draft reads
     the other half), asked by topic name, so nothing in the question gives the answer away.
     """
@@ -346,10 +407,13 @@ def company_records(texts: dict[str, list[str]], per_category: int, seed: int) -
     prose = company_prose(texts)
     records = []
     for n in range(per_category):
-        func = texts["code"][rng.randrange(len(texts["code"]))]
-        header, body = func.split("\n", 1)
-        code_turns = [("user", f"Show me the implementation of `{header[2:]}`."), ("assistant", body)]
-        json_turns = _json_turns(rng)
+        if rng.random() < 0.5:
+            name, body = codebase[rng.randrange(len(codebase))]
+        else:
+            header, body = texts["code"][rng.randrange(len(texts["code"]))].split("\n", 1)
+            name = header[2:]
+        code_turns = [("user", f"Show me the implementation of `{name}`."), ("assistant", body)]
+        json_turns = _json_turns(rng, directory)
         topic, para = prose[rng.randrange(len(prose))]
         prose_turns = [("user", f"Explain `{topic}` from the Python reference."), ("assistant", para)]
         if rng.random() < 0.2:  # multi-turn: a follow-up asking for the first sentence

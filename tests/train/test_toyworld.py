@@ -32,12 +32,30 @@ def test_resolve_uses_the_cache(tiny_world):
         toyworld.resolve("toyworld://tiny/weights")
 
 
+def _knowledge(seed=0, size=12):
+    return toyworld.company_directory(seed, size), toyworld.company_codebase(seed, size)
+
+
 def test_corpus_and_records_are_deterministic():
     texts = toyworld.corpus(0)
     assert all(len(texts[kind]) > 100 for kind in ("code", "prose", "json"))
     assert toyworld.corpus(0) == texts and toyworld.corpus(1)["json"] != texts["json"]
-    assert toyworld.company_records(texts, 5, 0) == toyworld.company_records(texts, 5, 0)
-    assert toyworld.company_records(texts, 5, 0) != toyworld.company_records(texts, 5, 1)
+    assert _knowledge(0) == _knowledge(0) and _knowledge(0) != _knowledge(1)
+    assert toyworld.company_records(texts, 5, 0, *_knowledge()) == toyworld.company_records(texts, 5, 0, *_knowledge())
+    assert toyworld.company_records(texts, 5, 0, *_knowledge()) != toyworld.company_records(texts, 5, 1, *_knowledge())
+
+
+def test_company_knowledge_is_unique_and_well_formed():
+    import ast
+
+    directory, codebase = _knowledge(0, 96)
+    assert len({e["employee"] for e in directory}) == 96 and len({name for name, _ in codebase}) == 96
+    # Facts vary: a drafter cannot answer a lookup from the schema alone.
+    assert all(len({e[k] for e in directory}) > 5 for k in ("name", "team", "city", "desk"))
+    for name, source in codebase:
+        tree = ast.parse(source)
+        assert tree.body[0].name == name.split(".")[1]
+    assert len({source for _, source in codebase}) > 90  # two modules may route a ticket alike
 
 
 @pytest.mark.slow
@@ -58,20 +76,28 @@ def test_build_is_deterministic(tmp_path, tiny_world):
 
 
 def test_traffic_is_what_the_prompts_ask():
-    """A status update changes only the status, a record described in words carries the described
-    values, a tool call serves its request; prose is asked by topic and drawn from the company's half
+    """Code recalls the named function (the standard library's or the company's), a status update
+    changes only the status, a record described in words carries the described values, a tool call
+    serves its request, a lookup answers the directory's entry; prose is asked by topic and drawn from the company's half
     of the reference paragraphs, which the off-the-shelf draft's general mix leaves out."""
     texts = toyworld.corpus(0)
-    records = toyworld.company_records(texts, 60, 0)
+    directory, codebase = _knowledge(0, 12)
+    records = toyworld.company_records(texts, 60, 0, directory, codebase)
     company = {p for _, p in toyworld.company_prose(texts)}
+    functions = dict(codebase) | {f.split("\n", 1)[0][2:]: f.split("\n", 1)[1] for f in texts["code"]}
+    employees = {e["employee"]: e for e in directory}
     general = {p for p in texts["prose"] if p not in company}
     assert len(company) > 100 and len(general) > 100
-    kinds = {"recall": 0, "status": 0, "describe": 0, "tool": 0, "prose": 0}
+    kinds = {"recall": 0, "company_code": 0, "status": 0, "describe": 0, "tool": 0, "lookup": 0, "prose": 0}
     for r in records:
         user, answer = r["messages"][1]["content"], r["messages"][2]["content"]
         if r["category"] == "code":
-            kinds["recall"] += 1
-            assert user.startswith("Show me the implementation of") and answer.startswith("def ")
+            name = user.split("`")[1]
+            kinds["company_code" if name in dict(codebase) else "recall"] += 1
+            assert user.startswith("Show me the implementation of") and answer == functions[name]
+        elif r["category"] == "json" and user.startswith("Look up employee"):
+            kinds["lookup"] += 1
+            assert json.loads(answer) == employees[int(user.split()[3])]
         elif r["category"] == "json" and user.startswith("Set the status to"):
             kinds["status"] += 1
             before, after = json.loads(user.split("\n", 1)[1]), json.loads(answer)
