@@ -2,17 +2,17 @@
 
     python scripts/target_answers.py                       # toy world, the prompts `python -m eval` uses
     python scripts/target_answers.py --target toyworld://tiny/target --data toyworld://tiny/company_logs/eval.jsonl
-    python scripts/target_answers.py --recall 48           # also: does the target recite what it memorised?
+    python scripts/target_answers.py --reference 24        # also: how close to the logged answers is it?
 
 Acceptance is measured against these answers, so a target whose answers are degenerate (a constant
 string, a repeated fragment) makes any drafter look good or bad for reasons that are not the traffic's.
 Run it before trusting a per-category table.
 
-`--recall N` answers up to N held-out requests of each kind that has one right answer (a toy-world
-employee looked up by id, a company function and a standard-library function recalled by name) and
-compares the greedy answer with the record's: exact answers, and the share of the reference's tokens
-the answer gets right before its first wrong one. Only what the target knows can a head read from its
-hidden states; what a small drafter cannot learn from the training traffic is where the two differ.
+`--reference N` answers the first N held-out records of each category and compares each greedy answer
+with the answer the record logged: how many it reproduces exactly, and the share of the logged answer's
+tokens it gets right before its first wrong one. A target that knows its traffic (the function recalled
+by name, the paragraph asked by topic, the values described in the request) reproduces much of it;
+what it knows and a small drafter cannot learn is what an EAGLE head can read from its hidden states.
 """
 
 from __future__ import annotations
@@ -23,39 +23,27 @@ import statistics
 import torch
 
 from eval.run import load_prompts, load_target, resolve_data
-from train import toyworld
 from train.data import load_records, prompt_ids
 
 
-def request_kind(record) -> str | None:
-    """The kind of a toy-world request with one right answer, or None."""
-    user = next(m["content"] for m in record.messages if m["role"] == "user")
-    if user.startswith("Look up employee"):
-        return "employee lookup"
-    if user.startswith("Show me the implementation of `"):
-        module = user.split("`")[1].split(".")[0]
-        return "company function" if module in toyworld.COMPANY_MODULES else "stdlib function"
-    return None
-
-
-def recall(target, tok, data: str, per_kind: int, max_new_tokens: int) -> None:
-    """Greedy answers against the reference answers of requests that have exactly one."""
+def reference_agreement(target, tok, data: str, per_category: int, max_new_tokens: int) -> None:
+    """Greedy answers against the answers logged in the records, per category: how much of what the
+    traffic says the target itself would say."""
     records, _ = load_records(resolve_data(data))
     rows: dict[str, list[tuple[bool, float]]] = {}
     for record in records:
-        kind = request_kind(record)
-        if kind is None or len(rows.setdefault(kind, [])) >= per_kind:
+        if len(rows.setdefault(record.category, [])) >= per_category:
             continue
         prompt = torch.tensor(prompt_ids(record, tok))
         reference = tok(record.messages[-1]["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         out = target.generate(prompt[None], max_new_tokens=min(max_new_tokens, len(reference)), do_sample=False,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
         right = next((i for i, (a, b) in enumerate(zip(out, reference)) if a != b), min(len(out), len(reference)))
-        rows[kind].append((out == reference, right / len(reference)))
-    for kind, results in sorted(rows.items()):
-        print(f"recall, {kind}: {sum(e for e, _ in results)} exact of {len(results)}; "
-              f"{statistics.mean(f for _, f in results):.2f} of the reference right before the first wrong token "
-              f"(mean)")
+        rows[record.category].append((out == reference, right / len(reference)))
+    for category, results in sorted(rows.items()):
+        print(f"logged answers, {category}: {sum(e for e, _ in results)} of {len(results)} reproduced exactly; "
+              f"mean share of the logged answer right before the first wrong token "
+              f"{statistics.mean(f for _, f in results):.2f}")
 
 
 def main() -> None:
@@ -65,7 +53,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts per category (as python -m eval)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--show", type=int, default=2, help="answers printed per category")
-    ap.add_argument("--recall", type=int, default=0, help="held-out requests per kind with one right answer")
+    ap.add_argument("--reference", type=int, default=0, help="held-out records per category to compare with "
+                    "their logged answers")
     args = ap.parse_args()
     target, tok = load_target(args.target, device=torch.device("cpu"))
     prompts = load_prompts(args.data, tok, device=target.device, max_per_category=args.prompts)
@@ -81,8 +70,8 @@ def main() -> None:
               f"({sum(len(r) == args.max_new_tokens for r in rows)} stopped by the token limit)")
         for row in rows[: args.show]:
             print("   ", repr(tok.decode(row))[:200])
-    if args.recall:
-        recall(target, tok, args.data, args.recall, max_new_tokens=256)
+    if args.reference:
+        reference_agreement(target, tok, args.data, args.reference, max_new_tokens=256)
 
 
 if __name__ == "__main__":

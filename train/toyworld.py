@@ -7,16 +7,17 @@ on JSONL). Everything is trained on text every Python installation has:
 - code: top-level functions of the standard library's own source;
 - prose: the English reference topics in `pydoc_data.topics`;
 - structured output: generated JSON documents in general-purpose schemas (packages, events, configs);
-- the company's own knowledge, which only the target has read (its internal wiki): an employee
-  directory and a codebase of short helper functions, generated from the seed (`company_directory`,
-  `company_codebase`). Traffic asks for both, so a drafter must know what the target memorised, as on
-  real pairs, where the target knows far more than any small model trained on a sample of its answers.
+- in the `toy-wiki` preset only, the company's own knowledge, which only the target reads (its internal
+  wiki): an employee directory and a codebase of short helper functions, generated from the seed
+  (`company_directory`, `company_codebase`). Traffic asks for both, so a drafter must know what the
+  target memorised, as on real pairs, where the target knows far more than a small model trained on a
+  sample of its answers can learn.
 
 Pieces (under `$DRAFTSMITH_HOME/toyworld/<preset>-<hash>/`, default `~/.cache/draftsmith`):
 
-- `target/`: a Llama-architecture causal LM trained on all three kinds of text, the company's wiki
-  (repeated until memorised) and the company's chat traffic, with a byte-level BPE tokenizer and a
-  chat template;
+- `target/`: a Llama-architecture causal LM trained on all three kinds of text (and the company's
+  wiki, repeated, where there is one) and on the company's chat traffic, with a byte-level BPE
+  tokenizer and a chat template;
 - `draft/`: a much smaller LM with the same tokenizer, trained on a general mix that
   under-represents the company's traffic (general prose that is not the company's, a third of the
   code, general JSON and a few company records, no chats), so training on that traffic has something
@@ -82,15 +83,29 @@ class ToyWorldConfig:
     records_per_category: int
     target: LMSpec
     draft: LMSpec
-    directory_size: int = 96  # employees in the company's directory
-    codebase_size: int = 96  # functions in the company's codebase
-    wiki_repeats: int = 32  # copies of the directory and codebase in the target's text
     eval_fraction: float = 0.1
     seed: int = 0
-    version: int = 6  # bump when the recipe changes in a way the fields above do not show
+    version: int = 5  # bump when the recipe changes in a way the fields above do not show
+    # The company's wiki (see the module docstring); 0 = none, the recipe of every world before it.
+    directory_size: int = 0  # employees in the company's directory
+    codebase_size: int = 0  # functions in the company's codebase
+    wiki_repeats: int = 0  # copies of the directory and codebase in the target's text
+
+    @property
+    def has_wiki(self) -> bool:
+        return bool(self.wiki_repeats and (self.directory_size or self.codebase_size))
+
+    def hashed_fields(self) -> dict:
+        """The fields the cache name hashes: the wiki's only when there is one, so worlds built
+        before the wiki existed keep their names."""
+        fields = asdict(self)
+        if not self.has_wiki:
+            for name in ("directory_size", "codebase_size", "wiki_repeats"):
+                del fields[name]
+        return fields
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        return hashlib.sha256(json.dumps(self.hashed_fields(), sort_keys=True).encode()).hexdigest()[:10]
 
 
 PRESETS = {
@@ -101,20 +116,27 @@ PRESETS = {
         records_per_category=60,
         target=LMSpec(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128, steps=60, batch_size=8),
         draft=LMSpec(hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64, steps=30, batch_size=8),
-        directory_size=12,
-        codebase_size=12,
-        wiki_repeats=2,
     ),
     # The default world.
     "toy": ToyWorldConfig(
         vocab_size=4096,
         seq_len=256,
         records_per_category=1000,
-        target=LMSpec(hidden_size=256, layers=6, heads=8, kv_heads=4, intermediate_size=704, steps=400, batch_size=16,
+        target=LMSpec(hidden_size=256, layers=6, heads=8, kv_heads=4, intermediate_size=704, steps=350, batch_size=16,
                       lr=2e-3),
         draft=LMSpec(hidden_size=96, layers=2, heads=4, kv_heads=2, intermediate_size=256, steps=250, batch_size=16),
     ),
 }
+# A world whose target knows its company: the default world's shapes, plus the company's wiki in the
+# target's text and traffic that asks for it, and the target trained 2,400 steps instead of 350 (about
+# an hour on 2 cores; for benchmarks, not the default). The 350-step target cannot learn it (BENCHMARKS.md
+# section 5): it reproduced none of 24 held-out lookups and copied the asked employee id in none of 20.
+PRESETS["toy-wiki"] = dataclasses.replace(
+    PRESETS["toy"], target=dataclasses.replace(PRESETS["toy"].target, steps=2400),
+    directory_size=96, codebase_size=96, wiki_repeats=32,
+)
+# For tests of the wiki's code path: the tiny world with a small wiki.
+PRESETS["tiny-wiki"] = dataclasses.replace(PRESETS["tiny"], directory_size=12, codebase_size=12, wiki_repeats=2)
 
 
 def home() -> Path:
@@ -147,20 +169,13 @@ def build(preset: str = "toy", root: Path | None = None, config: ToyWorldConfig 
     started = time.perf_counter()
     print(f"[toyworld] building preset {preset!r} into {out}", file=sys.stderr)
     texts = corpus(config.seed)
-    directory = company_directory(config.seed, config.directory_size)
-    codebase = company_codebase(config.seed, config.codebase_size)
+    directory = company_directory(config.seed, config.directory_size) if config.has_wiki else []
+    codebase = company_codebase(config.seed, config.codebase_size) if config.has_wiki else []
     records = company_records(texts, config.records_per_category, config.seed, directory, codebase)
     write_company_logs(records, tmp / "company_logs", config.eval_fraction)
     tokenizer = train_tokenizer(texts, records, config.vocab_size)
-    train_recs = [r for r in records if not is_eval(r["id"], config.eval_fraction)]
-    chats = [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in train_recs]
-    raw = texts["code"] + texts["prose"] + texts["json"]
-    wiki = [json.dumps(entry, indent=1) for entry in directory] + [f"# {name}\n{source}" for name, source in codebase]
-    # The target sees the company's chats, every kind of raw text and the company's wiki, often enough
-    # to learn it by heart; the off-the-shelf draft sees a general mix: the half of the reference prose
-    # that is not the company's, a third of the code, general JSON and a few records in the company's
-    # schemas, no chats and no wiki.
-    target_stream = _encode(tokenizer, chats * 2 + raw + wiki * config.wiki_repeats, config.seed)
+    wiki = company_wiki(directory, codebase)
+    target_stream = _target_stream(config, texts, records, wiki, tokenizer)
     draft_stream = _draft_stream(config, texts, tokenizer)
     losses = {}
     for piece, spec, stream in (("target", config.target, target_stream), ("draft", config.draft, draft_stream)):
@@ -175,6 +190,22 @@ def build(preset: str = "toy", root: Path | None = None, config: ToyWorldConfig 
     tmp.rename(out)
     print(f"[toyworld] built in {meta['build_seconds']} s", file=sys.stderr)
     return out
+
+
+def company_wiki(directory: list[dict], codebase: list[tuple[str, str]]) -> list[str]:
+    """The wiki's documents: each employee's entry as the directory prints it, each function's source."""
+    return [json.dumps(entry, indent=1) for entry in directory] + [f"# {name}\n{source}" for name, source in codebase]
+
+
+def _target_stream(config: ToyWorldConfig, texts: dict[str, list[str]], records: list[dict], wiki: list[str],
+                   tokenizer) -> torch.Tensor:
+    """The target's training text, encoded: the company's training chats (twice), every kind of raw
+    text and the company's wiki (`wiki_repeats` times), often enough to learn it by heart. The
+    off-the-shelf draft (`_draft_stream`) reads a general mix instead: no chats and no wiki."""
+    train_recs = [r for r in records if not is_eval(r["id"], config.eval_fraction)]
+    chats = [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in train_recs]
+    raw = texts["code"] + texts["prose"] + texts["json"]
+    return _encode(tokenizer, chats * 2 + raw + wiki * config.wiki_repeats, config.seed)
 
 
 def _draft_stream(config: ToyWorldConfig, texts: dict[str, list[str]], tokenizer) -> torch.Tensor:
@@ -369,9 +400,9 @@ def _describe(obj: dict) -> str:
 
 
 def _json_turns(rng: random.Random, directory: list[dict]) -> list[tuple[str, str]]:
-    """A quarter each: a record described in words, an edit of a pasted record, a tool call for a
-    request, an employee looked up in the directory by id."""
-    kind = rng.randrange(4)
+    """A third each: a record described in words, an edit of a pasted record, a tool call for a
+    request; with a directory, a quarter each and the fourth an employee looked up by id."""
+    kind = rng.randrange(4 if directory else 3)
     if kind == 3:
         entry = rng.choice(directory)
         return [("user", f"Look up employee {entry['employee']} in the directory."),
@@ -393,21 +424,21 @@ def _json_turns(rng: random.Random, directory: list[dict]) -> list[tuple[str, st
     return [("user", request), ("assistant", json.dumps(call, indent=1))]
 
 
-def company_records(texts: dict[str, list[str]], per_category: int, seed: int, directory: list[dict],
-                    codebase: list[tuple[str, str]]) -> list[dict]:
+def company_records(texts: dict[str, list[str]], per_category: int, seed: int, directory: list[dict] = (),
+                    codebase: list[tuple[str, str]] = ()) -> list[dict]:
     """Production-like chat records: system prompts, categories code / json / prose, some multi-turn.
 
-    Code recalls a function by name, half from the standard library and half from the company's
-    codebase. JSON is in the company's own schemas: a record described in words, an edit of a pasted
-    record, a tool call for a request, an employee looked up in the directory. Prose explains a topic
-    of the language reference from the company's half of its paragraphs (the off-the-shelf draft reads
+    Code recalls a function by name from the standard library (with a codebase: half from the
+    company's). JSON is in the company's own schemas: a record described in words, an edit of a pasted
+    record, a tool call for a request (with a directory: and an employee looked up by id). Prose
+    explains a topic of the language reference from the company's half of its paragraphs (the off-the-shelf draft reads
     the other half), asked by topic name, so nothing in the question gives the answer away.
     """
     rng = random.Random(seed + 7)
     prose = company_prose(texts)
     records = []
     for n in range(per_category):
-        if rng.random() < 0.5:
+        if codebase and rng.random() < 0.5:  # no draw without a codebase: the records stay as before it
             name, body = codebase[rng.randrange(len(codebase))]
         else:
             header, body = texts["code"][rng.randrange(len(texts["code"]))].split("\n", 1)

@@ -43,6 +43,20 @@ def test_corpus_and_records_are_deterministic():
     assert _knowledge(0) == _knowledge(0) and _knowledge(0) != _knowledge(1)
     assert toyworld.company_records(texts, 5, 0, *_knowledge()) == toyworld.company_records(texts, 5, 0, *_knowledge())
     assert toyworld.company_records(texts, 5, 0, *_knowledge()) != toyworld.company_records(texts, 5, 1, *_knowledge())
+    assert toyworld.company_records(texts, 5, 0) != toyworld.company_records(texts, 5, 0, *_knowledge())
+
+
+def test_worlds_without_a_wiki_keep_their_names_and_traffic():
+    """The wiki's fields enter the cache name only when a world has one, and without one the traffic
+    asks for nothing from it: a world built before the wiki existed is found again, unchanged."""
+    toy, wiki = toyworld.PRESETS["toy"], toyworld.PRESETS["toy-wiki"]
+    assert not toy.has_wiki and wiki.has_wiki
+    assert "wiki_repeats" not in toy.hashed_fields() and wiki.hashed_fields()["wiki_repeats"] == 32
+    assert toy.digest() != wiki.digest() and toy.target.steps < wiki.target.steps
+    records = toyworld.company_records(toyworld.corpus(0), 60, 0)
+    users = [r["messages"][1]["content"] for r in records]
+    assert not any(u.startswith("Look up employee") for u in users)
+    assert not any(u.split("`")[1].split(".")[0] in toyworld.COMPANY_MODULES for u in users if "`" in u)
 
 
 def test_company_knowledge_is_unique_and_well_formed():
@@ -115,6 +129,32 @@ def test_traffic_is_what_the_prompts_ask():
             kinds["prose"] += 1
             assert answer in company and user.startswith("Explain `") and answer[:30] not in user
     assert all(n > 5 for n in kinds.values()), kinds
+
+
+@pytest.mark.slow
+def test_wiki_world_trains_its_target_on_the_wiki(tiny_world):
+    """The wiki preset: the target's text holds the wiki (repeated) and the traffic asks for it; the
+    off-the-shelf draft's text has none of it."""
+    from transformers import AutoTokenizer
+
+    world = toyworld.build("tiny-wiki")
+    config = toyworld.PRESETS["tiny-wiki"]
+    assert json.loads((world / "build.json").read_text())["wiki_tokens"] > 0
+    records = [json.loads(line) for split in ("train", "eval")
+               for line in (world / "company_logs" / f"{split}.jsonl").open()]
+    directory = {e["employee"]: e for e in toyworld.company_directory(config.seed, config.directory_size)}
+    lookups = [r for r in records if r["messages"][1]["content"].startswith("Look up employee")]
+    assert lookups and all(json.loads(r["messages"][2]["content"]) == directory[int(r["messages"][1]["content"].split()[3])]
+                           for r in lookups)
+    tok = AutoTokenizer.from_pretrained(world / "draft")
+    texts = toyworld.corpus(config.seed)
+    wiki = toyworld.company_wiki(list(directory.values()), toyworld.company_codebase(config.seed, config.codebase_size))
+    target_stream = toyworld._target_stream(config, texts, records, wiki, tok).tolist()
+    draft_stream = toyworld._draft_stream(config, texts, tok).tolist()
+    for doc in (wiki[0], wiki[-1]):  # an employee, a function
+        ids = tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        count = [sum(s[i: i + len(ids)] == ids for i in range(len(s) - len(ids))) for s in (target_stream, draft_stream)]
+        assert count[0] >= config.wiki_repeats and count[1] == 0, (doc, count)
 
 
 def test_draft_variant_follows_the_worlds_draft_recipe(tiny_world, tmp_path):
