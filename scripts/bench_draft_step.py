@@ -16,6 +16,8 @@ of the draft LM (propose k = 4 greedily, then commit 2 accepted and a correction
 alone and with a 5-token target forward before each round, as verification runs between rounds.
 `--draft-layers N` times, in place of the draft, a randomly initialised model of its width and N layers:
 what a draft of another depth would cost (a step's time does not depend on the weights' values).
+`--eagle-intermediate N,M` adds rounds of the same head with its MLP narrowed to N (then M) units, the
+MLP randomly initialised: what a cheaper head would cost.
 """
 
 from __future__ import annotations
@@ -123,6 +125,21 @@ def drafting_rounds(target, verify_between: bool):
     return run
 
 
+def narrowed(head, width: int, target):
+    """The head with its decoder layer's MLP `width` units wide (MLP weights randomly initialised, the
+    rest copied): for timing only."""
+    config = copy.deepcopy(head.config)
+    config.intermediate_size = width
+    torch.manual_seed(0)
+    narrow = type(head)(config)
+    missing, unexpected = narrow.load_state_dict({k: v for k, v in head.state_dict().items() if ".mlp." not in k},
+                                                 strict=False)
+    if unexpected or any(".mlp." not in k for k in missing):
+        raise RuntimeError(f"narrowing the MLP: missing {missing}, unexpected {unexpected}")
+    narrow.attach(target)
+    return narrow.eval()
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -133,6 +150,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=5, help="alternating blocks per path")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--eagle", default=None, help="a saved EAGLE-3 head for the target: time its layer too")
+    ap.add_argument("--eagle-intermediate", default=None,
+                    help="comma-separated MLP widths: also time rounds of the --eagle head with a narrower MLP")
     ap.add_argument("--draft-layers", type=int, default=None,
                     help="time a randomly initialised draft of the same width with this many layers instead")
     args = ap.parse_args()
@@ -160,6 +179,9 @@ def main() -> None:
         runs["draft round, lean path"] = (drafting_rounds(target, False), DraftLM(draft))
         runs["EAGLE-3 round after target"] = (drafting_rounds(target, True), head.drafter("eagle"))
         runs["draft round after target"] = (drafting_rounds(target, True), DraftLM(draft))
+        for width in map(int, (args.eagle_intermediate or "").split(",") if args.eagle_intermediate else []):
+            runs[f"EAGLE-3 round, MLP {width}, after target"] = (drafting_rounds(target, True),
+                                                                 narrowed(head, width, target).drafter("eagle"))
     times: dict[str, list[float]] = {name: [] for name in runs}
     for fn, model in runs.values():  # warm-up: allocator, kernels
         fn(model, context, 20)
@@ -182,6 +204,8 @@ def main() -> None:
               f"{median['EAGLE-3 layer, fused decode'] / median['EAGLE-3 layer, forward']:.2f} of the forward's time")
         print(f"EAGLE-3 round / draft round: {median['EAGLE-3 round'] / median['draft round, lean path']:.2f} alone, "
               f"{median['EAGLE-3 round after target'] / median['draft round after target']:.2f} after a target forward")
+        for name in (n for n in median if ", MLP " in n):
+            print(f"{name} / draft round after target: {median[name] / median['draft round after target']:.2f}")
 
 
 if __name__ == "__main__":

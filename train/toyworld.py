@@ -7,7 +7,7 @@ on JSONL). Everything is trained on text every Python installation has:
 - code: top-level functions of the standard library's own source;
 - prose: the English reference topics in `pydoc_data.topics`;
 - structured output: generated JSON documents in general-purpose schemas (packages, events, configs);
-- in the `toy-wiki` preset only, the company's own knowledge, which only the target reads (its internal
+- in the `toy_wiki` preset only, the company's own knowledge, which only the target reads (its internal
   wiki): an employee directory and a codebase of short helper functions, generated from the seed
   (`company_directory`, `company_codebase`). Traffic asks for both, so a drafter must know what the
   target memorised, as on real pairs, where the target knows far more than a small model trained on a
@@ -131,12 +131,12 @@ PRESETS = {
 # target's text and traffic that asks for it, and the target trained 2,400 steps instead of 350 (about
 # an hour on 2 cores; for benchmarks, not the default). The 350-step target cannot learn it (BENCHMARKS.md
 # section 5): it reproduced none of 24 held-out lookups and copied the asked employee id in none of 20.
-PRESETS["toy-wiki"] = dataclasses.replace(
+PRESETS["toy_wiki"] = dataclasses.replace(
     PRESETS["toy"], target=dataclasses.replace(PRESETS["toy"].target, steps=2400),
     directory_size=96, codebase_size=96, wiki_repeats=32,
 )
 # For tests of the wiki's code path: the tiny world with a small wiki.
-PRESETS["tiny-wiki"] = dataclasses.replace(PRESETS["tiny"], directory_size=12, codebase_size=12, wiki_repeats=2)
+PRESETS["tiny_wiki"] = dataclasses.replace(PRESETS["tiny"], directory_size=12, codebase_size=12, wiki_repeats=2)
 
 
 def home() -> Path:

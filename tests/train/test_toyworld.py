@@ -49,7 +49,7 @@ def test_corpus_and_records_are_deterministic():
 def test_worlds_without_a_wiki_keep_their_names_and_traffic():
     """The wiki's fields enter the cache name only when a world has one, and without one the traffic
     asks for nothing from it: a world built before the wiki existed is found again, unchanged."""
-    toy, wiki = toyworld.PRESETS["toy"], toyworld.PRESETS["toy-wiki"]
+    toy, wiki = toyworld.PRESETS["toy"], toyworld.PRESETS["toy_wiki"]
     assert not toy.has_wiki and wiki.has_wiki
     assert "wiki_repeats" not in toy.hashed_fields() and wiki.hashed_fields()["wiki_repeats"] == 32
     assert toy.digest() != wiki.digest() and toy.target.steps < wiki.target.steps
@@ -137,8 +137,8 @@ def test_wiki_world_trains_its_target_on_the_wiki(tiny_world):
     off-the-shelf draft's text has none of it."""
     from transformers import AutoTokenizer
 
-    world = toyworld.build("tiny-wiki")
-    config = toyworld.PRESETS["tiny-wiki"]
+    world = toyworld.build("tiny_wiki")
+    config = toyworld.PRESETS["tiny_wiki"]
     assert json.loads((world / "build.json").read_text())["wiki_tokens"] > 0
     records = [json.loads(line) for split in ("train", "eval")
                for line in (world / "company_logs" / f"{split}.jsonl").open()]
