@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -158,37 +159,68 @@ def resolve(name_or_path: str) -> str:
 
 
 def build(preset: str = "toy", root: Path | None = None, config: ToyWorldConfig | None = None) -> Path:
-    """Build (or find cached) the named world and return its directory."""
+    """Build (or find cached) the named world and return its directory.
+
+    A build works in `<name>.partial/` next to the final directory, under a lock (a second process
+    waits, then finds the world built), and checkpoints each model every `CHECKPOINT_EVERY` steps: an
+    interrupted build resumes where it stopped, with the same tokenizer, and ends with the same weights
+    as an uninterrupted one. The directory takes its final name only when complete."""
     config = config or PRESETS[preset]
     out = (root or home() / "toyworld") / f"{preset}-{config.digest()}"
     if (out / "build.json").exists():  # written last: its presence means the build completed
         return out
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        if (out / "build.json").exists():  # built by another process while this one waited
+            return out
+        return _build_locked(preset, config, out)
+
+
+CHECKPOINT_EVERY = 100  # steps between a build's model checkpoints
+
+
+def _build_locked(preset: str, config: ToyWorldConfig, out: Path) -> Path:
+    partial = out.with_name(out.name + ".partial")
+    resumed = partial.exists()
+    partial.mkdir(exist_ok=True)
     started = time.perf_counter()
-    print(f"[toyworld] building preset {preset!r} into {out}", file=sys.stderr)
+    print(f"[toyworld] {'resuming' if resumed else 'building'} preset {preset!r} into {out}", file=sys.stderr)
     texts = corpus(config.seed)
     directory = company_directory(config.seed, config.directory_size) if config.has_wiki else []
     codebase = company_codebase(config.seed, config.codebase_size) if config.has_wiki else []
     records = company_records(texts, config.records_per_category, config.seed, directory, codebase)
-    write_company_logs(records, tmp / "company_logs", config.eval_fraction)
-    tokenizer = train_tokenizer(texts, records, config.vocab_size)
+    write_company_logs(records, partial / "company_logs", config.eval_fraction)
+    if (partial / "tokenizer" / "tokenizer.json").exists():  # the checkpoints' token ids are this tokenizer's
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(partial / "tokenizer")
+    else:
+        tokenizer = train_tokenizer(texts, records, config.vocab_size)
+        tokenizer.save_pretrained(partial / "tokenizer")
     wiki = company_wiki(directory, codebase)
     target_stream = _target_stream(config, texts, records, wiki, tokenizer)
     draft_stream = _draft_stream(config, texts, tokenizer)
-    losses = {}
+    losses_file = partial / "losses.json"
+    losses = json.loads(losses_file.read_text()) if losses_file.exists() else {}
     for piece, spec, stream in (("target", config.target, target_stream), ("draft", config.draft, draft_stream)):
-        losses[piece] = _train_piece(piece, spec, stream, tokenizer, config, tmp / piece)
+        if piece not in losses:  # a piece with a loss is saved and complete
+            losses[piece] = _train_piece(piece, spec, stream, tokenizer, config, partial / piece,
+                                         checkpoints=partial / "checkpoints" / piece)
+            losses_file.write_text(json.dumps(losses))
     meta = {"preset": preset, "config": asdict(config), "final_loss": losses,
             "wiki_tokens": sum(len(tokenizer(doc)["input_ids"]) for doc in wiki),
-            "build_seconds": round(time.perf_counter() - started, 1),
+            "build_seconds": round(time.perf_counter() - started, 1), "resumed": resumed,
             "tokens": {"target": len(target_stream), "draft": len(draft_stream)}}
-    (tmp / "build.json").write_text(json.dumps(meta, indent=2) + "\n")
+    for scratch in ("checkpoints", "tokenizer", "losses.json"):
+        path = partial / scratch
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    (partial / "build.json").write_text(json.dumps(meta, indent=2) + "\n")
     if out.exists():  # a stale, incomplete build (no build.json): replace it
         shutil.rmtree(out)
-    tmp.rename(out)
-    print(f"[toyworld] built in {meta['build_seconds']} s", file=sys.stderr)
+    partial.rename(out)
+    print(f"[toyworld] built in {meta['build_seconds']} s" + (" (this run; resumed)" if resumed else ""),
+          file=sys.stderr)
     return out
 
 
@@ -219,13 +251,15 @@ def _draft_stream(config: ToyWorldConfig, texts: dict[str, list[str]], tokenizer
 
 
 def _train_piece(piece: str, spec: LMSpec, stream: torch.Tensor, tokenizer, config: ToyWorldConfig,
-                 out: Path) -> float:
-    """Train one model of the world on its stream and save it (with the tokenizer) to `out`; its final loss."""
+                 out: Path, checkpoints: Path | None = None) -> float:
+    """Train one model of the world on its stream and save it (with the tokenizer) to `out`; its final
+    loss. With `checkpoints`, training resumes from the newest checkpoint there and writes new ones."""
     # Seed the initialisation too: otherwise the weights would depend on whatever used the global
     # RNG earlier in the process (a test session, the training entry point's own seeding).
     torch.manual_seed(config.seed + (piece == "draft"))
     model = _llama(spec, tokenizer, config.seq_len)
-    loss = train_lm(model, stream, spec, config.seq_len, seed=config.seed, desc=f"toyworld {piece}")
+    loss = train_lm(model, stream, spec, config.seq_len, seed=config.seed, desc=f"toyworld {piece}",
+                    checkpoints=checkpoints)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     print(f"[toyworld] {piece}: {_params(model) / 1e6:.2f}M parameters, final loss {loss:.3f}", file=sys.stderr)
@@ -528,8 +562,17 @@ def _params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def train_lm(model, stream: torch.Tensor, spec: LMSpec, seq_len: int, seed: int, desc: str) -> float:
-    """Next-token training on random windows of a token stream; returns the mean loss of the last 10 steps."""
+def train_lm(model, stream: torch.Tensor, spec: LMSpec, seq_len: int, seed: int, desc: str,
+             checkpoints: Path | None = None, every: int | None = None, stop_at: int | None = None) -> float:
+    """Next-token training on random windows of a token stream; returns the mean loss of the last 10 steps.
+
+    With `checkpoints` (a directory), the model, optimizer, schedule and batch sampler are saved there
+    every `every` steps (default CHECKPOINT_EVERY; only the newest kept), and training starts from the
+    newest one found: the result is the same as an uninterrupted run's. `stop_at` ends training after
+    that step (checkpointed), as an interruption would."""
+    from train import checkpoint
+
+    every = every or CHECKPOINT_EVERY
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -539,7 +582,15 @@ def train_lm(model, stream: torch.Tensor, spec: LMSpec, seq_len: int, seed: int,
     )
     model.train()
     recent: list[torch.Tensor] = []
-    bar = tqdm(range(spec.steps), desc=desc, unit="step", file=sys.stderr)
+    start = 0
+    last = checkpoint.latest(checkpoints) if checkpoints is not None else None
+    if last is not None:
+        state = checkpoint.load(last, model, opt, sched)
+        start = state["step"]
+        generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+        recent = [torch.tensor(x) for x in state["recent"]]
+        print(f"[toyworld] {desc}: resuming at step {start} from {last}", file=sys.stderr)
+    bar = tqdm(range(start, spec.steps), desc=desc, unit="step", file=sys.stderr, initial=start, total=spec.steps)
     # A world may be built on first use from inside torch.no_grad() (an evaluation, a script): train anyway.
     with torch.enable_grad():
         for step in bar:
@@ -554,5 +605,12 @@ def train_lm(model, stream: torch.Tensor, spec: LMSpec, seq_len: int, seed: int,
             recent = (recent + [loss.detach()])[-10:]
             if step % 10 == 0 or step == spec.steps - 1:  # .item() syncs: only when the bar shows it
                 bar.set_postfix(loss=f"{torch.stack(recent).mean().item():.3f}")
+            done = step + 1
+            if checkpoints is not None and done < spec.steps and (done % every == 0 or done == stop_at):
+                checkpoint.save(checkpoints, done, model, opt, sched, keep=1,
+                                extra={"generator": generator.get_state().tolist(),
+                                       "recent": [r.item() for r in recent]})
+            if stop_at is not None and done >= stop_at:
+                break
     model.eval()
     return torch.stack(recent).mean().item()

@@ -1,9 +1,10 @@
 import json
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from train import toyworld
+from train import checkpoint, toyworld
 
 
 def test_tiny_world_has_every_piece(tiny_world):
@@ -172,3 +173,62 @@ def test_draft_variant_follows_the_worlds_draft_recipe(tiny_world, tmp_path):
     assert deeper.config.hidden_size == spec.hidden_size
     assert AutoTokenizer.from_pretrained(tmp_path / "deeper").get_vocab() == \
         AutoTokenizer.from_pretrained(tiny_world / "draft").get_vocab()
+
+
+def test_training_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
+    """Stopped after 6 of 10 steps and resumed, a world's model ends with the weights of an
+    uninterrupted run: model, optimizer, schedule and batch sampler all come back."""
+    spec = toyworld.LMSpec(hidden_size=16, layers=1, heads=2, kv_heads=1, intermediate_size=32, steps=10,
+                           batch_size=2)
+
+    class Tok:  # what _llama reads of a tokenizer
+        bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+        def __len__(self):
+            return 40
+
+    stream = torch.randint(0, 40, (500,), generator=torch.Generator().manual_seed(0))
+
+    def model():
+        torch.manual_seed(0)
+        return toyworld._llama(spec, Tok(), seq_len=16)
+
+    whole = model()
+    loss = toyworld.train_lm(whole, stream, spec, 16, seed=0, desc="whole")
+    first = model()
+    toyworld.train_lm(first, stream, spec, 16, seed=0, desc="first", checkpoints=tmp_path, every=4, stop_at=6)
+    assert checkpoint.latest(tmp_path).name == "step-000006"
+    torch.manual_seed(123)  # whatever ran in between must not matter
+    resumed = model()
+    resumed_loss = toyworld.train_lm(resumed, stream, spec, 16, seed=0, desc="resumed", checkpoints=tmp_path)
+    a, b = whole.state_dict(), resumed.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed_loss == pytest.approx(loss)
+    assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], first.state_dict()["model.layers.0.mlp.up_proj.weight"])
+
+
+@pytest.mark.slow
+def test_an_interrupted_build_resumes_to_the_same_world(tiny_world, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    real = toyworld.train_lm
+
+    def crash_after_20_steps(*args, **kwargs):
+        real(*args, **kwargs, every=10, stop_at=20)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(toyworld, "train_lm", crash_after_20_steps)
+    with pytest.raises(KeyboardInterrupt):
+        toyworld.build("tiny", root=tmp_path)
+    partial = next(tmp_path.glob("tiny-*.partial"))
+    assert checkpoint.latest(partial / "checkpoints" / "target").name == "step-000020"
+    assert not list(tmp_path.glob("tiny-*[0-9a-f]"))  # nothing under the final name yet
+    monkeypatch.setattr(toyworld, "train_lm", real)
+    again = toyworld.build("tiny", root=tmp_path)
+    assert json.loads((again / "build.json").read_text())["resumed"] is True
+    assert not partial.exists() and not (again / "checkpoints").exists() and not (again / "tokenizer").exists()
+    for piece in ("target", "draft"):
+        a = load_file(str(tiny_world / piece / "model.safetensors"))
+        b = load_file(str(again / piece / "model.safetensors"))
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), piece
+    assert (tiny_world / "company_logs" / "train.jsonl").read_text() == (again / "company_logs" / "train.jsonl").read_text()
