@@ -179,7 +179,7 @@ def main() -> None:
         runs["draft round, lean path"] = (drafting_rounds(target, False), DraftLM(draft))
         runs["EAGLE-3 round after target"] = (drafting_rounds(target, True), head.drafter("eagle"))
         runs["draft round after target"] = (drafting_rounds(target, True), DraftLM(draft))
-        for width in map(int, (args.eagle_intermediate or "").split(",") if args.eagle_intermediate else []):
+        for width in (int(w) for w in args.eagle_intermediate.split(",")) if args.eagle_intermediate else ():
             runs[f"EAGLE-3 round, MLP {width}, after target"] = (drafting_rounds(target, True),
                                                                  narrowed(head, width, target).drafter("eagle"))
     times: dict[str, list[float]] = {name: [] for name in runs}

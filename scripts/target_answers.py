@@ -26,16 +26,18 @@ from eval.run import load_prompts, load_target, resolve_data
 from train.data import load_records, prompt_ids
 
 
-def reference_agreement(target, tok, data: str, per_category: int, max_new_tokens: int) -> None:
+def reference_agreement(target, tok, data: str, per_category: int, max_new_tokens: int) -> dict[str, list]:
     """Greedy answers against the answers logged in the records, per category: how much of what the
-    traffic says the target itself would say."""
+    traffic says the target itself would say. Prints a line per category and returns, per category,
+    (reproduced exactly, share right before the first wrong token) for each record."""
     records, _ = load_records(resolve_data(data))
     rows: dict[str, list[tuple[bool, float]]] = {}
     for record in records:
         if len(rows.setdefault(record.category, [])) >= per_category:
             continue
         prompt = torch.tensor(prompt_ids(record, tok))
-        reference = tok(record.messages[-1]["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        logged = [m["content"] for m in record.messages if m["role"] == "assistant"][-1]  # what the prompt asks for
+        reference = tok(logged, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         out = target.generate(prompt[None], max_new_tokens=min(max_new_tokens, len(reference)), do_sample=False,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
         right = next((i for i, (a, b) in enumerate(zip(out, reference)) if a != b), min(len(out), len(reference)))
@@ -44,6 +46,7 @@ def reference_agreement(target, tok, data: str, per_category: int, max_new_token
         print(f"logged answers, {category}: {sum(e for e, _ in results)} of {len(results)} reproduced exactly; "
               f"mean share of the logged answer right before the first wrong token "
               f"{statistics.mean(f for _, f in results):.2f}")
+    return rows
 
 
 def main() -> None:

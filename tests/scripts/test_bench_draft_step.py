@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from transformers import AutoModelForCausalLM
 
 from drafters.heads import build_head, save_head
@@ -30,8 +31,31 @@ def test_times_an_eagle_head_layer_on_both_paths(tiny_world, tmp_path):
     out = subprocess.run([*cmd, "--eagle", str(tmp_path / "eagle")], capture_output=True, text=True, check=True).stdout
     assert "EAGLE-3 layer, forward" in out and "EAGLE-3 layer, fused decode" in out
     assert "EAGLE-3 round after target" in out and "draft round, lean path" in out
+    narrow = subprocess.run([*cmd, "--eagle", str(tmp_path / "eagle"), "--eagle-intermediate", "16,8"],
+                            capture_output=True, text=True, check=True).stdout
+    assert "EAGLE-3 round, MLP 16, after target / draft round after target" in narrow
+    assert "EAGLE-3 round, MLP 8, after target / draft round after target" in narrow
     wrong = subprocess.run([*cmd, "--eagle", str(tmp_path / "medusa")], capture_output=True, text=True)
     assert wrong.returncode != 0 and "not an EAGLE-3 head" in wrong.stderr
+
+
+def test_narrowed_head_keeps_all_but_the_mlp(tiny_world):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_draft_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target = AutoModelForCausalLM.from_pretrained(tiny_world / "target")
+    head = build_head("eagle", target, [0, 1, 2], ttt_steps=2, ttt_decay=0.8)
+    narrow = module.narrowed(head, 8, target)
+    assert narrow.config.intermediate_size == 8 and head.config.intermediate_size != 8
+    wide, thin = head.state_dict(), narrow.state_dict()
+    assert wide.keys() == thin.keys()
+    for name in wide:
+        if ".mlp." in name:
+            assert 8 in thin[name].shape
+        else:
+            assert torch.equal(wide[name], thin[name]), name
 
 
 def test_times_a_draft_of_another_depth(tiny_world):

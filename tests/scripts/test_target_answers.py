@@ -1,0 +1,48 @@
+"""scripts/target_answers.py: greedy answers against the answers the records logged."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "target_answers.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("target_answers", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Reciting:
+    """A stand-in target that answers each prompt with a fixed text: the logged answer, or a wrong one."""
+
+    def __init__(self, tok, answers: dict[tuple, str]):
+        self.tok, self.answers = tok, answers
+
+    def generate(self, ids, max_new_tokens, **_):
+        text = self.answers[tuple(ids[0].tolist())]
+        new = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        return torch.cat([ids, torch.tensor([new[:max_new_tokens]])], dim=1)
+
+
+def test_reference_agreement_counts_what_the_target_reproduces(tiny_world, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_world / "target")
+    logged = ["def f(x):\n    return x + 1", "def g(y):\n    return y * 2", "{\"a\": 1}"]
+    records = [{"id": f"r{i}", "category": "code" if i < 2 else "json",
+                "messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": a}]}
+               for i, a in enumerate(logged)]
+    data = tmp_path / "logs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    module = _module()
+    prompts = [tuple(tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)) for r in records]
+    # the first code answer exact; the second right up to its last line; JSON wrong from the start
+    answers = {prompts[0]: logged[0], prompts[1]: "def g(y):\n    return None", prompts[2]: "nothing"}
+    rows = module.reference_agreement(Reciting(tok, answers), tok, str(data), per_category=5, max_new_tokens=64)
+    assert [e for e, _ in rows["code"]] == [True, False] and rows["json"] == [(False, 0.0)]
+    first, second = rows["code"][0][1], rows["code"][1][1]
+    assert first == 1.0 and 0.3 < second < 1.0
