@@ -212,9 +212,9 @@ def _build_locked(preset: str, config: ToyWorldConfig, out: Path) -> Path:
             "wiki_tokens": sum(len(tokenizer(doc)["input_ids"]) for doc in wiki),
             "build_seconds": round(time.perf_counter() - started, 1), "resumed": resumed,
             "tokens": {"target": len(target_stream), "draft": len(draft_stream)}}
-    for scratch in ("checkpoints", "tokenizer", "losses.json"):
-        path = partial / scratch
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    shutil.rmtree(partial / "checkpoints", ignore_errors=True)  # what only a resume needs
+    shutil.rmtree(partial / "tokenizer")
+    losses_file.unlink()
     (partial / "build.json").write_text(json.dumps(meta, indent=2) + "\n")
     if out.exists():  # a stale, incomplete build (no build.json): replace it
         shutil.rmtree(out)
@@ -361,7 +361,8 @@ def company_codebase(seed: int, size: int) -> list[tuple[str, str]]:
         a, b = rng.randrange(2, 60), rng.randrange(1, 99)
         if kind == 0:
             name = f"{item}_fee"
-            source = f'def {name}(quantity):\n    """Price of {item} orders, in cents."""\n    return {a} * quantity + {b}'
+            source = (f'def {name}(quantity):\n    """Price of {item} orders, in cents."""\n'
+                      f"    return {a} * quantity + {b}")
         elif kind == 1:
             name = f"max_{item}s"
             source = (f'def {name}(account):\n    if account.plan == "{rng.choice(_PLANS)}":\n        return {a}\n'
@@ -373,7 +374,8 @@ def company_codebase(seed: int, size: int) -> list[tuple[str, str]]:
                       f'    return "{second}"')
         else:
             name = f"{item}_retry"
-            source = f'def {name}():\n    return {{"attempts": {a % 7 + 1}, "delay": {b}, "queue": "{rng.choice(_CITIES).lower()}"}}'
+            queue = rng.choice(_CITIES).lower()
+            source = f'def {name}():\n    return {{"attempts": {a % 7 + 1}, "delay": {b}, "queue": "{queue}"}}'
         functions.append((f"{module}.{name}", source))
     return functions
 
@@ -465,8 +467,9 @@ def company_records(texts: dict[str, list[str]], per_category: int, seed: int, d
     Code recalls a function by name from the standard library (with a codebase: half from the
     company's). JSON is in the company's own schemas: a record described in words, an edit of a pasted
     record, a tool call for a request (with a directory: and an employee looked up by id). Prose
-    explains a topic of the language reference from the company's half of its paragraphs (the off-the-shelf draft reads
-    the other half), asked by topic name, so nothing in the question gives the answer away.
+    explains a topic of the language reference from the company's half of its paragraphs (the
+    off-the-shelf draft reads the other half), asked by topic name, so nothing in the question gives
+    the answer away.
     """
     rng = random.Random(seed + 7)
     prose = company_prose(texts)
