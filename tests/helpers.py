@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -9,6 +12,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from drafters.base import Proposal
 from eval.sampling import Sampling, probs_from_logits
 from eval.speculative import speculative_generate
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """A script of `scripts/` (which is not a package) imported as a module, e.g. load_script("show_rounds")."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, logit_scale: float = 1.0,
                eos: int | None = None) -> LlamaForCausalLM:

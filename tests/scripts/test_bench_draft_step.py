@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from drafters.heads import build_head, save_head
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_draft_step.py"
 
@@ -40,11 +41,7 @@ def test_times_an_eagle_head_layer_on_both_paths(tiny_world, tmp_path):
 
 
 def test_narrowed_head_keeps_all_but_the_mlp(tiny_world):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_draft_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench_draft_step")
     target = AutoModelForCausalLM.from_pretrained(tiny_world / "target")
     head = build_head("eagle", target, [0, 1, 2], ttt_steps=2, ttt_decay=0.8)
     narrow = module.narrowed(head, 8, target)

@@ -1,20 +1,11 @@
 """scripts/target_answers.py: greedy answers against the answers the records logged."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "target_answers.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("target_answers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_script
 
 
 class Reciting:
@@ -37,7 +28,7 @@ def test_reference_agreement_counts_what_the_target_reproduces(tiny_world, tmp_p
                for i, a in enumerate(logged)]
     data = tmp_path / "logs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    module = _module()
+    module = load_script("target_answers")
     prompts = [tuple(tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True, tokenize=True,
                                              return_dict=False)) for r in records]
     # the first code answer exact; the second right up to its last line; JSON wrong from the start
