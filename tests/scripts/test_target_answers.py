@@ -37,3 +37,22 @@ def test_reference_agreement_counts_what_the_target_reproduces(tiny_world, tmp_p
     assert [e for e, _ in rows["code"]] == [True, False] and rows["json"] == [(False, 0.0)]
     first, second = rows["code"][0][1], rows["code"][1][1]
     assert first == 1.0 and 0.3 < second < 1.0
+
+
+def test_reference_agreement_keeps_only_matching_requests(tiny_world, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_world / "target")
+    requests = ["Look up employee 101 in the directory.", "Where is my order 12345?", "Look up employee 202 in it."]
+    records = [{"id": f"r{i}", "category": "json",
+                "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "{}"}]}
+               for i, q in enumerate(requests)]
+    data = tmp_path / "logs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    module = load_script("target_answers")
+    prompts = [tuple(tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)) for r in records]
+    # only the lookups are answered right: a filter that let the order through would count a miss
+    answers = {prompts[0]: "{}", prompts[1]: "wrong", prompts[2]: "{}"}
+    target = Reciting(tok, answers)
+    rows = module.reference_agreement(target, tok, str(data), per_category=5, max_new_tokens=16, match="Look up")
+    assert rows["json"] == [(True, 1.0), (True, 1.0)]
+    assert len(module.reference_agreement(target, tok, str(data), per_category=5, max_new_tokens=16)["json"]) == 3
