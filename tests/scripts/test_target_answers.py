@@ -20,17 +20,23 @@ class Reciting:
         return torch.cat([ids, torch.tensor([new[:max_new_tokens]])], dim=1)
 
 
+def write_logs(tok, path, turns: list[tuple[str, str, str]]):
+    """Records of (category, request, logged answer) written as JSONL to `path`; returns each record's
+    prompt ids as a tuple (the stand-in target's key)."""
+    records = [{"id": f"r{i}", "category": category,
+                "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+               for i, (category, q, a) in enumerate(turns)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return [tuple(tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True, tokenize=True,
+                                          return_dict=False)) for r in records]
+
+
 def test_reference_agreement_counts_what_the_target_reproduces(tiny_world, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_world / "target")
     logged = ["def f(x):\n    return x + 1", "def g(y):\n    return y * 2", "{\"a\": 1}"]
-    records = [{"id": f"r{i}", "category": "code" if i < 2 else "json",
-                "messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": a}]}
-               for i, a in enumerate(logged)]
     data = tmp_path / "logs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    prompts = write_logs(tok, data, [("code" if i < 2 else "json", f"question {i}", a) for i, a in enumerate(logged)])
     module = load_script("target_answers")
-    prompts = [tuple(tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)) for r in records]
     # the first code answer exact; the second right up to its last line; JSON wrong from the start
     answers = {prompts[0]: logged[0], prompts[1]: "def g(y):\n    return None", prompts[2]: "nothing"}
     rows = module.reference_agreement(Reciting(tok, answers), tok, str(data), per_category=5, max_new_tokens=64)
@@ -42,14 +48,9 @@ def test_reference_agreement_counts_what_the_target_reproduces(tiny_world, tmp_p
 def test_reference_agreement_keeps_only_matching_requests(tiny_world, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_world / "target")
     requests = ["Look up employee 101 in the directory.", "Where is my order 12345?", "Look up employee 202 in it."]
-    records = [{"id": f"r{i}", "category": "json",
-                "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "{}"}]}
-               for i, q in enumerate(requests)]
     data = tmp_path / "logs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    prompts = write_logs(tok, data, [("json", q, "{}") for q in requests])
     module = load_script("target_answers")
-    prompts = [tuple(tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)) for r in records]
     # only the lookups are answered right: a filter that let the order through would count a miss
     answers = {prompts[0]: "{}", prompts[1]: "wrong", prompts[2]: "{}"}
     target = Reciting(tok, answers)
