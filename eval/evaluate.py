@@ -2,9 +2,14 @@
 
 For every sampling temperature, repeat and prompt, plain decoding runs first and then every
 (drafter, k) pair on the same prompt, so slow and fast phases of a noisy machine hit all of them alike
-(repeats interleaved). Throughputs are sums of tokens over sums of seconds within one repeat; speed-ups
-are ratios inside one repeat; the reported value is the median over repeats. A warm-up pass is run
-first and thrown away (allocator, kernel selection and page-cache effects).
+(repeats interleaved). Reported throughputs are sums of tokens over sums of seconds within one repeat,
+the median over repeats; speed-ups are tokens/s pooled over every repeat and prompt, against plain
+decoding's over the same (eval/compare.py says why pooled). A warm-up pass is run first and thrown
+away (allocator, kernel selection and page-cache effects).
+
+Every speed-up comes with a 95 % interval from resampling the prompts (eval/compare.py), and so does
+every drafter's speed against the baseline and against the fastest drafter of its (k, temperature,
+category): whether a lead is larger than the measurement can tell apart from nothing.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from drafters.base import Drafter
+from eval.compare import Comparison, Timings, compare
 from eval.metrics import acceptance_stats, cost_model, expected_acceptance_length
 from eval.sampling import Sampling
 from eval.speculative import Generation, autoregressive_generate, speculative_generate
@@ -128,20 +135,34 @@ def evaluate(
                         bar.update()
 
         for category in [*prompts, ALL]:
-            for drafter in drafters:
-                for k in plan.ks:
-                    rows.append(_row(drafter.name, k, sampling, category, plain, spec[drafter.name, k], plan))
+            keys = [(c, i) for c, i, _ in items if category in (ALL, c)]
+            strata = [c for c, _ in keys]
+            seed = _seed(plan.seed, temperature, category)
+            plain_t = _timings(plain, keys, plan.repeats)
+            for k in plan.ks:
+                timings = {d.name: _timings(spec[d.name, k], keys, plan.repeats) for d in drafters}
+                group = [_row(name, k, sampling, category, plain, spec[name, k], plan,
+                              compare(t, plain_t, strata, seed=seed)) for name, t in timings.items()]
+                _compare_drafters(group, timings, strata, baseline=names[0], seed=seed)
+                rows += group
     bar.close()
-    _compare_with_baseline(rows, baseline=names[0])
     _best_k_and_verdict(rows, plan.pays_off_at)
     return rows
+
+
+def _timings(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
+    """(repeats, prompts) new tokens and seconds of `runs` over the prompts `keys`, in that order."""
+    gens = [[runs.by_key[r, c, i] for c, i in keys] for r in range(repeats)]
+    return Timings(np.array([[len(g.tokens) for g in row] for row in gens], dtype=float),
+                   np.array([[g.seconds for g in row] for row in gens]))
 
 
 def _tokens_per_s(gens: list[Generation]) -> float:
     return sum(len(g.tokens) for g in gens) / sum(g.seconds for g in gens)
 
 
-def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, plan: EvalPlan) -> dict:
+def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, plan: EvalPlan,
+         vs_plain: Comparison) -> dict:
     gens = spec.select(category)
     rounds = [r for g in gens for r in g.rounds]
     stats = acceptance_stats(rounds, k, sum(len(g.tokens) for g in gens), sum(g.target_forwards for g in gens))
@@ -164,7 +185,8 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "acceptance_length_iid": expected_acceptance_length(stats.acceptance_rate, k),
         "ar_tokens_per_s": statistics.median(ar_tps),
         "sd_tokens_per_s": statistics.median(sd_tps),
-        "speedup": statistics.median(s / a for s, a in zip(sd_tps, ar_tps)),
+        "speedup": vs_plain.ratio,  # pooled sd / ar tokens/s, as eval/compare.py defines
+        "speedup_ci": vs_plain.interval,
         "cost_ratio": costs.cost_ratio,
         "verify_overhead": costs.verify_overhead,
         "predicted_speedup": costs.predicted_speedup,
@@ -172,12 +194,20 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
     }
 
 
-def _compare_with_baseline(rows: list[dict], baseline: str) -> None:
-    base = {(r["k"], r["temperature"], r["category"]): r for r in rows if r["drafter"] == baseline}
-    for r in rows:
-        b = base[r["k"], r["temperature"], r["category"]]
-        r["tau_vs_baseline"] = r["acceptance_length"] / b["acceptance_length"]
-        r["speedup_vs_baseline"] = r["speedup"] / b["speedup"]
+def _compare_drafters(group: list[dict], timings: dict[str, Timings], strata: list[str], *, baseline: str,
+                      seed: int) -> None:
+    """Rows of one (k, temperature, category): each drafter's τ and speed against the baseline's, and its
+    speed against the fastest drafter's (the highest speed-up), on the same prompts."""
+    base = next(r for r in group if r["drafter"] == baseline)
+    fastest = max(group, key=lambda r: r["speedup"])["drafter"]
+    for r in group:
+        vs_base = compare(timings[r["drafter"]], timings[baseline], strata, seed=seed)
+        vs_fastest = compare(timings[r["drafter"]], timings[fastest], strata, seed=seed)
+        verdict = "fastest" if r["drafter"] == fastest else vs_fastest.verdict  # "slower", "tied" or too few
+        r.update(tau_vs_baseline=r["acceptance_length"] / base["acceptance_length"],
+                 speedup_vs_baseline=vs_base.ratio, speedup_vs_baseline_ci=vs_base.interval,
+                 fastest=fastest, speedup_vs_fastest=vs_fastest.ratio, speedup_vs_fastest_ci=vs_fastest.interval,
+                 vs_fastest=verdict)
 
 
 def _best_k_and_verdict(rows: list[dict], pays_off_at: float) -> None:

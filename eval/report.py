@@ -78,11 +78,17 @@ SUMMARY_COLUMNS = [
 ]
 
 
+def _interval(value) -> str:
+    """A 95 % interval [low, high] as "low–high"; "–" when there is none (too few prompts)."""
+    return "–" if value is None else f"{value[0]:.2f}–{value[1]:.2f}"
+
+
 def table(rows: list[dict], columns=SUMMARY_COLUMNS) -> str:
     """A Markdown table of the given rows."""
     lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r[key]) for _, key in columns) + " |")
+        lines.append("| " + " | ".join(_interval(r[key]) if key.endswith("_ci") else _fmt(r[key])
+                                       for _, key in columns) + " |")
     return "\n".join(lines)
 
 
@@ -104,7 +110,7 @@ def markdown(report: dict) -> str:
         "",
         "τ = new tokens per target forward; c = one draft step / one target step; β = verify (k+1 positions)"
         " / one step − 1; pred × = τ / (1 + k·c + β); speed-up × = speculative / plain tokens/s"
-        " (median over repeats of ratios measured side by side).",
+        " (pooled over repeats and prompts, run side by side); plain and spec tok/s are medians over repeats.",
         "",
         "## Summary",
         "",
@@ -114,7 +120,17 @@ def markdown(report: dict) -> str:
         "",
         table(rows, [("category", "category"), ("drafter", "drafter"), ("k", "k"), ("T", "temperature"),
                      ("prompts", "prompts"), ("rounds", "rounds"), ("plain tok/s", "ar_tokens_per_s"),
-                     ("spec tok/s", "sd_tokens_per_s"), ("speed-up ×", "speedup"), ("best k", "best_k")]),
+                     ("spec tok/s", "sd_tokens_per_s"), ("speed-up ×", "speedup"), ("95 % interval", "speedup_ci"),
+                     ("× vs base", "speedup_vs_baseline"), ("95 % interval", "speedup_vs_baseline_ci"),
+                     ("best k", "best_k")]),
+        "",
+        "## Which drafter is fastest",
+        "",
+        "Each drafter's speed over the fastest one's at the same k and temperature, on the same prompts, with"
+        " a 95 % interval from resampling the prompts: \"slower\" when the interval lies below 1, \"tied\" when"
+        " it holds 1 (this measurement cannot order the two; more prompts can).",
+        "",
+        *_fastest_lines(rows),
         "",
         "## Acceptance by draft position",
         "",
@@ -135,6 +151,21 @@ def markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _fastest_lines(rows: list[dict]) -> list[str]:
+    """One line per (category, k, temperature): the fastest drafter, then every other one against it."""
+    lines = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["category"], r["k"], r["temperature"]), []).append(r)
+    for (category, k, temperature), group in groups.items():
+        others = sorted((r for r in group if r["vs_fastest"] != "fastest"), key=lambda r: -r["speedup_vs_fastest"])
+        against = "; ".join(f"{r['drafter']} {r['speedup_vs_fastest']:.2f}× ({_interval(r['speedup_vs_fastest_ci'])}) "
+                            f"{r['vs_fastest']}" for r in others)
+        lines.append(f"- {category}, k={k}, T={_fmt(temperature)}: fastest {group[0]['fastest']}"
+                     + (f"; against it: {against}" if against else ""))
+    return lines
+
+
 def console_summary(report: dict) -> str:
     """A short fixed-width summary for the terminal."""
     rows = _sorted(report["results"])
@@ -147,6 +178,8 @@ def console_summary(report: dict) -> str:
             f"{r['acceptance_length']:>7.2f}{r['zero_accept_rate']:>7.2f}{r['speedup']:>7.2f}"
             f"{(pred if pred is not None else float('nan')):>7.2f}{r['speedup_vs_baseline']:>9.2f}  {r['verdict']}"
         )
+    lines += ["", "Which drafter is fastest (speed over the fastest's, 95 % interval over prompts):",
+              *_fastest_lines(rows)]
     return "\n".join(lines)
 
 
@@ -188,6 +221,14 @@ def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
 
 
+def next_report_dir(parent: str | Path) -> Path:
+    """`<parent>/report-N`, one past the highest N there, for scripts that evaluate the same checkpoints
+    again: every evaluation keeps its own report beside the earlier ones."""
+    parent = Path(parent)
+    taken = [int(p.name[len("report-"):]) for p in parent.glob("report-*") if p.name[len("report-"):].isdigit()]
+    return parent / f"report-{max(taken, default=0) + 1}"
+
+
 def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     """Write report.json, report.md and the histogram PNGs into out_dir; return their paths."""
     out_dir = Path(out_dir)
@@ -213,7 +254,8 @@ def log_to_wandb(report: dict, paths: dict[str, Path], *, project: str, entity: 
 
     mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     run = wandb.init(project=project, entity=entity, config=config, dir=str(run_dir), mode=mode, job_type="eval")
-    columns = [c for c in report["results"][0] if not isinstance(report["results"][0][c], list)]
+    # Lists (histograms, positions, intervals) do not fit a table cell; an interval is None in some rows.
+    columns = [c for c in report["results"][0] if not any(isinstance(r[c], list) for r in report["results"])]
     run.log({
         "results": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in report["results"]]),
         **{f"accept_hist/{name}": wandb.Image(str(p)) for name, p in paths.items() if p.suffix == ".png"},

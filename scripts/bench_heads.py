@@ -7,7 +7,8 @@ Each kind is trained by the real recipe (`train.__main__.train`) with the same s
 (regenerated once and shared); the draft LMs start from the off-the-shelf draft (SFT on the target's
 regenerated responses, and forward KL), the heads from scratch on the frozen target's hidden states. Then ONE evaluation run measures the
 off-the-shelf draft (baseline) and every trained drafter on the same held-out prompts, so acceptance
-lengths, cost ratios c and speed-ups sit side by side. Training tokens/s (median over steps) come from
+lengths, cost ratios c and speed-ups sit side by side; each invocation writes its report to a new
+`<out>/report-N`. Training tokens/s (median over steps) come from
 each run's metrics; `--offline` also trains EAGLE-3 for `--offline-steps` from precomputed hidden-state
 shards, for the online/offline throughput comparison (not evaluated: same model, same data).
 The SFT draft LM is measured twice in that run: on the lean decode path (the default for Llama-family
@@ -26,7 +27,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from eval.evaluate import EvalPlan, evaluate
-from eval.report import build_report, console_summary, write_report
+from eval.report import build_report, console_summary, next_report_dir, write_report
 from eval.run import build_drafter, load_prompts, load_target
 from train.__main__ import train
 
@@ -96,7 +97,7 @@ def main() -> None:
                           settings={"steps": args.steps, "drafters": list(trained), "ks": plan.ks,
                                     "temperatures": plan.temperatures,
                                     "training_tokens_per_s": {n: round(t["tokens_per_s"]) for n, t in trained.items()}})
-    paths = write_report(report, out / "report")
+    paths = write_report(report, next_report_dir(out))
     print(console_summary(report))
     print("training tokens/s (median over steps):",
           {n: round(t["tokens_per_s"]) for n, t in trained.items()})

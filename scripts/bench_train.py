@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 
 from drafters.draft_lm import DraftLM
 from eval.evaluate import EvalPlan, evaluate
-from eval.report import build_report, console_summary, write_report
+from eval.report import build_report, console_summary, next_report_dir, write_report
 from eval.run import build_drafter, load_prompts, load_target
 from train.__main__ import train
 
@@ -76,7 +76,7 @@ def main() -> None:
     report = build_report(rows, target=cfg.target.name_or_path, baseline="off_the_shelf",
                           settings={"steps": args.steps, "variants": list(trained), "ks": plan.ks,
                                     "training_tokens_per_s": {n: t["tokens_per_s"] for n, t in trained.items()}})
-    paths = write_report(report, out / "report")
+    paths = write_report(report, next_report_dir(out))
     print(console_summary(report))
     print(f"report: {paths['md']}")
 

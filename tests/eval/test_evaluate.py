@@ -12,7 +12,8 @@ VOCAB = 48
 ROW_KEYS = {"drafter", "k", "temperature", "category", "prompts", "rounds", "accept_hist", "mean_accepted",
             "median_accepted", "p10_accepted", "zero_accept_rate", "acceptance_rate", "acceptance_length",
             "ar_tokens_per_s", "sd_tokens_per_s", "speedup", "cost_ratio", "verify_overhead",
-            "predicted_speedup", "lossless", "verdict", "tau_vs_baseline", "speedup_vs_baseline"}
+            "predicted_speedup", "lossless", "verdict", "tau_vs_baseline", "speedup_vs_baseline", "speedup_ci",
+            "speedup_vs_baseline_ci", "fastest", "speedup_vs_fastest", "speedup_vs_fastest_ci", "vs_fastest"}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,28 @@ def test_rows_cover_every_configuration(setup):
         assert r["verdict"] in ("pays off", "turn it off")
         if r["drafter"] == "base":
             assert r["tau_vs_baseline"] == 1.0 and r["speedup_vs_baseline"] == 1.0
+        base = next(b for b in rows if b["drafter"] == "base" and (b["k"], b["temperature"], b["category"])
+                    == (r["k"], r["temperature"], r["category"]))
+        assert r["speedup_vs_baseline"] == pytest.approx(r["speedup"] / base["speedup"])
+        # Category "b" has one prompt, so it and the aggregate have no interval; "a" has two.
+        if r["category"] == "a":
+            low, high = r["speedup_ci"]
+            assert low <= r["speedup"] <= high
+            if r["drafter"] == "base":
+                assert r["speedup_vs_baseline_ci"] == [1.0, 1.0]
+        else:
+            assert r["speedup_ci"] is None and r["speedup_vs_baseline_ci"] is None
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["k"], r["temperature"], r["category"]), []).append(r)
+    for group in groups.values():  # one fastest drafter per configuration, the one with the highest speed-up
+        fastest = max(group, key=lambda r: r["speedup"])
+        assert [r["drafter"] for r in group if r["vs_fastest"] == "fastest"] == [fastest["drafter"]]
+        assert fastest["speedup_vs_fastest"] == 1.0 and all(r["fastest"] == fastest["drafter"] for r in group)
+        assert all(r["speedup_vs_fastest"] <= 1.0 for r in group)
+        for r in group:
+            assert r["vs_fastest"] in ("fastest", "slower", "tied", "too few prompts")
+            assert (r["vs_fastest"] == "too few prompts") == (r["category"] != "a" and r is not fastest)
     selfrows = [r for r in rows if r["drafter"] == "self" and r["temperature"] == 0.0]
     for r in selfrows:  # drafting with the target itself: every guess is kept
         assert r["acceptance_rate"] == 1.0 and r["zero_accept_rate"] == 0.0

@@ -1,6 +1,6 @@
 import json
 
-from eval.report import SCHEMA, build_report, console_summary, markdown, write_report
+from eval.report import SCHEMA, build_report, console_summary, markdown, next_report_dir, write_report
 
 
 def row(drafter, k, category, speedup, tau):
@@ -11,7 +11,9 @@ def row(drafter, k, category, speedup, tau):
             "acceptance_length_iid": 1.5, "ar_tokens_per_s": 100.0, "sd_tokens_per_s": 100.0 * speedup,
             "speedup": speedup, "cost_ratio": 0.1, "verify_overhead": 0.2, "predicted_speedup": 1.1,
             "lossless": True, "tau_vs_baseline": 1.0, "speedup_vs_baseline": 1.0, "best_k": 2,
-            "verdict": "pays off" if speedup >= 1.05 else "turn it off"}
+            "verdict": "pays off" if speedup >= 1.05 else "turn it off", "speedup_ci": [speedup - 0.1, speedup + 0.1],
+            "speedup_vs_baseline_ci": None, "fastest": "base", "speedup_vs_fastest": speedup / 1.3,
+            "speedup_vs_fastest_ci": [0.6, 0.8], "vs_fastest": "fastest" if drafter == "base" else "slower"}
 
 
 def test_report_files(tmp_path):
@@ -26,4 +28,14 @@ def test_report_files(tmp_path):
     md = markdown(report)
     assert "| code | base | 2 | 0.00 | 2.00 |" in md
     assert "**code**, base, T=0.00: best k=2, speed-up 1.30× → pays off" in md
-    assert "turn it off" in console_summary(report)
+    assert "| code | base | 2 | 0.00 | 2 | 4 | 100.00 | 130.00 | 1.30 | 1.20–1.40 | 1.00 | – | 2 |" in md
+    assert "- code, k=2, T=0.00: fastest base; against it: ngram 0.69× (0.60–0.80) slower" in md
+    console = console_summary(report)
+    assert "turn it off" in console and "fastest base; against it: ngram 0.69× (0.60–0.80) slower" in console
+
+
+def test_each_evaluation_gets_the_next_report_directory(tmp_path):
+    assert next_report_dir(tmp_path) == tmp_path / "report-1"
+    for name in ("report-1", "report-3", "report-final"):
+        (tmp_path / name).mkdir()
+    assert next_report_dir(tmp_path) == tmp_path / "report-4"

@@ -1,0 +1,80 @@
+"""Is one configuration really faster than another? Paired speed ratios with bootstrap intervals.
+
+The evaluation runs plain decoding and every (drafter, k) on the same prompts, interleaved per prompt,
+so two configurations are compared prompt by prompt on the same machine state. A speed ratio is
+
+    (sum_{r,p} tokens_A[r, p] / sum_{r,p} seconds_A[r, p]) / (sum_{r,p} tokens_B[r, p] / sum_{r,p} seconds_B[r, p])
+
+over the repeats r and the prompts p of a category: tokens/s pooled over the whole measurement. A
+drafter's `speedup` is this ratio against plain decoding. Pooled ratios compose: A against B is exactly
+speedup_A / speedup_B, so the drafter with the highest speed-up is never slower than another one
+(a median over repeats of per-repeat ratios does not compose, and could call one drafter the fastest
+while another measured faster than it). Measured on a few prompts the ratio is an estimate. Its 95 %
+interval resamples the prompts with
+replacement (Efron's percentile bootstrap), the same prompts for A and B so the pairing is kept, and
+within each category separately so the aggregate keeps the traffic's mix; each prompt keeps all its
+repeats. The interval covers how much the ratio moves with the choice of prompts and with the timing
+noise inside this run. It cannot cover a machine that is faster or slower as a whole in another run.
+Percentile intervals on few prompts are somewhat too narrow; claims want 20 or more per category.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+LEVEL = 0.95
+RESAMPLES = 2000
+
+
+@dataclass
+class Timings:
+    """One configuration's new tokens and seconds, shape (repeats, prompts); every configuration
+    compared with it lists the same prompts in the same order."""
+
+    tokens: np.ndarray
+    seconds: np.ndarray
+
+
+@dataclass
+class Comparison:
+    """A's speed over B's: the ratio, its interval (None with fewer than 2 prompts in a category) and
+    the verdict: "faster" or "slower" when the interval excludes 1, "tied" when it holds 1,
+    "too few prompts" without an interval."""
+
+    ratio: float
+    low: float | None
+    high: float | None
+    verdict: str
+
+    @property
+    def interval(self) -> list[float] | None:
+        return None if self.low is None else [self.low, self.high]
+
+
+def speed_ratio(a: Timings, b: Timings, samples: np.ndarray) -> np.ndarray:
+    """The statistic of the module docstring for each row of `samples` (S, n), prompt indices; (S,)."""
+    def throughput(t: Timings) -> np.ndarray:  # (S,): tokens / seconds over every repeat of the drawn prompts
+        return t.tokens[:, samples].sum((0, -1)) / t.seconds[:, samples].sum((0, -1))
+
+    return throughput(a) / throughput(b)
+
+
+def compare(a: Timings, b: Timings, strata: Sequence[str], *, level: float = LEVEL, resamples: int = RESAMPLES,
+            seed: int = 0) -> Comparison:
+    """A's speed over B's on the same prompts; `strata[p]` is prompt p's category (resampled apart)."""
+    if a.tokens.shape != b.tokens.shape or a.seconds.shape != a.tokens.shape or b.seconds.shape != b.tokens.shape:
+        raise ValueError(f"timings of different shapes: {a.tokens.shape} against {b.tokens.shape}")
+    if len(strata) != a.tokens.shape[1]:
+        raise ValueError(f"{len(strata)} categories for {a.tokens.shape[1]} prompts")
+    ratio = float(speed_ratio(a, b, np.arange(len(strata))[None])[0])
+    groups = [np.flatnonzero(np.asarray(strata) == s) for s in dict.fromkeys(strata)]
+    if min(len(g) for g in groups) < 2:  # one prompt says nothing about how much the ratio varies
+        return Comparison(ratio, None, None, "too few prompts")
+    rng = np.random.default_rng(seed)
+    samples = np.concatenate([rng.choice(g, size=(resamples, len(g))) for g in groups], axis=1)
+    low, high = np.quantile(speed_ratio(a, b, samples), [(1 - level) / 2, (1 + level) / 2])
+    verdict = "faster" if low > 1 else "slower" if high < 1 else "tied"
+    return Comparison(ratio, float(low), float(high), verdict)
