@@ -28,6 +28,7 @@ test: install
 
 bench: install
 	$(BIN)/python scripts/bench_eval.py
+	$(BIN)/python scripts/bench_compare.py
 	$(BIN)/python scripts/bench_data.py
 	$(BIN)/python scripts/bench_heads.py --offline
 	$(BIN)/python scripts/bench_train.py --steps 300 --ks 3,4 --repeats 2 \
