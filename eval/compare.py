@@ -9,8 +9,9 @@ over the repeats r and the prompts p of a category: tokens/s pooled over the who
 drafter's `speedup` is this ratio against plain decoding. Pooled ratios compose: A against B is exactly
 speedup_A / speedup_B, so the drafter with the highest speed-up is never slower than another one
 (a median over repeats of per-repeat ratios does not compose, and could call one drafter the fastest
-while another measured faster than it). Measured on a few prompts the ratio is an estimate. Its 95 %
-interval resamples the prompts with
+while another measured faster than it).
+
+Measured on a few prompts the ratio is an estimate. Its 95 % interval resamples the prompts with
 replacement (Efron's bootstrap), the same prompts for A and B so the pairing is kept, and within each
 category separately so the aggregate keeps the traffic's mix; each prompt keeps all its repeats. The
 plain percentile interval is too narrow on few prompts (the bootstrap's variance is (n-1)/n of the
