@@ -14,7 +14,6 @@ category): whether a lead is larger than the measurement can tell apart from not
 
 from __future__ import annotations
 
-import statistics
 import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -69,8 +68,8 @@ class _Runs:
 
     by_key: dict[tuple[int, str, int], Generation] = field(default_factory=dict)
 
-    def select(self, category: str, repeat: int | None = None) -> list[Generation]:
-        return [g for (r, c, _), g in self.by_key.items() if (category in (ALL, c)) and (repeat in (None, r))]
+    def select(self, category: str) -> list[Generation]:
+        return [g for (_, c, _), g in self.by_key.items() if category in (ALL, c)]
 
 
 def _seed(*parts: object) -> int:
@@ -141,7 +140,7 @@ def evaluate(
             plain_t = _timings(plain, keys, plan.repeats)
             for k in plan.ks:
                 timings = {d.name: _timings(spec[d.name, k], keys, plan.repeats) for d in drafters}
-                group = [_row(name, k, sampling, category, plain, spec[name, k], plan,
+                group = [_row(name, k, sampling, category, plain, spec[name, k], t, plain_t,
                               compare(t, plain_t, strata, seed=seed)) for name, t in timings.items()]
                 _compare_drafters(group, timings, strata, baseline=names[0], seed=seed)
                 rows += group
@@ -157,19 +156,18 @@ def _timings(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
                    np.array([[g.seconds for g in row] for row in gens]))
 
 
-def _tokens_per_s(gens: list[Generation]) -> float:
-    return sum(len(g.tokens) for g in gens) / sum(g.seconds for g in gens)
+def _median_tokens_per_s(t: Timings) -> float:
+    """Tokens over seconds within each repeat, the median over repeats."""
+    return float(np.median(t.tokens.sum(1) / t.seconds.sum(1)))
 
 
-def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, plan: EvalPlan,
-         vs_plain: Comparison) -> dict:
+def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, spec_t: Timings,
+         plain_t: Timings, vs_plain: Comparison) -> dict:
     gens = spec.select(category)
     rounds = [r for g in gens for r in g.rounds]
     stats = acceptance_stats(rounds, k, sum(len(g.tokens) for g in gens), sum(g.target_forwards for g in gens))
     steps = [s for g in plain.select(category) for s in g.step_s]
     costs = cost_model(rounds, steps, k, stats.acceptance_length)
-    ar_tps = [_tokens_per_s(plain.select(category, r)) for r in range(plan.repeats)]
-    sd_tps = [_tokens_per_s(spec.select(category, r)) for r in range(plan.repeats)]
     lossless = None
     if sampling.greedy:
         # Greedy speculative decoding must reproduce plain greedy decoding token for token.
@@ -183,8 +181,8 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "prompts": len({key[1:] for key in spec.by_key if category in (ALL, key[1])}),
         **stats.to_dict(),
         "acceptance_length_iid": expected_acceptance_length(stats.acceptance_rate, k),
-        "ar_tokens_per_s": statistics.median(ar_tps),
-        "sd_tokens_per_s": statistics.median(sd_tps),
+        "ar_tokens_per_s": _median_tokens_per_s(plain_t),
+        "sd_tokens_per_s": _median_tokens_per_s(spec_t),
         "speedup": vs_plain.ratio,  # pooled sd / ar tokens/s, as eval/compare.py defines
         "speedup_ci": vs_plain.interval,
         "cost_ratio": costs.cost_ratio,

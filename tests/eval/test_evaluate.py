@@ -58,6 +58,8 @@ def test_rows_cover_every_configuration(setup):
         assert [r["drafter"] for r in group if r["vs_fastest"] == "fastest"] == [fastest["drafter"]]
         assert fastest["speedup_vs_fastest"] == 1.0 and all(r["fastest"] == fastest["drafter"] for r in group)
         assert all(r["speedup_vs_fastest"] <= 1.0 for r in group)
+        # Plain decoding ran once per prompt for all drafters: one plain throughput per configuration.
+        assert len({r["ar_tokens_per_s"] for r in group}) == 1 and all(r["sd_tokens_per_s"] > 0 for r in group)
         for r in group:
             assert r["vs_fastest"] in ("fastest", "slower", "tied", "too few prompts")
             assert (r["vs_fastest"] == "too few prompts") == (r["category"] != "a" and r is not fastest)
