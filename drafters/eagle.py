@@ -51,6 +51,25 @@ def draft_vocabulary(counts: torch.Tensor, size: int, always: list[int] = ()) ->
     return kept - torch.arange(size), t2d
 
 
+def vocabulary_size_for(counts: torch.Tensor, coverage: float, always: list[int] = ()) -> int:
+    """The smallest draft vocabulary (as `draft_vocabulary` ranks it) whose tokens make up at least
+    `coverage` of `counts`' total: e.g. 0.999 keeps all but the rarest tenth of a percent of the traffic.
+    `always` tokens count first, as `draft_vocabulary` keeps them whatever their count."""
+    if not 0 < coverage <= 1:
+        raise ValueError(f"draft_vocab_coverage must be in (0, 1], got {coverage}")
+    total = float(counts.double().sum())
+    if total <= 0:
+        raise ValueError("no training tokens were counted: cannot size the draft vocabulary by coverage")
+    score = counts.double().clone()
+    score[list(always)] = float("inf")
+    order = torch.sort(-score, stable=True).indices
+    held = torch.cumsum(counts.double()[order], 0) / total
+    # Rounding can leave the last partial sum a hair under 1: coverage 1 means every counted token.
+    reached = (held >= coverage - 1e-12).nonzero()
+    size = int(reached[0]) + 1 if reached.numel() else int((counts > 0).sum())
+    return max(size, len(set(always)))
+
+
 def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     """Raise ValueError unless d2t and t2d describe the same vocabulary; return the target ids."""
     if d2t.dim() != 1 or t2d.dim() != 1 or t2d.dtype != torch.bool:

@@ -2,6 +2,7 @@
 
     python -m train drafter=eagle                        # EAGLE-3 on the toy world's company traffic
     python -m train drafter=eagle drafter.draft_vocab_size=2048 drafter.hidden_states=offline
+    python -m train drafter=eagle drafter.draft_vocab_coverage=0.999   # sized to the traffic's tokens
     python -m train drafter=eagle1 | drafter=mtp | drafter=medusa
 
 The draft-LM recipe's machinery, reused as is (train/distill.py): Accelerate, the regenerated and
@@ -107,6 +108,9 @@ class HeadRecipe(DistillRecipe):
         if d.draft_vocab_from not in ("tokens", "target_probabilities"):
             raise ValueError(f"drafter.draft_vocab_from must be tokens or target_probabilities, "
                              f"got {d.draft_vocab_from!r}")
+        coverage = d.draft_vocab_coverage
+        if coverage is not None and not 0 < coverage <= 1:
+            raise ValueError(f"drafter.draft_vocab_coverage must be in (0, 1], got {coverage}")
         if d.draft_vocab_examples < 1:
             raise ValueError(f"drafter.draft_vocab_examples must be >= 1, got {d.draft_vocab_examples}")
         if not d.label_temperature >= 0:
@@ -125,19 +129,51 @@ class HeadRecipe(DistillRecipe):
     def _setup_models(self) -> None:
         d, target = self.cfg.drafter, self.target
         settings = {name: d[name] for name in SETTINGS[d.kind]}
+        counts = None
         if d.kind == "eagle":
-            settings["draft_vocab_size"] = draft_vocab_size(d, target.config.vocab_size)
+            size = draft_vocab_size(d, target.config.vocab_size)
+            if d.draft_vocab_coverage is not None and d.draft_vocab_size is None:
+                from drafters.eagle import vocabulary_size_for
+
+                counts = self._vocabulary_counts()
+                size = vocabulary_size_for(counts, d.draft_vocab_coverage, self._always_kept())
+                log.info("draft vocabulary sized by coverage %s of the training tokens: %d of %d",
+                         d.draft_vocab_coverage, size, target.config.vocab_size)
+                size = None if size == target.config.vocab_size else size
+            settings["draft_vocab_size"] = size
         torch.manual_seed(self.cfg.trainer.seed)
         head = build_head(d.kind, target, self.layers, **settings)
         self.coverage = self.mass = None
         if d.kind == "eagle" and settings["draft_vocab_size"]:
-            self._set_draft_vocabulary(head, settings["draft_vocab_size"])
+            self._set_draft_vocabulary(head, settings["draft_vocab_size"], counts)
         self.model = head.to(self.device)
         if self.is_main:
             own = sum(p.numel() for p in head.parameters())
             log.info("%s head: %.2fM parameters of its own, layers %s", d.kind, own / 1e6, self.layers)
 
-    def _set_draft_vocabulary(self, head, size: int) -> None:
+    def _always_kept(self) -> list[int]:
+        return [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+
+    def _vocabulary_counts(self) -> torch.Tensor:
+        """(V,) what ranks the draft vocabulary: token counts in the training traffic's assistant turns
+        (`drafter.draft_vocab_from=tokens`) or the target's expected counts there (`target_probabilities`,
+        over the first `drafter.draft_vocab_examples` training records)."""
+        d, t = self.cfg.drafter, self.cfg.trainer
+        counts = torch.zeros(self.target.config.vocab_size)
+        if d.draft_vocab_from == "tokens":
+            for row in self.train_set:
+                ids = torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)]
+                counts += torch.bincount(ids, minlength=counts.numel()).float()
+            return counts
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        rows = self.train_set.select(range(min(len(self.train_set), d.draft_vocab_examples)))
+        expected = expected_token_counts(self.target, rows, batch_size=t.batch_size, max_length=t.max_length,
+                                         pad_id=pad, device=self.device)
+        for total, _ in expected.values():
+            counts += total
+        return counts
+
+    def _set_draft_vocabulary(self, head, size: int, counts: torch.Tensor | None = None) -> None:
         """The `size` target tokens most frequent in the training traffic's assistant turns (plus EOS):
         counted as tokens (`drafter.draft_vocab_from=tokens`, EAGLE-3's recipe) or as the target's
         probabilities at those positions (`target_probabilities`, over the first
@@ -150,17 +186,9 @@ class HeadRecipe(DistillRecipe):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         expected = functools.partial(expected_token_counts, self.target, batch_size=t.batch_size,
                                      max_length=t.max_length, pad_id=pad, device=self.device)
-        counts = torch.zeros(self.target.config.vocab_size)
-        if d.draft_vocab_from == "tokens":
-            for row in self.train_set:
-                ids = torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)]
-                counts += torch.bincount(ids, minlength=counts.numel()).float()
-        else:
-            rows = self.train_set.select(range(min(len(self.train_set), d.draft_vocab_examples)))
-            for total, _ in expected(rows).values():
-                counts += total
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        d2t, t2d = draft_vocabulary(counts, size, always=eos)
+        if counts is None:
+            counts = self._vocabulary_counts()
+        d2t, t2d = draft_vocabulary(counts, size, always=self._always_kept())
         head.set_vocabulary(d2t, t2d)
         held_out = datasets_rows(self.data_dirs["eval"])
         per_category: dict[str, list[int]] = {}
@@ -176,6 +204,15 @@ class HeadRecipe(DistillRecipe):
             print(f"draft vocabulary: {size} of {counts.numel()} tokens; coverage of held-out assistant tokens "
                   f"per category: {self.coverage}; share of the target's probability (temperature 1) inside "
                   f"it, the most sampled serving can accept: {self.mass}")
+        short = {c: v for c, v in self.coverage.items() if v < 0.99}
+        if short and self.is_main:
+            # Greedy serving rejects every guess at a token the head cannot propose.
+            msg = (f"the draft vocabulary of {size} tokens cannot propose "
+                   + ", ".join(f"{1 - v:.1%} of held-out {c} tokens" for c, v in short.items())
+                   + "; a larger one (drafter.draft_vocab_share, or drafter.draft_vocab_coverage=0.999) "
+                     "costs one wider output-head matmul per drafted token")
+            log.warning(msg)
+            print(f"warning: {msg}")
 
     def _setup_data(self) -> None:
         super()._setup_data()

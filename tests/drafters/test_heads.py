@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_coverage
+from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_coverage, vocabulary_size_for
 from drafters.heads import build_head, load_head, save_head
 from eval.sampling import Sampling
 from eval.speculative import autoregressive_generate, speculative_generate
@@ -276,6 +276,25 @@ def test_draft_vocabulary_round_trip_and_coverage():
     draft_of_target = torch.cumsum(t2d.long(), 0) - 1
     assert draft_of_target[target_ids].tolist() == list(range(4))
     assert vocabulary_coverage([3, 3, 7, 8], t2d) == 0.75
+
+
+def test_vocabulary_sized_by_coverage_is_the_smallest_that_reaches_it():
+    counts = torch.zeros(50)
+    counts[[3, 7, 8, 20, 41, 49]] = torch.tensor([9.0, 5, 5, 7, 1, 2])  # 29 tokens in all
+    # Ranked 3 (9), 20 (7), 7 (5), 8 (5), 49 (2), 41 (1): cumulative 9, 16, 21, 26, 28, 29.
+    assert vocabulary_size_for(counts, 16 / 29) == 2
+    assert vocabulary_size_for(counts, 16.5 / 29) == 3
+    assert vocabulary_size_for(counts, 1.0) == 6  # every counted token, none of the never-seen ones
+    # EOS kept whatever its count comes first: 49 (2), 3 (9), 20 (7), ... cumulative 2, 11, 18.
+    assert vocabulary_size_for(counts, 18 / 29, always=[49]) == 3
+    size = vocabulary_size_for(counts, 0.9, always=[49])
+    _, t2d = draft_vocabulary(counts, size, always=[49])
+    held = counts[t2d].sum() / counts.sum()
+    _, smaller = draft_vocabulary(counts, size - 1, always=[49])
+    assert held >= 0.9 > counts[smaller].sum() / counts.sum()
+    for bad in (0.0, 1.01):
+        with pytest.raises(ValueError, match="draft_vocab_coverage must be in"):
+            vocabulary_size_for(counts, bad)
 
 
 def test_a_wrong_vocabulary_map_is_caught(target):

@@ -82,6 +82,42 @@ def test_end_to_end_eagle_with_a_draft_vocabulary_prints_coverage(tiny_world, tm
     assert all(0 < m < 1 for m in best["vocabulary_probability"].values())
 
 
+def test_draft_vocabulary_sized_by_coverage_of_the_training_tokens(tiny_world, tmp_path, capsys):
+    import datasets
+
+    from drafters.eagle import draft_vocabulary
+    from drafters.heads import load_head
+
+    train(smoke(tmp_path, "drafter=eagle", "drafter.draft_vocab_coverage=0.9", "trainer.max_steps=1",
+                "trainer.eval_every=1", "evaluate.enabled=false"))
+    target, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
+    rows = datasets.load_from_disk(str(next((tmp_path / "data").glob("tiny-train-*")) / "tokenized"))
+    counts = torch.zeros(target.config.vocab_size)
+    for row in rows:
+        counts += torch.bincount(torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)],
+                                 minlength=counts.numel()).float()
+    head = load_head(tmp_path / "run" / "best", target)
+    size = head.d2t.numel()
+    assert 1 < size < target.config.vocab_size
+    # The saved vocabulary holds at least 90 % of the training traffic's assistant tokens; one token
+    # fewer would not.
+    assert counts[head.t2d].sum() / counts.sum() >= 0.9
+    _, smaller = draft_vocabulary(counts, size - 1, always=[tok.eos_token_id])
+    assert counts[smaller].sum() / counts.sum() < 0.9
+    with pytest.raises(ValueError, match="draft_vocab_coverage must be in"):
+        train(smoke(tmp_path, "drafter=eagle", "drafter.draft_vocab_coverage=1.5", run="bad"))
+    # A vocabulary that leaves held-out tokens out: the recipe warns, naming the categories.
+    capsys.readouterr()
+    train(smoke(tmp_path, "drafter=eagle", "drafter.draft_vocab_size=2", "trainer.max_steps=1",
+                "trainer.eval_every=1", "evaluate.enabled=false", run="two"))
+    best = json.loads((tmp_path / "two" / "best" / "best.json").read_text())
+    short = [c for c, v in best["vocabulary_coverage"].items() if v < 0.99]
+    assert short
+    warning = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:"))
+    assert "draft vocabulary of 2 tokens" in warning
+    assert all(f"of held-out {c} tokens" in warning for c in short)
+
+
 def test_expected_token_counts_sum_the_targets_distribution_at_assistant_positions(tiny_world):
     from train.heads import expected_token_counts
 
