@@ -64,10 +64,9 @@ def vocabulary_size_for(counts: torch.Tensor, coverage: float, always: list[int]
     score[list(always)] = float("inf")
     order = torch.sort(-score, stable=True).indices
     held = torch.cumsum(counts.double()[order], 0) / total
-    # Rounding can leave the last partial sum a hair under 1: coverage 1 means every counted token.
-    reached = (held >= coverage - 1e-12).nonzero()
-    size = int(reached[0]) + 1 if reached.numel() else int((counts > 0).sum())
-    return max(size, len(set(always)))
+    # The first rank whose partial sum reaches the share (rounding may leave the last a hair under 1).
+    size = int(torch.searchsorted(held, torch.tensor(coverage - 1e-12, dtype=held.dtype))) + 1
+    return min(max(size, len(set(always))), counts.numel())
 
 
 def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:

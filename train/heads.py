@@ -45,6 +45,10 @@ SETTINGS = {
 }
 
 
+# The recipe warns when the draft vocabulary can propose less than this share of a held-out category's tokens.
+WARN_BELOW_COVERAGE = 0.99
+
+
 def tokens_per_round_estimate(alphas: list[float]) -> float:
     """1 + sum_s prod_{r<=s} alpha_r: expected tokens per round if step s is accepted with alpha_s."""
     total, prod = 1.0, 1.0
@@ -204,7 +208,7 @@ class HeadRecipe(DistillRecipe):
             print(f"draft vocabulary: {size} of {counts.numel()} tokens; coverage of held-out assistant tokens "
                   f"per category: {self.coverage}; share of the target's probability (temperature 1) inside "
                   f"it, the most sampled serving can accept: {self.mass}")
-        short = {c: v for c, v in self.coverage.items() if v < 0.99}
+        short = {c: v for c, v in self.coverage.items() if v < WARN_BELOW_COVERAGE}
         if short and self.is_main:
             # Greedy serving rejects every guess at a token the head cannot propose.
             msg = (f"the draft vocabulary of {size} tokens cannot propose "
