@@ -17,6 +17,13 @@ positions the verification pass committed: the previous last token and the kept 
 position exactly once. Nothing else crosses: a drafter owns its state entirely, and the loop needs no
 knowledge of what kind of drafter it drives. Proposals are chains; nothing here rules out a tree
 drafter later (it would return a tree with its proposal and the loop would verify it with a mask).
+
+Confidence stop (`stop_below`, every model drafter; off by default): a round ends early at the first
+guess the drafter itself gives a probability below the threshold. That guess is still proposed; the
+ones after it are not drafted, so an unsure round costs fewer draft steps and a narrower verification.
+This is transformers' `assistant_confidence_threshold` for assisted generation. It stays lossless:
+whether guess i+1 exists depends only on the drafter's own draws, and each position is still accepted
+or resampled against the q it was drawn from (a position with no guess gets the target's own token).
 """
 
 from __future__ import annotations
@@ -43,6 +50,22 @@ class Proposal:
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
+
+
+def check_stop_below(stop_below: float, name: str) -> float:
+    """The confidence threshold, checked: 0 (off) or a probability below 1."""
+    if not 0.0 <= stop_below < 1.0:
+        raise ValueError(f"drafter {name!r}: stop_below must be in [0, 1) (0 = always draft k), got {stop_below}")
+    return float(stop_below)
+
+
+def confidence(logits: torch.Tensor, q: torch.Tensor | None, token: torch.Tensor) -> float:
+    """The drafter's own probability of its guess `token`: q(token) when the guess was drawn from q,
+    else (greedy, the argmax of `logits`) the argmax's probability under softmax(logits). A host sync,
+    so drafters call it only when told to stop on low confidence."""
+    if q is not None:
+        return float(q[token])
+    return float(torch.softmax(logits.float(), dim=-1).max())
 
 
 @runtime_checkable

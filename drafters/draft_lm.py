@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from drafters.base import Proposal
+from drafters.base import Proposal, check_stop_below, confidence
 from drafters.llama_decode import LeanLlama
 from eval.sampling import Sampling, draw
 
@@ -63,9 +63,11 @@ def check_same_vocabulary(
 class DraftLM:
     """Drafts with a small causal LM and its own KV cache."""
 
-    def __init__(self, model: PreTrainedModel, name: str = "draft_lm", lean: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, name: str = "draft_lm", lean: bool = True,
+                 stop_below: float = 0.0) -> None:
         self.model = model.eval()
         self.name = name
+        self.stop_below = check_stop_below(stop_below, name)  # confidence stop (drafters/base.py); 0 = off
         self.device = next(model.parameters()).device
         # The lean path when asked for and the model is one it reproduces; else Hugging Face's forward.
         self.lean = LeanLlama(model) if lean and LeanLlama.supports(model) else None
@@ -85,6 +87,7 @@ class DraftLM:
         dtype: torch.dtype | None = None,
         trust_remote_code: bool = False,
         lean: bool = True,
+        stop_below: float = 0.0,
     ) -> "DraftLM":
         """Load a draft LM from a hub id or a local directory and check it against the target."""
         name = name or str(name_or_path)
@@ -103,7 +106,7 @@ class DraftLM:
             model.get_output_embeddings().weight.shape[0],
             name,
         )
-        return cls(model, name=name, lean=lean)
+        return cls(model, name=name, lean=lean, stop_below=stop_below)
 
     def start(self, prompt_ids: torch.Tensor) -> None:
         if self.lean is not None:
@@ -131,9 +134,11 @@ class DraftLM:
             if q is not None:
                 dists.append(q)
             tokens.append(token)
+            if self.stop_below and confidence(logits, q, token) < self.stop_below:
+                break
             inputs = token.view(1, 1)
-        # The cache now holds ids plus the first k-1 guesses (the k-th was never fed).
-        self._fed = len(self.ids) + k - 1
+        # The cache now holds ids plus every guess but the last (which was never fed).
+        self._fed = len(self.ids) + len(tokens) - 1
         proposal = Proposal(torch.stack(tokens), torch.stack(dists) if dists else None)
         self._guesses = proposal.tokens.tolist()
         return proposal

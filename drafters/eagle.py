@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from drafters.base import Proposal
+from drafters.base import Proposal, confidence
 from drafters.heads import FeatureDrafter
 from drafters.layers import (Attention, KVCache, RMSNorm, Rotary, SharedTarget, causal_mask, mlp_decode, norm,
                              soft_cross_entropy, step_stats)
@@ -227,8 +227,8 @@ class Eagle3(nn.Module):
             stats.append(step_stats(q, p, m))
         return loss, stats
 
-    def drafter(self, name: str = "eagle") -> "Eagle3Drafter":
-        return Eagle3Drafter(self, name)
+    def drafter(self, name: str = "eagle", stop_below: float = 0.0) -> "Eagle3Drafter":
+        return Eagle3Drafter(self, name, stop_below)
 
 
 class Eagle3Drafter(FeatureDrafter):
@@ -258,6 +258,8 @@ class Eagle3Drafter(FeatureDrafter):
             token, q = _pick(logits, sampling, generator, self.target_ids, head.config.vocab_size)
             guesses.append(token)
             dists.append(q)
+            if self.stop_below and confidence(logits, q, token) < self.stop_below:
+                break
             if s < k - 1:
                 h = head.step(h, token.view(1), m + s, self.cache)
         self.guesses = torch.stack(guesses).tolist()

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import Proposal
+from drafters.base import Proposal, confidence
 from drafters.heads import FeatureDrafter
 from drafters.layers import DecoderLayer, KVCache, Rotary, SharedTarget, causal_mask, soft_cross_entropy, step_stats
 from eval.sampling import Sampling, draw
@@ -72,8 +72,8 @@ class Eagle1(nn.Module):
         loss = regression + self.config.token_loss_weight * soft_cross_entropy(logits, p, m)
         return loss, [step_stats(torch.softmax(logits.detach(), -1), p, m)]
 
-    def drafter(self, name: str = "eagle1") -> "Eagle1Drafter":
-        return Eagle1Drafter(self, name)
+    def drafter(self, name: str = "eagle1", stop_below: float = 0.0) -> "Eagle1Drafter":
+        return Eagle1Drafter(self, name, stop_below)
 
 
 class Eagle1Drafter(FeatureDrafter):
@@ -101,6 +101,8 @@ class Eagle1Drafter(FeatureDrafter):
             if q is not None:
                 dists.append(q)
             guesses.append(token)
+            if self.stop_below and confidence(logits, q, token) < self.stop_below:
+                break
             if s < k - 1:
                 h = head.step(h, token.view(1), m + s, self.cache)
         self.guesses = torch.stack(guesses).tolist()

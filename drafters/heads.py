@@ -26,6 +26,8 @@ from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 from transformers import LlamaConfig
 
+from drafters.base import check_stop_below
+
 KINDS = {"eagle": "drafters.eagle", "eagle1": "drafters.eagle1", "mtp": "drafters.mtp", "medusa": "drafters.medusa"}
 
 
@@ -117,8 +119,9 @@ class FeatureDrafter:
     been delivered at any time, the last `len(self.pending)` of them still unread by the head.
     """
 
-    def __init__(self, head: nn.Module, name: str) -> None:
+    def __init__(self, head: nn.Module, name: str, stop_below: float = 0.0) -> None:
         self.head, self.name = head, name
+        self.stop_below = check_stop_below(stop_below, name)  # confidence stop (drafters/base.py); 0 = off
         self.feature_layers = list(head.config.feature_layers)
         self.device = next(head.parameters()).device
         self.dtype = next(head.parameters()).dtype

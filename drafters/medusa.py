@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import Proposal
+from drafters.base import Proposal, confidence
 from drafters.heads import FeatureDrafter
 from drafters.layers import SharedTarget, soft_cross_entropy, step_stats
 from eval.sampling import Sampling, draw
@@ -68,8 +68,8 @@ class Medusa(nn.Module):
             stats.append(step_stats(torch.softmax(logits[i - 1].detach(), -1), p, m))
         return loss, stats
 
-    def drafter(self, name: str = "medusa") -> "MedusaDrafter":
-        return MedusaDrafter(self, name)
+    def drafter(self, name: str = "medusa", stop_below: float = 0.0) -> "MedusaDrafter":
+        return MedusaDrafter(self, name, stop_below)
 
 
 class MedusaDrafter(FeatureDrafter):
@@ -94,6 +94,11 @@ class MedusaDrafter(FeatureDrafter):
             return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
         logits = self.head.logits(self.pending[-1], n=k)  # (n, V), n = min(k, K)
         tokens, probs = draw(logits, sampling, generator)
+        if self.stop_below:  # all heads guess at once; keep guesses through the first unsure one
+            for i in range(tokens.shape[0]):
+                if confidence(logits[i], None if probs is None else probs[i], tokens[i]) < self.stop_below:
+                    tokens, probs = tokens[: i + 1], None if probs is None else probs[: i + 1]
+                    break
         self.guesses = tokens.tolist()
         return Proposal(tokens, probs)
 

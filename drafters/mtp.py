@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from drafters.base import Proposal
+from drafters.base import Proposal, confidence
 from drafters.heads import FeatureDrafter
 from drafters.layers import (DecoderLayer, KVCache, RMSNorm, Rotary, SharedTarget, causal_mask, soft_cross_entropy,
                              step_stats)
@@ -96,8 +96,8 @@ class MTP(nn.Module):
             stats.append(step_stats(torch.softmax(logits.detach(), -1), p, m))
         return loss, stats
 
-    def drafter(self, name: str = "mtp") -> "MTPDrafter":
-        return MTPDrafter(self, name)
+    def drafter(self, name: str = "mtp", stop_below: float = 0.0) -> "MTPDrafter":
+        return MTPDrafter(self, name, stop_below)
 
 
 class MTPDrafter(FeatureDrafter):
@@ -163,6 +163,8 @@ class MTPDrafter(FeatureDrafter):
                 dists.append(q)
             guesses.append(token)
             ids.append(int(token))
+            if self.stop_below and confidence(logits, q, token) < self.stop_below:
+                break  # later modules catch up on their stable entries in a later round
         # Forget stable outputs the next module has cached (it never reads below its cache length).
         for j in range(depth - 1):
             drop = len(self.caches[j + 1]) - self.base[j]

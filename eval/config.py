@@ -50,6 +50,9 @@ class DrafterSpec:
     kind: str = MISSING
     path: Optional[str] = None
     lean: bool = True  # draft_lm: Llama-family models draft on the lean decode path (false: Hugging Face's forward)
+    # draft_lm, head: end a round at the first guess the drafter gives a probability below this (the guess
+    # is still proposed); 0 = always draft k. Lossless either way (drafters/base.py).
+    stop_below: float = 0.0
     max_ngram: int = 3
     min_ngram: int = 1
 

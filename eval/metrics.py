@@ -21,6 +21,8 @@ class AcceptanceStats:
     """Acceptance over a set of rounds drafted with at most k guesses each.
 
     accept_hist[a]: rounds that kept exactly a guesses (a = 0..k).
+    mean_proposed: guesses proposed per round (k for a drafter that always drafts k; fewer with a
+        confidence stop, or for a model-free drafter without a match).
     acceptance_rate: kept guesses / proposed guesses (a drafter that proposes nothing is not penalised
         here; it is in acceptance_length).
     position_acceptance[i]: P(guess i+1 kept | guesses 1..i kept and guess i+1 proposed); real
@@ -30,6 +32,7 @@ class AcceptanceStats:
 
     rounds: int
     accept_hist: list[int]
+    mean_proposed: float
     mean_accepted: float
     median_accepted: float
     p10_accepted: float
@@ -60,6 +63,7 @@ def acceptance_stats(rounds: Sequence[Round], k: int, new_tokens: int, target_fo
     return AcceptanceStats(
         rounds=len(rounds),
         accept_hist=hist.tolist(),
+        mean_proposed=float(proposed.mean()),
         mean_accepted=float(accepted.mean()),
         median_accepted=float(np.median(accepted)),
         p10_accepted=float(np.percentile(accepted, 10)),
@@ -76,9 +80,10 @@ def acceptance_stats(rounds: Sequence[Round], k: int, new_tokens: int, target_fo
 class CostModel:
     """Measured costs, in units of one 1-token target decoding step.
 
-    cost_ratio c: one draft step (a round's drafting time / k).
+    cost_ratio c: one draft step (a full round's drafting time / k).
     verify_overhead beta: a verification forward of k+1 positions, minus 1.
-    predicted_speedup: tau / (1 + k*c + beta), the speed-up these costs predict.
+    predicted_speedup: tau / (1 + n*c + beta) with n the mean guesses proposed per round (k when
+        every round drafts k), the speed-up these costs predict.
     """
 
     cost_ratio: float
@@ -91,19 +96,22 @@ def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, 
 
     Medians throughout: a noisy machine adds outliers, not a shift. A drafter's full proposal is n =
     the most it proposed in any round: k for draft models, fewer for heads with fewer steps than k
-    (MTP depth, Medusa heads); a model-free drafter may propose fewer in some rounds. c is the cost of
-    one drafted token (a round's draft time / n); beta comes only from rounds that verified n guesses.
+    (MTP depth, Medusa heads); a model-free drafter, or one with a confidence stop, proposes fewer in
+    some rounds. c and beta come from the full rounds (n guesses drafted and verified): c is the cost of
+    one drafted token (a full round's draft time / n). The prediction charges each round its mean
+    proposal length.
     """
     if not target_step_s:
         raise ValueError("no timed target steps: cannot express costs in target steps")
     step = statistics.median(target_step_s)
     n = max((r.proposed for r in rounds), default=0) or k
-    c = statistics.median(r.draft_s for r in rounds) / n / step
-    full = [r.verify_s for r in rounds if r.proposed == n]
+    full = [r for r in rounds if r.proposed == n]
+    c = statistics.median(r.draft_s for r in (full or rounds)) / n / step
     if not full:
         return CostModel(c, None, None)
-    beta = statistics.median(full) / step - 1
-    return CostModel(c, beta, acceptance_length / (1 + n * c + beta))
+    beta = statistics.median(r.verify_s for r in full) / step - 1
+    mean_proposed = statistics.fmean(r.proposed for r in rounds)
+    return CostModel(c, beta, acceptance_length / (1 + mean_proposed * c + beta))
 
 
 def expected_acceptance_length(alpha: float, k: int) -> float:

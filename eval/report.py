@@ -62,6 +62,7 @@ SUMMARY_COLUMNS = [
     ("drafter", "drafter"),
     ("k", "k"),
     ("T", "temperature"),
+    ("prop", "mean_proposed"),
     ("τ", "acceptance_length"),
     ("mean acc", "mean_accepted"),
     ("p10", "p10_accepted"),
@@ -108,8 +109,9 @@ def markdown(report: dict) -> str:
         f"- hardware: {hw['gpu'] or hw['cpu']}, {hw['torch_threads']} torch threads, torch {hw['torch']}",
         "- settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()),
         "",
-        "τ = new tokens per target forward; c = one draft step / one target step; β = verify (k+1 positions)"
-        " / one step − 1; pred × = τ / (1 + k·c + β); speed-up × = speculative / plain tokens/s"
+        "prop = guesses proposed per round (below k with a confidence stop); τ = new tokens per target forward;"
+        " c = one draft step / one target step; β = verify (k+1 positions) / one step − 1;"
+        " pred × = τ / (1 + prop·c + β); speed-up × = speculative / plain tokens/s"
         " (pooled over repeats and prompts, run side by side); plain and spec tok/s are medians over repeats.",
         "",
         "## Summary",

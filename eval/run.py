@@ -54,20 +54,25 @@ def load_target(name_or_path: str, *, device: torch.device, dtype: str = "float3
 
 
 def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remote_code: bool = False) -> Drafter:
-    """One drafter from its spec: {name, kind, path (draft_lm, head), lean (draft_lm), max_ngram / min_ngram
-    (ngram)}."""
+    """One drafter from its spec: {name, kind, path (draft_lm, head), lean (draft_lm), stop_below (draft_lm,
+    head), max_ngram / min_ngram (ngram)}."""
     kind, name = spec.get("kind"), spec.get("name")
+    stop_below = spec.get("stop_below") or 0.0
     if kind == "draft_lm":
         if not spec.get("path"):
             raise ValueError(f"drafter {name!r} (kind draft_lm) needs a path: a hub id or a directory")
         return DraftLM.from_pretrained(toyworld.resolve(spec["path"]), target=target, target_tokenizer=tokenizer,
-                                       name=name, trust_remote_code=trust_remote_code, lean=spec.get("lean", True))
+                                       name=name, trust_remote_code=trust_remote_code, lean=spec.get("lean", True),
+                                       stop_below=stop_below)
     if kind == "head":
         from drafters.heads import load_head
 
         if not spec.get("path"):
             raise ValueError(f"drafter {name!r} (kind head) needs a path: a directory saved by `python -m train`")
-        return load_head(spec["path"], target).drafter(name)
+        return load_head(spec["path"], target).drafter(name, stop_below=stop_below)
+    if stop_below:
+        raise ValueError(f"drafter {name!r}: stop_below needs a drafter with probabilities (draft_lm or head); "
+                         f"kind {kind!r} guesses without them")
     if kind == "ngram":
         return NgramDrafter(max_ngram=spec.get("max_ngram", 3), min_ngram=spec.get("min_ngram", 1), name=name)
     raise ValueError(f"drafter {name!r}: unknown kind {kind!r}; known kinds: {list(DRAFTER_KINDS)}")

@@ -93,3 +93,48 @@ def chi2_pvalue(counts, probs):
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
     return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+
+# --- confidence stop: where a drafter with `stop_below` ends its round --------------------------------
+
+
+class Recording:
+    """Wraps a drafter for the loop and keeps every proposal it makes."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, inner.name
+        if getattr(inner, "feature_layers", None):
+            self.feature_layers = inner.feature_layers
+        self.proposals: list[Proposal] = []
+
+    def start(self, *args) -> None:
+        self.inner.start(*args)
+
+    def propose(self, k, sampling, generator=None) -> Proposal:
+        self.proposals.append(self.inner.propose(k, sampling, generator))
+        return self.proposals[-1]
+
+    def commit(self, *args) -> None:
+        self.inner.commit(*args)
+
+
+def stop_point(target, make_drafter, prompt, k: int, threshold: float, seed: int = 0) -> int:
+    """Check the confidence stop on a first round and return where it ended it.
+
+    `make_drafter(stop_below)` builds the drafter. The first proposal is drafted twice from the same
+    draws (sampling, one generator seed), without a stop and with `stop_below=threshold`; the stopped
+    proposal must be the other's prefix through its first guess whose own probability q(guess) is
+    below the threshold, with the same q."""
+    proposals = []
+    for stop in (0.0, threshold):
+        drafter = Recording(make_drafter(stop))
+        speculative_generate(target, drafter, prompt, k=k, sampling=Sampling(temperature=1.0), max_new_tokens=1,
+                             generator=torch.Generator().manual_seed(seed))
+        proposals.append(drafter.proposals[0])
+    full, stopped = proposals
+    own = full.probs[torch.arange(len(full)), full.tokens]
+    unsure = (own < threshold).nonzero()
+    expected = int(unsure[0]) + 1 if len(unsure) else len(full)
+    assert stopped.tokens.tolist() == full.tokens[:expected].tolist(), (own.tolist(), threshold)
+    assert torch.equal(stopped.probs, full.probs[:expected])
+    return expected

@@ -12,7 +12,7 @@ from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_covera
 from drafters.heads import build_head, load_head, save_head
 from eval.sampling import Sampling
 from eval.speculative import autoregressive_generate, speculative_generate
-from helpers import chi2_pvalue, empirical_joint, exact_joint, tiny_llama
+from helpers import Recording, chi2_pvalue, empirical_joint, exact_joint, stop_point, tiny_llama
 from train.hidden_states import capture, default_layers
 
 VOCAB = 64
@@ -169,6 +169,55 @@ def test_sampled_output_follows_target_distribution(small_target, kind):
     exact = exact_joint(small_target, prompt, sampling, SMALL_V)
     counts = empirical_joint(small_target, head.drafter(kind), prompt, sampling, SMALL_V, 2, 2000)
     assert chi2_pvalue(counts, exact) > 1e-3
+
+
+# --- confidence stop (drafters/base.py) ----------------------------------------------------------------
+
+
+def _head(kind, target):
+    return _reduced_eagle(target) if kind == "eagle_reduced" else make_head(kind, target)
+
+
+@pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
+def test_confidence_stop_ends_the_round_at_the_first_unsure_guess(target, prompts, kind):
+    head = _head(kind, target)
+    ends = [stop_point(target, lambda stop: head.drafter(kind, stop_below=stop), prompt, 4, 0.02, seed)
+            for prompt in prompts[1:] for seed in range(4)]
+    # Random heads are near-uniform over 64 tokens (q about 1/64): 0.02 stops some rounds, at several places.
+    assert min(ends) < 4 and max(ends) > 1, ends
+
+
+@pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
+def test_greedy_with_confidence_stop_equals_target_greedy(target, prompts, kind):
+    head, short = _trained_to_self(target, _head(kind, target)), 0
+    for prompt in prompts:
+        ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=30).tokens
+        out = speculative_generate(target, head.drafter(kind, stop_below=0.6), prompt, k=4, sampling=GREEDY,
+                                   max_new_tokens=30)
+        assert out.tokens == ref, (kind, prompt.tolist())
+        short += sum(0 < r.proposed < 4 for r in out.rounds)
+    assert short > 0, kind  # the stop was exercised
+
+
+@pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
+def test_sampled_output_with_confidence_stop_follows_target_distribution(small_target, kind):
+    torch.manual_seed(3)
+    if kind == "eagle_reduced":
+        head = make_head("eagle", small_target, draft_vocab_size=4)
+        head.set_vocabulary(*draft_vocabulary(torch.tensor([5.0, 1, 4, 3, 0, 2]), 4))
+    else:
+        head = make_head(kind, small_target)
+    prompt, sampling = torch.tensor([1, 4, 2]), Sampling(temperature=1.0)
+    exact = exact_joint(small_target, prompt, sampling, SMALL_V)
+    drafter = Recording(head.drafter(kind, stop_below=0.5))
+    counts = empirical_joint(small_target, drafter, prompt, sampling, SMALL_V, 2, 2000)
+    assert chi2_pvalue(counts, exact) > 1e-3
+    assert {len(p) for p in drafter.proposals} == {1, 2}  # first rounds stopped after one guess, and not
+
+
+def test_a_bad_stop_threshold_is_an_error(target):
+    with pytest.raises(ValueError, match="stop_below must be in"):
+        make_head("eagle", target).drafter("eagle", stop_below=1.0)
 
 
 def _reference_guesses(head, kind, ids, feats, guesses):

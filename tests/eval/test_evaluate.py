@@ -9,8 +9,8 @@ from eval.evaluate import ALL, EvalPlan, evaluate
 from helpers import tiny_llama
 
 VOCAB = 48
-ROW_KEYS = {"drafter", "k", "temperature", "category", "prompts", "rounds", "accept_hist", "mean_accepted",
-            "median_accepted", "p10_accepted", "zero_accept_rate", "acceptance_rate", "acceptance_length",
+ROW_KEYS = {"drafter", "k", "temperature", "category", "prompts", "rounds", "accept_hist", "mean_proposed",
+            "mean_accepted", "median_accepted", "p10_accepted", "zero_accept_rate", "acceptance_rate", "acceptance_length",
             "ar_tokens_per_s", "sd_tokens_per_s", "speedup", "cost_ratio", "verify_overhead",
             "predicted_speedup", "lossless", "verdict", "tau_vs_baseline", "speedup_vs_baseline", "speedup_ci",
             "speedup_vs_baseline_ci", "fastest", "speedup_vs_fastest", "speedup_vs_fastest_ci", "vs_fastest"}

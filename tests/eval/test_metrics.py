@@ -59,6 +59,18 @@ def test_cost_model():
     assert ngram.verify_overhead == pytest.approx(0.3)
 
 
+def test_cost_model_with_a_confidence_stop():
+    # Rounds of 4, 1, 4 and 2 guesses at k=4. c and beta come from the two full rounds (8 ms for 4 guesses ->
+    # 2 ms each, c = 0.2; verify 13 ms -> beta = 0.3), not from the short ones' cheaper drafting; the
+    # prediction charges the mean proposal, 11 / 4 guesses per round.
+    stopped = [Round(4, 3, 0.008, 0.013), Round(1, 0, 0.003, 0.011), Round(4, 4, 0.008, 0.013),
+               Round(2, 1, 0.005, 0.012)]
+    cm = cost_model(stopped, [0.01], k=4, acceptance_length=2.5)
+    assert cm.cost_ratio == pytest.approx(0.2) and cm.verify_overhead == pytest.approx(0.3)
+    assert cm.predicted_speedup == pytest.approx(2.5 / (1 + 11 / 4 * 0.2 + 0.3))
+    assert acceptance_stats(stopped, k=4, new_tokens=12, target_forwards=4).mean_proposed == pytest.approx(11 / 4)
+
+
 
 def test_expected_acceptance_length_matches_the_closed_form():
     assert expected_acceptance_length(0.8, 5) == pytest.approx(3.69, abs=0.01)  # ANCHORS section 1

@@ -5,7 +5,8 @@ from eval.report import SCHEMA, build_report, console_summary, markdown, next_re
 
 def row(drafter, k, category, speedup, tau):
     return {"drafter": drafter, "k": k, "temperature": 0.0, "category": category, "prompts": 2, "rounds": 4,
-            "accept_hist": [1, 1, 2][: k + 1] + [0] * max(0, k - 2), "mean_accepted": 1.0, "median_accepted": 1.0,
+            "accept_hist": [1, 1, 2][: k + 1] + [0] * max(0, k - 2), "mean_proposed": float(k),
+            "mean_accepted": 1.0, "median_accepted": 1.0,
             "p10_accepted": 0.0, "p90_accepted": 2.0, "zero_accept_rate": 0.25, "full_hit_rate": 0.5,
             "acceptance_rate": 0.5, "position_acceptance": [0.75] + [None] * (k - 1), "acceptance_length": tau,
             "acceptance_length_iid": 1.5, "ar_tokens_per_s": 100.0, "sd_tokens_per_s": 100.0 * speedup,
@@ -26,7 +27,7 @@ def test_report_files(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["accept_hist_all.png", "accept_hist_code.png"]
     assert not list((tmp_path / "out").glob("*.tmp"))
     md = markdown(report)
-    assert "| code | base | 2 | 0.00 | 2.00 |" in md
+    assert "| code | base | 2 | 0.00 | 2.00 | 2.00 |" in md  # k, T, proposed per round, τ
     assert "**code**, base, T=0.00: best k=2, speed-up 1.30× → pays off" in md
     assert "| code | base | 2 | 0.00 | 2 | 4 | 100.00 | 130.00 | 1.30 | 1.20–1.40 | 1.00 | – | 2 |" in md
     assert "- code, k=2, T=0.00: fastest base; against it: ngram 0.69× (0.60–0.80) slower" in md

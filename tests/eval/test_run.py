@@ -29,3 +29,15 @@ def test_clear_errors_for_bad_names(tiny_world):
     target, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
     with pytest.raises(ValueError, match="needs a path"):
         build_drafter({"name": "d", "kind": "draft_lm"}, target=target, tokenizer=tok)
+
+
+def test_the_confidence_stop_reaches_the_drafter(tiny_world):
+    target, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
+    draft = build_drafter({"name": "d", "kind": "draft_lm", "path": "toyworld://tiny/draft", "stop_below": 0.3},
+                          target=target, tokenizer=tok)
+    assert draft.stop_below == 0.3
+    with pytest.raises(ValueError, match="drafter 'd': stop_below must be in"):
+        build_drafter({"name": "d", "kind": "draft_lm", "path": "toyworld://tiny/draft", "stop_below": 1.5},
+                      target=target, tokenizer=tok)
+    with pytest.raises(ValueError, match="stop_below needs a drafter with probabilities"):
+        build_drafter({"name": "n", "kind": "ngram", "stop_below": 0.3}, target=target, tokenizer=tok)

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import eval.speculative as spec
-from helpers import ScriptedDrafter, chi2_pvalue, empirical_joint, exact_joint, tiny_llama
+from helpers import Recording, ScriptedDrafter, chi2_pvalue, empirical_joint, exact_joint, stop_point, tiny_llama
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
 from eval.sampling import Sampling
@@ -148,6 +148,44 @@ def test_sampled_output_follows_target_distribution(small_pair, k, which):
     drafter = NgramDrafter(max_ngram=1) if which == "ngram" else DraftLM(draft, lean=which == "draft_lm")
     counts = empirical_joint(target, drafter, prompt, SAMPLED, SMALL_V, k, N_SAMPLES)
     assert chi2_pvalue(counts, exact) > 1e-3
+
+
+# --- the draft LM's confidence stop (drafters/base.py) -------------------------------------------------
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_draft_lm_confidence_stop_ends_the_round_at_the_first_unsure_guess(target, prompts, lean):
+    draft = tiny_llama(VOCAB, seed=5, logit_scale=4.0)
+    ends = [stop_point(target, lambda stop: DraftLM(draft, lean=lean, stop_below=stop), prompt, 5, 0.013, seed)
+            for prompt in prompts for seed in range(3)]
+    # The random draft is near-uniform over 64 tokens (q about 1/64): 0.013 stops some rounds, at several places.
+    assert min(ends) < 5 and max(ends) > 1, ends
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_draft_lm_greedy_with_confidence_stop_equals_target(target, prompts, lean):
+    draft, proposed = tiny_llama(VOCAB, seed=5, logit_scale=4.0), []
+    for prompt in prompts:
+        drafter = DraftLM(draft, lean=lean, stop_below=0.03)
+        out = speculative_generate(target, drafter, prompt, k=5, sampling=GREEDY, max_new_tokens=40)
+        assert out.tokens == reference(target, prompt), prompt.tolist()
+        proposed += [r.proposed for r in out.rounds]
+    assert min(proposed) < 5 and max(proposed) == 5, proposed  # the stop was exercised, and not always
+
+
+def test_draft_lm_sampled_with_confidence_stop_follows_target_distribution(small_pair):
+    target, draft, prompt = small_pair
+    exact = exact_joint(target, prompt, SAMPLED, SMALL_V)
+    drafter = Recording(DraftLM(draft, stop_below=0.2))  # its first guesses have q 0.06 to 0.31
+    counts = empirical_joint(target, drafter, prompt, SAMPLED, SMALL_V, 2, N_SAMPLES)
+    assert chi2_pvalue(counts, exact) > 1e-3
+    assert {len(p) for p in drafter.proposals} == {1, 2}  # first rounds stopped after one guess, and not
+
+
+def test_draft_lm_rejects_a_bad_stop_threshold(target):
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="stop_below must be in"):
+            DraftLM(target, stop_below=bad)
 
 
 @pytest.mark.parametrize("lean", [True, False])
