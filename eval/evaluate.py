@@ -180,7 +180,8 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "category": category,
         "prompts": len({key[1:] for key in spec.by_key if category in (ALL, key[1])}),
         **stats.to_dict(),
-        "acceptance_length_iid": expected_acceptance_length(stats.acceptance_rate, k),
+        # What tau would be if each proposed guess were kept independently at the measured rate.
+        "acceptance_length_iid": expected_acceptance_length(stats.acceptance_rate, stats.mean_proposed),
         "ar_tokens_per_s": _median_tokens_per_s(plain_t),
         "sd_tokens_per_s": _median_tokens_per_s(spec_t),
         "speedup": vs_plain.ratio,  # pooled sd / ar tokens/s, as eval/compare.py defines

@@ -114,8 +114,9 @@ def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, 
     return CostModel(c, beta, acceptance_length / (1 + mean_proposed * c + beta))
 
 
-def expected_acceptance_length(alpha: float, k: int) -> float:
-    """tau for an i.i.d. per-guess acceptance rate alpha: (1 - alpha^(k+1)) / (1 - alpha)."""
+def expected_acceptance_length(alpha: float, k: float) -> float:
+    """tau for an i.i.d. per-guess acceptance rate alpha and k guesses per round: (1 - alpha^(k+1)) / (1 - alpha).
+    k may be a mean number of guesses (a drafter that stops early, or proposes nothing in some rounds)."""
     if not 0 <= alpha <= 1:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     return float(k + 1) if math.isclose(alpha, 1.0) else (1 - alpha ** (k + 1)) / (1 - alpha)
