@@ -42,6 +42,8 @@ def main(cfg: DictConfig) -> None:
         # All ranks have passed a final barrier and every file is written. Tearing gloo down through
         # destructors can deadlock (the DDP reducer's process group destructor waits on a lock held by
         # a group already shut down), so a distributed run leaves without running them.
+        logging.getLogger(__name__).info("rank %d of %d: done, leaving without destructors",
+                                         dist.get_rank(), dist.get_world_size())
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()

@@ -491,9 +491,12 @@ class DistillRecipe:
     def cleanup(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
-        self.acc.end_training()
+        # Not acc.end_training(): it destroys the process group, after which the interpreter's exit frees the
+        # DDP reducer and gloo's threads through destructors, and that aborts now and then ("terminate
+        # called without an active exception", SIGABRT on one rank). The group stays up; every rank passes
+        # a last barrier and the entry point leaves without destructors (see train/__main__.py).
         if torch.distributed.is_initialized():
-            self.acc.wait_for_everyone()  # every rank done; the entry point then exits (see train/__main__.py)
+            self.acc.wait_for_everyone()
 
 
 _KEEP_ALIVE: list = []
