@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from drafters.base import Proposal, check_stop_below, confidence
 from drafters.llama_decode import LeanLlama
 from eval.sampling import Sampling, draw
+from eval.speculative import cache_keyword
 
 
 class TokenizerMismatchError(ValueError):
@@ -128,7 +129,8 @@ class DraftLM:
                 logits = self.lean.forward(inputs[0])
             else:
                 # logits_to_keep=1: the prefill needs only the last position's logits, not a (T, V) matrix.
-                out = self.model(input_ids=inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                out = self.model(input_ids=inputs, **{cache_keyword(self.model): self.cache}, use_cache=True,
+                                 logits_to_keep=1)
                 logits = out.logits[0, -1]
             token, q = draw(logits, sampling, generator)
             if q is not None:

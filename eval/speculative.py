@@ -19,6 +19,8 @@ equality token for token and sampled outputs against the target's distribution).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -110,16 +112,29 @@ def rollback(cache: DynamicCache, keep: int) -> None:
     cache.crop(keep - cache.get_seq_length())
 
 
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The keyword a Hugging Face model's forward takes its KV cache under: `cache` in transformers 5.24
+    (which deprecates `past_key_values` with a FutureWarning, to be removed in 5.40), `past_key_values`
+    in earlier releases and in remote-code models that keep the old signature."""
+    return _cache_keyword(type(model))
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def _forward(model: PreTrainedModel, ids: list[int], cache: DynamicCache, device: torch.device, keep_logits: int):
     inputs = torch.tensor([ids], device=device)
-    return model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=keep_logits).logits[0]
+    out = model(input_ids=inputs, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=keep_logits)
+    return out.logits[0]
 
 
 def _forward_with_features(model, ids, cache, device, keep_logits, layers):
     """Logits and, for drafters that read them, the hidden states at `layers` of every fed position:
     (logits (keep, V), features (len(ids), len(layers), d))."""
     inputs = torch.tensor([ids], device=device)
-    out = model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=keep_logits,
+    out = model(input_ids=inputs, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=keep_logits,
                 output_hidden_states=True)
     return out.logits[0], features_of(out.hidden_states, layers)[0]
 

@@ -35,17 +35,17 @@ from drafters.heads import features_of, load_head
 from drafters.layers import KVCache
 from drafters.llama_decode import LeanLlama
 from eval.sampling import Sampling
-from eval.speculative import rollback
+from eval.speculative import cache_keyword, rollback
 from train import toyworld
 
 
 def hf_steps(model, context: torch.Tensor, n: int) -> list[float]:
     cache = DynamicCache()
-    model(input_ids=context[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=context[None], **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
     token, times = torch.tensor([[7]]), []
     for _ in range(n):
         t0 = time.perf_counter()
-        model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=token, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
         times.append(time.perf_counter() - t0)
         rollback(cache, context.numel())  # stay at the same length: every step costs the same
     return times
@@ -98,7 +98,7 @@ def drafting_rounds(target, verify_between: bool):
             out = target(input_ids=context[None], output_hidden_states=True)
             feats = features_of(out.hidden_states, drafter.feature_layers)[0]
         cache = DynamicCache()
-        target(input_ids=context[None, :half], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        target(input_ids=context[None, :half], **{cache_keyword(target): cache}, use_cache=True, logits_to_keep=1)
 
         def start() -> int:
             drafter.start(context[:half], *([] if feats is None else [feats[: half - 1]]))
@@ -107,7 +107,7 @@ def drafting_rounds(target, verify_between: bool):
         pos, times = start(), []
         for _ in range(n):
             if verify_between:
-                target(input_ids=context[None, half: half + 5], past_key_values=cache, use_cache=True,
+                target(input_ids=context[None, half: half + 5], **{cache_keyword(target): cache}, use_cache=True,
                        output_hidden_states=feats is not None)
                 rollback(cache, half)
             t0 = time.perf_counter()

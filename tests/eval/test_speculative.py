@@ -226,6 +226,28 @@ def test_distribution_test_catches_a_wrong_residual(small_pair, monkeypatch):
     assert chi2_pvalue(counts, exact) < 1e-3
 
 
+def test_the_loop_passes_the_cache_under_the_keyword_the_model_takes(target, prompts):
+    # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40); a model
+    # whose forward still takes `past_key_values` (earlier releases, remote code) gets that.
+    import inspect
+    import warnings
+
+    expected = "cache" if "cache" in inspect.signature(type(target).forward).parameters else "past_key_values"
+    assert spec.cache_keyword(target) == expected
+
+    class OldSignature(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, logits_to_keep=0):
+            raise AssertionError("not called")
+
+    assert spec.cache_keyword(OldSignature()) == "past_key_values"
+    other = tiny_llama(VOCAB, seed=3, logit_scale=4.0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        for drafter in (DraftLM(other, lean=False), NgramDrafter()):
+            out = speculative_generate(target, drafter, prompts[2], k=3, sampling=GREEDY, max_new_tokens=12)
+            assert out.tokens == reference(target, prompts[2], n=12)
+
+
 # --- rollback ---------------------------------------------------------------------------------------
 
 
@@ -233,11 +255,12 @@ def test_rollback_gives_the_logits_of_a_recompute(target):
     seq = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         cache = DynamicCache()
-        target(input_ids=seq[:, :8], past_key_values=cache, use_cache=True)
-        target(input_ids=torch.tensor([[1, 2, 3, 4]]), past_key_values=cache, use_cache=True)  # rejected guesses
+        kw = spec.cache_keyword(target)
+        target(input_ids=seq[:, :8], **{kw: cache}, use_cache=True)
+        target(input_ids=torch.tensor([[1, 2, 3, 4]]), **{kw: cache}, use_cache=True)  # rejected guesses
         rollback(cache, 8)
         assert cache.get_seq_length() == 8
-        rolled = target(input_ids=seq[:, 8:], past_key_values=cache, use_cache=True).logits
+        rolled = target(input_ids=seq[:, 8:], **{kw: cache}, use_cache=True).logits
         fresh = target(input_ids=seq).logits[:, 8:]
     torch.testing.assert_close(rolled, fresh, rtol=1e-5, atol=1e-5)
 
@@ -257,5 +280,6 @@ def test_draft_lm_cache_matches_recompute_after_rounds(target, prompts, lean):
             cont = drafter.lean.forward(torch.tensor(drafter.ids[fed:]))
         else:
             fed = drafter.cache.get_seq_length()
-            cont = other(input_ids=torch.tensor([drafter.ids[fed:]]), past_key_values=drafter.cache).logits[0, -1]
+            cont = other(input_ids=torch.tensor([drafter.ids[fed:]]),
+                         **{spec.cache_keyword(other): drafter.cache}).logits[0, -1]
     torch.testing.assert_close(cont, fresh, rtol=1e-5, atol=1e-5)
