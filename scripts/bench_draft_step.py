@@ -41,11 +41,12 @@ from train import toyworld
 
 def hf_steps(model, context: torch.Tensor, n: int) -> list[float]:
     cache = DynamicCache()
-    model(input_ids=context[None], **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
+    kw = {cache_keyword(model): cache}
+    model(input_ids=context[None], **kw, use_cache=True, logits_to_keep=1)
     token, times = torch.tensor([[7]]), []
     for _ in range(n):
         t0 = time.perf_counter()
-        model(input_ids=token, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
+        model(input_ids=token, **kw, use_cache=True, logits_to_keep=1)
         times.append(time.perf_counter() - t0)
         rollback(cache, context.numel())  # stay at the same length: every step costs the same
     return times
