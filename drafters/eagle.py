@@ -108,10 +108,11 @@ class Eagle3Layer(nn.Module):
         h = hidden + h
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
-    def decode(self, embeds, hidden, cos, sin, mask, cache: KVCache):
-        """`forward(...)[0]` on top of `cache` for drafting (inference only), on the fused ops."""
+    def decode(self, embeds, hidden, cos, sin, mask, cache: KVCache, last: bool = False):
+        """`forward(...)[0]` on top of `cache` for drafting (inference only), on the fused ops. `last`:
+        the last entry's output only, every entry's keys and values cached (`Attention.decode`)."""
         x = torch.cat([norm(embeds, self.input_layernorm), norm(hidden, self.hidden_norm)], dim=-1)
-        h = hidden + self.self_attn.decode(x, cos, sin, mask, cache)
+        h = (hidden[:, -1:] if last else hidden) + self.self_attn.decode(x, cos, sin, mask, cache, last)
         return h + mlp_decode(self.mlp, norm(h, self.post_attention_layernorm))
 
 
@@ -169,13 +170,16 @@ class Eagle3(nn.Module):
             self._rows = (key, weight[self.target_ids()].detach())
         return self._rows[1]
 
-    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
-        """Inference: entries (hidden (1, q, d), tokens (q,)) at positions start..start+q-1 on top of `cache`."""
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache,
+             last: bool = False) -> torch.Tensor:
+        """Inference: entries (hidden (1, q, d), tokens (q,)) at positions start..start+q-1 on top of
+        `cache`; their outputs (1, q, d), or with `last` the last one's (1, 1, d) alone: drafting reads
+        only that, and the one layer's other outputs feed nothing (their keys and values are cached)."""
         q = hidden.shape[1]
         cos, sin = self.rotary.decode(hidden, start, q)
-        mask = causal_mask(q, len(cache), hidden.device) if q > 1 else None
+        mask = causal_mask(q, len(cache), hidden.device) if q > 1 and not last else None
         embeds = self.shared.embed_tokens(tokens[None], hidden.dtype)
-        return self.midlayer.decode(embeds, hidden, cos, sin, mask, cache)
+        return self.midlayer.decode(embeds, hidden, cos, sin, mask, cache, last)
 
     def unroll(self, features, input_ids, attention_mask) -> list[torch.Tensor]:
         """Training-time test over whole sequences: draft-vocabulary logits (B, T-1, N) of each step.
@@ -248,9 +252,8 @@ class Eagle3Drafter(FeatureDrafter):
             return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
         new = self.pending.shape[0]
         tokens = torch.tensor(self.ids[m - new + 1: m + 1], device=self.device)
-        out = head.step(head.fc(self.pending)[None], tokens, m - new, self.cache)
+        h = head.step(head.fc(self.pending)[None], tokens, m - new, self.cache, last=True)
         self.pending, self.fed = self.pending[:0], m
-        h = out[:, -1:]
         rows = head._draft_rows() if self.target_ids is not None else None
         guesses, dists = [], []
         for s in range(k):

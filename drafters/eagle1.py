@@ -40,19 +40,22 @@ class Eagle1(nn.Module):
     def attach(self, target) -> None:
         self.shared = SharedTarget(target)
 
-    def _entries(self, hidden, tokens, start, mask, cache=None):
+    def _entries(self, hidden, tokens, start, mask, cache=None, last=False):
         """Training (no cache) or drafting on top of `cache` (inference only, the fused ops)."""
         embeds = self.shared.embed_tokens(tokens, hidden.dtype)
         x = self.fc(torch.cat([embeds, hidden], dim=-1))
         if cache is None:
             return self.layer(x, *self.rotary(hidden, start, hidden.shape[1]), mask)
-        return self.layer.decode(x, *self.rotary.decode(hidden, start, hidden.shape[1]), mask, cache)
+        return self.layer.decode(x, *self.rotary.decode(hidden, start, hidden.shape[1]), mask, cache, last)
 
-    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
-        """Inference: entries (hidden (1, q, d), tokens (q,)) at positions start..start+q-1 on top of `cache`."""
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache,
+             last: bool = False) -> torch.Tensor:
+        """Inference: entries (hidden (1, q, d), tokens (q,)) at positions start..start+q-1 on top of
+        `cache`; their outputs (1, q, d), or with `last` the last one's (1, 1, d) alone (the one
+        layer's other outputs feed nothing; their keys and values are cached)."""
         q = hidden.shape[1]
-        mask = causal_mask(q, len(cache), hidden.device) if q > 1 else None
-        return self._entries(hidden, tokens[None], start, mask, cache)
+        mask = causal_mask(q, len(cache), hidden.device) if q > 1 and not last else None
+        return self._entries(hidden, tokens[None], start, mask, cache, last)
 
     def forward(self, features, input_ids, attention_mask, loss_mask, target_probs):
         """Training loss (teacher forced): feature regression + token loss. Shapes as in drafters/eagle.py."""
@@ -92,7 +95,7 @@ class Eagle1Drafter(FeatureDrafter):
             return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
         new = self.pending.shape[0]
         tokens = torch.tensor(self.ids[m - new + 1: m + 1], device=self.device)
-        h = head.step(self.pending[None], tokens, m - new, self.cache)[:, -1:]
+        h = head.step(self.pending[None], tokens, m - new, self.cache, last=True)
         self.pending, self.fed = self.pending[:0], m
         guesses, dists = [], []
         for s in range(k):

@@ -245,16 +245,25 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), own
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-               cache: KVCache) -> torch.Tensor:
+               cache: KVCache, last: bool = False) -> torch.Tensor:
         """`forward(x, cos, sin, mask, cache)[0]` for drafting (inference only), with cos/sin from
         `Rotary.decode`: q/k/v as one matmul and RoPE (`rope`) on queries and keys in one pass, the same
-        arithmetic element for element."""
+        arithmetic element for element.
+
+        last: the output of the last position only, (B, 1, d). Every position's keys and values still
+        go into the cache, but only the last query attends (it sees every key, so no mask) and only
+        its row goes through `o_proj`: what the last layer of a model needs when nothing reads the
+        other positions' outputs (the first step of a drafting round feeds several entries and drafts
+        from the last)."""
         B, T, _ = x.shape
         H, Hkv = self.heads, self.kv_heads
         qkv = self.fused_qkv(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
         qk = rope(qkv[:, : H + Hkv], cos, sin)
         keys, values = cache.append(qk[:, H:], qkv[:, H + Hkv:])
-        out = F.scaled_dot_product_attention(qk[:, :H], keys, values, attn_mask=mask, enable_gqa=Hkv != H)
+        q = qk[:, :H]
+        if last and T > 1:
+            q, mask, T = q[:, :, -1:], None, 1
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=Hkv != H)
         return _linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)
 
     def _ttt_attention(self, q, base, diagonal, mask):
@@ -286,9 +295,11 @@ class DecoderLayer(nn.Module):
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode(self, x, cos, sin, mask, cache: KVCache):
-        """`forward` on top of `cache` for drafting (inference only), on the fused ops."""
-        x = x + self.self_attn.decode(norm(x, self.input_layernorm), cos, sin, mask, cache)
+    def decode(self, x, cos, sin, mask, cache: KVCache, last: bool = False):
+        """`forward` on top of `cache` for drafting (inference only), on the fused ops. `last`: the last
+        position's output only, every position's keys and values cached (`Attention.decode`)."""
+        h = self.self_attn.decode(norm(x, self.input_layernorm), cos, sin, mask, cache, last)
+        x = (x[:, -1:] if last else x) + h
         return x + mlp_decode(self.mlp, norm(x, self.post_attention_layernorm))
 
 

@@ -127,11 +127,17 @@ class LeanLlama:
         # One query sees every cached key; several see the cache plus their own causal prefix.
         mask = None if T == 1 else causal_mask(T, start, x.device)
         H, Hkv = self.heads, self.kv_heads
+        last = len(self.layers) - 1
         for i, (ln1, eps1, qkv_p, o_p, ln2, eps2, gate_up, down) in enumerate(self.layers):
             qkv = qkv_p(rms_norm(x, ln1, eps1)).view(1, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
             qk = rope(qkv[:, : H + Hkv], cos, sin)
             keys, values = self.caches[i].append(qk[:, H:], qkv[:, H + Hkv:])
-            out = F.scaled_dot_product_attention(qk[:, :H], keys, values, attn_mask=mask, enable_gqa=self.gqa)
+            q = qk[:, :H]
+            if i == last and T > 1:
+                # Only the last position's logits are returned, so the last layer's attention, o_proj
+                # and MLP run for that position alone (every position's keys and values are cached).
+                q, mask, x, T = q[:, :, -1:], None, x[:, -1:], 1
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.gqa)
             x = x + F.linear(out.transpose(1, 2).reshape(1, T, -1), *o_p)
             gate, up = gate_up(rms_norm(x, ln2, eps2)).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, *down)

@@ -122,6 +122,34 @@ def test_decode_is_forward_on_a_cache(kv_heads):
     torch.testing.assert_close(ours, reference.detach(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["decoder_layer", "eagle3_layer"])
+def test_decode_of_the_last_entry_alone_keeps_every_entrys_keys(kind):
+    """`decode(..., last=True)`, the first step of a drafting round, gives the last entry's output of
+    a full `decode` and caches the same keys and values for every entry, so the next step agrees too."""
+    from drafters.eagle import Eagle3Layer
+
+    torch.manual_seed(3)
+    config = _config(intermediate_size=96, rms_norm_eps=1e-6)
+    layer, rotary = (DecoderLayer(config) if kind == "decoder_layer" else Eagle3Layer(config)), Rotary(config)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    seq = torch.randn(1, 10, 64)
+    inputs = (lambda a, b: (seq[:, a:b],)) if kind == "decoder_layer" else (lambda a, b: (seq[:, a:b], seq[:, a:b] * 2))
+    full, last = KVCache(), KVCache()
+    with torch.inference_mode():
+        for cache in (full, last):
+            layer.decode(*inputs(0, 4), *rotary.decode(seq, 0, 4), causal_mask(4, 0, seq.device), cache)
+        reference = layer.decode(*inputs(4, 9), *rotary.decode(seq, 4, 5), causal_mask(5, 4, seq.device), full)
+        ours = layer.decode(*inputs(4, 9), *rotary.decode(seq, 4, 5), causal_mask(5, 4, seq.device), last, last=True)
+        assert ours.shape == (1, 1, 64)
+        torch.testing.assert_close(ours, reference[:, -1:], atol=1e-5, rtol=1e-5)
+        assert len(last) == len(full) == 9
+        torch.testing.assert_close(last.k[:, :, :9], full.k[:, :, :9])
+        torch.testing.assert_close(last.v[:, :, :9], full.v[:, :, :9])
+        after = [layer.decode(*inputs(9, 10), *rotary.decode(seq, 9, 1), None, cache) for cache in (full, last)]
+    torch.testing.assert_close(after[1], after[0])
+
+
 def test_kv_cache_appends_rolls_back_and_grows():
     """The cache holds exactly what was appended and not rolled back, through a growth of its buffers."""
     cache, reference = KVCache(), []
