@@ -10,7 +10,9 @@
 - `decode` methods (`Attention.decode`, `DecoderLayer.decode`, `mlp_decode`): the drafting-time
   forward, inference only, on the same weights: q/k/v and gate/up each as one matmul (`Fused`) and RoPE
   (`rope`, with `Rotary.decode`'s tables) applied to queries and keys together in fewer ops, so a
-  drafted token runs fewer, larger ops.
+  drafted token runs fewer, larger ops. With `last=True` a call over several entries (the first step
+  of a drafting round) caches every entry's keys and values but computes the last entry's output
+  alone: a one-layer head reads nothing else.
 - `SharedTarget`: the target's embedding and output head, referenced, never copied or trained.
 - `RMSNorm`, `Rotary`: Llama's RMSNorm and RoPE with the same weights and values, cheaper per call (a
   drafting step runs a handful of tiny ops, so per-call overhead is most of a head's cost c).

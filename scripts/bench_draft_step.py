@@ -12,7 +12,8 @@ one target step through the Hugging Face forward (the target's cost in the loop)
 ratio c a drafter contributes. With `--eagle`, the table adds a trained EAGLE-3 head's decoder layer
 on the same context, through its training-path forward (module calls, separate q/k/v and gate/up
 matmuls) and through `decode`, the fused path drafting uses, and whole drafting rounds of the head and
-of the draft LM (propose k = 4 greedily, then commit 2 accepted and a correction, as the loop does),
+of the draft LM (propose k = 4 greedily, then commit 2 accepted and a correction, as the loop does;
+`--accepted N` commits N instead, so the next round's first step feeds N + 1 entries),
 alone and with a 5-token target forward before each round, as verification runs between rounds.
 `--draft-layers N` times, in place of the draft, a randomly initialised model of its width and N layers:
 what a draft of another depth would cost (a step's time does not depend on the weights' values).
@@ -88,12 +89,12 @@ def eagle_layer_steps(fused: bool):
     return run
 
 
-def drafting_rounds(target, verify_between: bool):
-    """Rounds of propose(k=4) then commit(2 accepted, a correction) over the context's second half,
+def drafting_rounds(target, verify_between: bool, accepted: int = 2):
+    """Rounds of propose(k=4) then commit(`accepted`, a correction) over the context's second half,
     restarting from its first half when it runs out; optionally a 5-token target forward (rolled back)
     before each round. The drafter is a DraftLM or a head's drafter (which reads the target's features)."""
     def run(drafter, context: torch.Tensor, n: int) -> list[float]:
-        half, accepted, greedy = context.numel() // 2, 2, Sampling()
+        half, greedy = context.numel() // 2, Sampling()
         feats = None
         if hasattr(drafter, "feature_layers"):
             out = target(input_ids=context[None], output_hidden_states=True)
@@ -153,6 +154,8 @@ def main() -> None:
     ap.add_argument("--eagle", default=None, help="a saved EAGLE-3 head for the target: time its layer too")
     ap.add_argument("--eagle-intermediate", default=None,
                     help="comma-separated MLP widths: also time rounds of the --eagle head with a narrower MLP")
+    ap.add_argument("--accepted", type=int, default=2, choices=range(0, 5),
+                    help="guesses committed after each round (0..4): the next round's first step feeds this + 1 entries")
     ap.add_argument("--draft-layers", type=int, default=None,
                     help="time a randomly initialised draft of the same width with this many layers instead")
     args = ap.parse_args()
@@ -176,12 +179,12 @@ def main() -> None:
                              f"{head.config.draftsmith_kind!r})")
         runs["EAGLE-3 layer, forward"] = (eagle_layer_steps(False), head)
         runs["EAGLE-3 layer, fused decode"] = (eagle_layer_steps(True), head)
-        runs["EAGLE-3 round"] = (drafting_rounds(target, False), head.drafter("eagle"))
-        runs["draft round, lean path"] = (drafting_rounds(target, False), DraftLM(draft))
-        runs["EAGLE-3 round after target"] = (drafting_rounds(target, True), head.drafter("eagle"))
-        runs["draft round after target"] = (drafting_rounds(target, True), DraftLM(draft))
+        runs["EAGLE-3 round"] = (drafting_rounds(target, False, args.accepted), head.drafter("eagle"))
+        runs["draft round, lean path"] = (drafting_rounds(target, False, args.accepted), DraftLM(draft))
+        runs["EAGLE-3 round after target"] = (drafting_rounds(target, True, args.accepted), head.drafter("eagle"))
+        runs["draft round after target"] = (drafting_rounds(target, True, args.accepted), DraftLM(draft))
         for width in (int(w) for w in args.eagle_intermediate.split(",")) if args.eagle_intermediate else ():
-            runs[f"EAGLE-3 round, MLP {width}, after target"] = (drafting_rounds(target, True),
+            runs[f"EAGLE-3 round, MLP {width}, after target"] = (drafting_rounds(target, True, args.accepted),
                                                                  narrowed(head, width, target).drafter("eagle"))
     times: dict[str, list[float]] = {name: [] for name in runs}
     for fn, model in runs.values():  # warm-up: allocator, kernels
@@ -191,7 +194,7 @@ def main() -> None:
             times[name] += fn(model, context, args.steps)
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     base = median["target, Hugging Face forward"]
-    print(f"one decoding step (rounds: one propose of k = 4) on a {args.context}-token context, "
+    print(f"one decoding step (rounds: one propose of k = 4, then {args.accepted} accepted) on a {args.context}-token context, "
           f"{torch.get_num_threads()} threads, median of {args.blocks} x {args.steps} per path (alternating blocks)")
     print(f"draft: {draft.config.num_hidden_layers} layers, hidden size {draft.config.hidden_size}"
           + (" (randomly initialised: --draft-layers)" if args.draft_layers else ""))

@@ -32,8 +32,9 @@ def test_times_an_eagle_head_layer_on_both_paths(tiny_world, tmp_path):
     out = subprocess.run([*cmd, "--eagle", str(tmp_path / "eagle")], capture_output=True, text=True, check=True).stdout
     assert "EAGLE-3 layer, forward" in out and "EAGLE-3 layer, fused decode" in out
     assert "EAGLE-3 round after target" in out and "draft round, lean path" in out
-    narrow = subprocess.run([*cmd, "--eagle", str(tmp_path / "eagle"), "--eagle-intermediate", "16,8"],
+    narrow = subprocess.run([*cmd, "--eagle", str(tmp_path / "eagle"), "--eagle-intermediate", "16,8", "--accepted", "4"],
                             capture_output=True, text=True, check=True).stdout
+    assert "then 4 accepted" in narrow  # each round's first step feeds 5 entries
     assert "EAGLE-3 round, MLP 16, after target / draft round after target" in narrow
     assert "EAGLE-3 round, MLP 8, after target / draft round after target" in narrow
     wrong = subprocess.run([*cmd, "--eagle", str(tmp_path / "medusa")], capture_output=True, text=True)
