@@ -43,14 +43,20 @@ def check_layers(layers: list[int], num_layers: int) -> None:
                          f"output_hidden_states of a {num_layers}-layer model), got {layers}")
 
 
-def head_config(target_config, kind: str, feature_layers: list[int], **settings) -> LlamaConfig:
-    """A one-layer Llama config with the target's attention/MLP geometry and RoPE, plus the head's settings."""
+def head_config(target_config, kind: str, feature_layers: list[int], intermediate_size: int | None = None,
+                **settings) -> LlamaConfig:
+    """A one-layer Llama config with the target's attention/MLP geometry and RoPE, plus the head's settings.
+    `intermediate_size`: the head's MLP width, the target's when None (serving engines read it from the
+    head's own config, so a narrower head loads like any other)."""
     if kind not in KINDS:
         raise ValueError(f"unknown head kind {kind!r}; known: {sorted(KINDS)}")
     check_layers(feature_layers, target_config.num_hidden_layers)
+    if intermediate_size is not None and intermediate_size < 1:
+        raise ValueError(f"the head's intermediate_size must be >= 1 (None = the target's), got {intermediate_size}")
     d = target_config.hidden_size
     return LlamaConfig(
-        vocab_size=target_config.vocab_size, hidden_size=d, intermediate_size=target_config.intermediate_size,
+        vocab_size=target_config.vocab_size, hidden_size=d,
+        intermediate_size=intermediate_size or target_config.intermediate_size,
         num_hidden_layers=1, num_attention_heads=target_config.num_attention_heads,
         num_key_value_heads=target_config.num_key_value_heads,
         head_dim=getattr(target_config, "head_dim", None) or d // target_config.num_attention_heads,

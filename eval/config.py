@@ -171,6 +171,7 @@ class DrafterConfig:
     draft_vocab_share: Optional[float] = None  # eagle: draft vocabulary as a share of the target's (null = all)
     draft_vocab_coverage: Optional[float] = None  # eagle: the fewest tokens holding this share of the training
     #                                               tokens (overrides draft_vocab_share)
+    intermediate_size: Optional[int] = None  # eagle: the head's MLP width (null = the target's)
     draft_vocab_from: str = "tokens"  # eagle: rank tokens by count (tokens) or by the target's probabilities
     draft_vocab_examples: int = 256  # eagle, draft_vocab_from=target_probabilities: training records scored
     token_loss_weight: float = 0.1  # eagle1: token loss weight next to the feature regression

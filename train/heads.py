@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # The settings of each kind that go into its config (conf/drafter/<kind>.yaml documents them).
 SETTINGS = {
-    "eagle": ("ttt_steps", "ttt_decay", "draft_vocab_size"),
+    "eagle": ("ttt_steps", "ttt_decay", "draft_vocab_size", "intermediate_size"),
     "eagle1": ("token_loss_weight",),
     "mtp": ("depth", "module_decay"),
     "medusa": ("num_heads", "num_layers", "head_decay"),

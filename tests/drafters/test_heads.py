@@ -382,6 +382,25 @@ def test_save_and_load_round_trip(target, tmp_path, kind):
     assert [r.accepted for r in a.rounds] == [r.accepted for r in b.rounds]
 
 
+def test_a_narrower_head_mlp_drafts_losslessly_and_keeps_its_width_when_reloaded(target, prompts, tmp_path):
+    head = make_head("eagle", target, intermediate_size=24)
+    assert target.config.intermediate_size != 24
+    mlp = head.midlayer.mlp
+    assert mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape == (24, target.config.hidden_size)
+    assert mlp.down_proj.weight.shape == (target.config.hidden_size, 24)
+    for prompt in prompts:
+        ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=16)
+        assert speculative_generate(target, head.drafter(), prompt, k=3, sampling=GREEDY,
+                                    max_new_tokens=16).tokens == ref.tokens
+    save_head(head, tmp_path / "narrow")
+    loaded = load_head(tmp_path / "narrow", target)
+    assert loaded.config.intermediate_size == 24
+    for name, tensor in head.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    with pytest.raises(ValueError, match="intermediate_size must be >= 1"):
+        make_head("eagle", target, intermediate_size=0)
+
+
 def test_loading_a_head_for_another_target_is_an_error(target, tmp_path):
     save_head(make_head("eagle1", target), tmp_path / "h")
     other = tiny_llama(VOCAB, hidden=48, layers=4, seed=1)

@@ -205,6 +205,20 @@ def test_head_config_errors_are_clear(tiny_world, tmp_path):
         train(smoke(tmp_path, "drafter=eagle", "drafter.label_temperature=-0.5"))
 
 
+def test_head_mlp_width_is_a_recipe_setting(tiny_world, tmp_path):
+    train(smoke(tmp_path, "drafter=eagle", "drafter.intermediate_size=16", "trainer.max_steps=1",
+                "trainer.eval_every=1", "evaluate.enabled=false"))
+    config = json.loads((tmp_path / "run" / "best" / "config.json").read_text())
+    assert config["intermediate_size"] == 16
+    weights = load_file(str(tmp_path / "run" / "best" / "model.safetensors"))
+    assert weights["midlayer.mlp.down_proj.weight"].shape[1] == 16
+    default = train(smoke(tmp_path, "drafter=eagle", "trainer.max_steps=1", "trainer.eval_every=1",
+                          "evaluate.enabled=false", run="default"))
+    target_width = json.loads((tiny_world / "target" / "config.json").read_text())["intermediate_size"]
+    assert json.loads((tmp_path / "default" / "best" / "config.json").read_text())["intermediate_size"] == target_width
+    assert default["best"]["step"] == 1
+
+
 def test_label_distribution_sharpens_to_the_argmax():
     from train.heads import label_distribution
 
