@@ -117,6 +117,8 @@ class HeadRecipe(DistillRecipe):
             raise ValueError(f"drafter.draft_vocab_coverage must be in (0, 1], got {coverage}")
         if d.draft_vocab_examples < 1:
             raise ValueError(f"drafter.draft_vocab_examples must be >= 1, got {d.draft_vocab_examples}")
+        if d.intermediate_size is not None and d.intermediate_size < 1:
+            raise ValueError(f"drafter.intermediate_size must be >= 1 (null = the target's), got {d.intermediate_size}")
         if not d.label_temperature >= 0:
             raise ValueError(f"drafter.label_temperature must be >= 0 (0 = the target's argmax), "
                              f"got {d.label_temperature}")

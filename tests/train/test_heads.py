@@ -203,6 +203,8 @@ def test_head_config_errors_are_clear(tiny_world, tmp_path):
         train(smoke(tmp_path, "drafter=eagle", "drafter.layers=[0,1,3]"))
     with pytest.raises(ValueError, match="drafter.label_temperature must be >= 0"):
         train(smoke(tmp_path, "drafter=eagle", "drafter.label_temperature=-0.5"))
+    with pytest.raises(ValueError, match="drafter.intermediate_size must be >= 1"):
+        train(smoke(tmp_path, "drafter=eagle", "drafter.intermediate_size=0"))
 
 
 def test_head_mlp_width_is_a_recipe_setting(tiny_world, tmp_path):
