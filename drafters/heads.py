@@ -46,8 +46,8 @@ def check_layers(layers: list[int], num_layers: int) -> None:
 def head_config(target_config, kind: str, feature_layers: list[int], intermediate_size: int | None = None,
                 **settings) -> LlamaConfig:
     """A one-layer Llama config with the target's attention/MLP geometry and RoPE, plus the head's settings.
-    `intermediate_size`: the head's MLP width, the target's when None (serving engines read it from the
-    head's own config, so a narrower head loads like any other)."""
+    `intermediate_size`: the head's MLP width, the target's when None (kept in the head's own config,
+    as EAGLE-3 checkpoints keep theirs)."""
     if kind not in KINDS:
         raise ValueError(f"unknown head kind {kind!r}; known: {sorted(KINDS)}")
     check_layers(feature_layers, target_config.num_hidden_layers)
