@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from eval.config import register
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, console_summary, log_to_wandb, write_report
-from eval.run import build_drafter, load_prompts, load_target, pick_device
+from eval.run import build_drafter, held_out_path, load_target, pick_device, read_traffic, tokenize_prompts
 
 log = logging.getLogger("eval")
 register()
@@ -30,18 +30,18 @@ def run(cfg: DictConfig) -> dict:
                        else cfg[f.name] for f in fields(EvalPlan)})
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    # The traffic is read first: a bad record fails before a model is loaded.
+    traffic = read_traffic(held_out_path(cfg.data.path, cfg.data.eval_path) or cfg.data.path, split=cfg.data.split,
+                           on_bad_record=cfg.data.on_bad_record)
     device = pick_device(cfg.device)
     target, tokenizer = load_target(cfg.target.name_or_path, device=device, dtype=cfg.target.dtype,
                                     trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)
     drafters = [build_drafter(OmegaConf.to_container(spec, resolve=True), target=target, tokenizer=tokenizer,
                               trust_remote_code=cfg.target.trust_remote_code) for spec in cfg.drafters]
-    data_path = cfg.data.eval_path or cfg.data.path
-    prompts = load_prompts(data_path, tokenizer, device=device, split=cfg.data.split,
-                           on_bad_record=cfg.data.on_bad_record, max_per_category=cfg.data.max_prompts_per_category,
-                           max_prompt_tokens=cfg.data.max_prompt_tokens)
-    log.info("prompts per category: %s", {c: len(p) for c, p in prompts.items()})
+    prompts = tokenize_prompts(traffic, tokenizer, device=device, max_per_category=cfg.data.max_prompts_per_category,
+                               max_prompt_tokens=cfg.data.max_prompt_tokens)
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id, progress=cfg.progress)
-    settings = {"data": data_path, **asdict(plan), "dtype": cfg.target.dtype, "device": str(device)}
+    settings = {"data": traffic.describe(prompts), **asdict(plan), "dtype": cfg.target.dtype, "device": str(device)}
     report = build_report(rows, target=cfg.target.name_or_path, baseline=drafters[0].name, settings=settings)
     paths = write_report(report, cfg.out_dir)
     print(console_summary(report))

@@ -33,7 +33,9 @@ class DataConfig:
     """Company traffic: JSONL/Parquet path, glob or hub dataset id (see README, "Company logs")."""
 
     path: str = MISSING  # training traffic
-    eval_path: Optional[str] = None  # held-out traffic for evaluation; defaults to `path`
+    # Held-out traffic for evaluation. null: `python -m eval` measures `path` (the built-in world: its held-out
+    # eval.jsonl) and `python -m train` the last trainer.eval_examples records it held out of `path`.
+    eval_path: Optional[str] = None
     split: str = "train"  # split name for hub datasets
     on_bad_record: str = "error"  # error | skip
     max_prompts_per_category: Optional[int] = None  # evaluation: first N prompts per category (None = all)

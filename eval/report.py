@@ -106,8 +106,9 @@ def markdown(report: dict) -> str:
         "# draftsmith evaluation",
         "",
         f"- target: `{report['target']}`; baseline drafter: `{report['baseline']}`",
+        *(f"- {line}" for line in traffic_lines(report["settings"])),
         f"- hardware: {hw['gpu'] or hw['cpu']}, {hw['torch_threads']} torch threads, torch {hw['torch']}",
-        "- settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()),
+        "- settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items() if k not in TRAFFIC_KEYS),
         "",
         "prop = guesses proposed per round (below k with a confidence stop); τ = new tokens per target forward;"
         " c = one draft step / one target step; β = verify (k+1 positions) / one step − 1;"
@@ -153,6 +154,32 @@ def markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+TRAFFIC_KEYS = ("data", "trained_on")
+
+
+def _records(d: dict) -> str:
+    """'`F`: N records', or the slice of F training held out."""
+    if d.get("held_out"):
+        return f"the last {d['records']} records of `{d['path']}` (held out of training)"
+    return f"`{d['path']}`: {d['records']} records"
+
+
+def traffic_lines(settings: dict) -> list[str]:
+    """What was measured (file, records, prompts per category) and, after training, what was trained on."""
+    lines = []
+    data = settings.get("data")
+    if isinstance(data, dict):
+        prompts = ", ".join(f"{c} {n}" for c, n in data.get("prompts", {}).items())
+        lines.append(f"measured: {_records(data)}" + (f"; prompts per category: {prompts}" if prompts else ""))
+    elif data:
+        lines.append(f"measured: `{data}`")
+    trained = settings.get("trained_on")
+    if trained:
+        lines.append(f"trained on: the first {trained['records']} records of `{trained['path']}` "
+                     f"(its last {trained['checkpoint_chosen_on']} chose the checkpoint)")
+    return lines
+
+
 def _fastest_lines(rows: list[dict]) -> list[str]:
     """One line per (category, k, temperature): the fastest drafter, then every other one against it."""
     lines = []
@@ -171,8 +198,9 @@ def _fastest_lines(rows: list[dict]) -> list[str]:
 def console_summary(report: dict) -> str:
     """A short fixed-width summary for the terminal."""
     rows = _sorted(report["results"])
+    traffic = traffic_lines(report["settings"])
     head = f"{'category':<14}{'drafter':<18}{'k':>3}{'T':>5}{'tau':>7}{'zero':>7}{'x':>7}{'pred':>7}{'vs base':>9}  verdict"
-    lines = [head, "-" * len(head)]
+    lines = [*traffic, *([""] if traffic else []), head, "-" * len(head)]
     for r in rows:
         pred = r["predicted_speedup"]
         lines.append(

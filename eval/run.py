@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,12 +19,14 @@ from drafters.base import Drafter
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
 from train import toyworld
-from train.data import load_records, prompt_ids
+from train.data import LoadSummary, Record, load_records, prompt_ids
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DRAFTER_KINDS = ("draft_lm", "head", "ngram")
+# The built-in world's company traffic: training records, and the held-out records evaluation measures.
+TOY_TRAIN, TOY_EVAL = "/company_logs/train.jsonl", "/company_logs/eval.jsonl"
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -78,22 +81,65 @@ def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remot
     raise ValueError(f"drafter {name!r}: unknown kind {kind!r}; known kinds: {list(DRAFTER_KINDS)}")
 
 
-def load_prompts(path: str, tokenizer, *, device: torch.device, split: str = "train", on_bad_record: str = "error",
-                 max_per_category: int | None = None, max_prompt_tokens: int | None = None,
-                 last: int | None = None) -> dict[str, list[torch.Tensor]]:
-    """Prompt token ids per category, in file order, at most max_per_category each; with `last`, only
-    from the file's last `last` records (what training held out)."""
+@dataclass
+class Traffic:
+    """Records read from one source, and what reading them did: what a report names as measured."""
+
+    source: str  # the path, glob or dataset id as the user gave it
+    records: list[Record]
+    summary: LoadSummary
+    held_out: int | None = None  # only the source's last `held_out` records (what training held out)
+
+    def describe(self, prompts: dict[str, list] | None = None) -> dict:
+        """{path, records, held_out, prompts per category}: the `data` entry of a report's settings."""
+        out = {"path": self.source, "records": len(self.records), "held_out": self.held_out}
+        if prompts is not None:
+            out["prompts"] = {category: len(p) for category, p in prompts.items()}
+        return out
+
+
+def read_traffic(path: str, *, split: str = "train", on_bad_record: str = "error", last: int | None = None) -> Traffic:
+    """Checked records of `path` (a file, a glob, a hub dataset id or `toyworld://`), before any model is
+    loaded, so bad input fails at once; with `last`, only the last `last` records."""
     records, summary = load_records(resolve_data(path), split=split, on_bad_record=on_bad_record)
     log.info("%s: %s", path, summary)
-    if last is not None:
-        records = records[-last:]
+    return Traffic(path, records[-last:] if last is not None else records, summary, last)
+
+
+def tokenize_prompts(traffic: Traffic, tokenizer, *, device: torch.device, max_per_category: int | None = None,
+                     max_prompt_tokens: int | None = None) -> dict[str, list[torch.Tensor]]:
+    """Prompt token ids per category, in file order, at most max_per_category each."""
     prompts: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for record in records:
+    for record in traffic.records:
         if max_per_category is not None and len(prompts[record.category]) >= max_per_category:
             continue
         ids = prompt_ids(record, tokenizer, max_prompt_tokens)
         prompts[record.category].append(torch.tensor(ids, device=device))
     return dict(prompts)
+
+
+def load_prompts(path: str, tokenizer, *, device: torch.device, split: str = "train", on_bad_record: str = "error",
+                 max_per_category: int | None = None, max_prompt_tokens: int | None = None,
+                 last: int | None = None) -> dict[str, list[torch.Tensor]]:
+    """`read_traffic` then `tokenize_prompts`: prompt token ids per category of `path`."""
+    traffic = read_traffic(path, split=split, on_bad_record=on_bad_record, last=last)
+    return tokenize_prompts(traffic, tokenizer, device=device, max_per_category=max_per_category,
+                            max_prompt_tokens=max_prompt_tokens)
+
+
+def held_out_path(path: str, eval_path: str | None) -> str | None:
+    """The traffic an evaluation measures when it is not `path` itself: `eval_path` when set, else the
+    built-in world's held-out file when `path` is the built-in world's training file, else None (then
+    `python -m eval` measures `path` and `python -m train` the records it held out of `path`).
+
+    Deriving it from `path`, rather than setting both in a config group, is what makes `data.path=F`
+    alone measure F on every composition of the config groups.
+    """
+    if eval_path:
+        return eval_path
+    if path.startswith(toyworld.SCHEME) and path.endswith(TOY_TRAIN):
+        return path[: -len(TOY_TRAIN)] + TOY_EVAL
+    return None
 
 
 def resolve_data(path: str) -> str:

@@ -28,7 +28,7 @@ from hydra import compose, initialize_config_dir
 
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, console_summary, next_report_dir, write_report
-from eval.run import build_drafter, load_prompts, load_target
+from eval.run import build_drafter, held_out_path, load_target, read_traffic, tokenize_prompts
 from train.__main__ import train
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -80,8 +80,8 @@ def main() -> None:
         print(f"{name}: best at step {best['step']}; training {trained[name]['tokens_per_s']:.0f} tokens/s")
 
     target, tok = load_target(cfg.target.name_or_path, device=torch.device("cpu"))
-    prompts = load_prompts(cfg.data.eval_path or cfg.data.path, tok, device=target.device,
-                           max_per_category=args.prompts)
+    traffic = read_traffic(held_out_path(cfg.data.path, cfg.data.eval_path) or cfg.data.path)
+    prompts = tokenize_prompts(traffic, tok, device=target.device, max_per_category=args.prompts)
     drafters = [build_drafter({"name": "off_the_shelf", "kind": "draft_lm", "path": cfg.target.off_the_shelf_draft},
                               target=target, tokenizer=tok)]
     drafters += [build_drafter({"name": name, "kind": info["kind"], "path": str(info["dir"])}, target=target,
@@ -94,7 +94,7 @@ def main() -> None:
                     max_new_tokens=64, repeats=args.repeats)
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tok.eos_token_id)
     report = build_report(rows, target=cfg.target.name_or_path, baseline="off_the_shelf",
-                          settings={"steps": args.steps, "drafters": list(trained), "ks": plan.ks,
+                          settings={"data": traffic.describe(prompts), "steps": args.steps, "drafters": list(trained), "ks": plan.ks,
                                     "temperatures": plan.temperatures,
                                     "training_tokens_per_s": {n: round(t["tokens_per_s"]) for n, t in trained.items()}})
     paths = write_report(report, next_report_dir(out))

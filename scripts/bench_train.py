@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from drafters.draft_lm import DraftLM
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, console_summary, next_report_dir, write_report
-from eval.run import build_drafter, load_prompts, load_target
+from eval.run import build_drafter, held_out_path, load_target, read_traffic, tokenize_prompts
 from train.__main__ import train
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -65,8 +65,8 @@ def main() -> None:
               f"{trained[name]['best']['step']}; training {trained[name]['tokens_per_s']:.0f} tokens/s")
 
     target, tok = load_target(cfg.target.name_or_path, device=torch.device("cpu"))
-    prompts = load_prompts(cfg.data.eval_path or cfg.data.path, tok, device=target.device,
-                           max_per_category=args.prompts)
+    traffic = read_traffic(held_out_path(cfg.data.path, cfg.data.eval_path) or cfg.data.path)
+    prompts = tokenize_prompts(traffic, tok, device=target.device, max_per_category=args.prompts)
     drafters = [build_drafter({"name": "off_the_shelf", "kind": "draft_lm", "path": cfg.drafter.init_from},
                               target=target, tokenizer=tok)]
     drafters += [DraftLM.from_pretrained(info["dir"], target=target, target_tokenizer=tok, name=name)
@@ -74,7 +74,7 @@ def main() -> None:
     plan = EvalPlan(ks=[int(k) for k in args.ks.split(",")], max_new_tokens=64, repeats=args.repeats)
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tok.eos_token_id)
     report = build_report(rows, target=cfg.target.name_or_path, baseline="off_the_shelf",
-                          settings={"steps": args.steps, "variants": list(trained), "ks": plan.ks,
+                          settings={"data": traffic.describe(prompts), "steps": args.steps, "variants": list(trained), "ks": plan.ks,
                                     "training_tokens_per_s": {n: t["tokens_per_s"] for n, t in trained.items()}})
     paths = write_report(report, next_report_dir(out))
     print(console_summary(report))

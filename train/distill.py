@@ -13,8 +13,9 @@ top-k log-probabilities computed once (train/logit_cache.py); `drafter.on_policy
 sequences the draft samples itself, scored by the target. The best checkpoint is chosen by a
 held-out estimate, not by the loss: the acceptance sum_x min(p, q) or, with `trainer.select_by=top1`,
 greedy top-1 agreement, on the last `trainer.eval_examples` records of the training traffic, which
-training never reads; the final evaluation measures `data.eval_path`, so its numbers are not the ones
-the checkpoint was chosen on.
+training never reads; the final evaluation measures the held-out traffic (`data.eval_path`, or the
+built-in world's held-out file; see eval.run.held_out_path), so its numbers are not the ones the checkpoint
+was chosen on.
 
 Data order is a seeded permutation per epoch and every random choice is seeded by the step, so a run
 resumed from a checkpoint continues exactly as the uninterrupted run would have.
@@ -128,16 +129,9 @@ class DistillRecipe:
         from train.prepare import prepare
 
         cfg = self.cfg
-        # The target is loaded once here; prepare() regenerates with it and training scores with it.
-        self.target, self.tokenizer = load_target(cfg.target.name_or_path, device=self.device, dtype=cfg.target.dtype,
-                                                  trust_remote_code=cfg.target.trust_remote_code,
-                                                  chat_template=cfg.target.chat_template)
-        self.target.requires_grad_(False)
-        regen = OmegaConf.to_container(cfg.regenerate, resolve=True)
-        sampling = Sampling(regen["temperature"], regen["top_k"], regen["top_p"])
         # The held-out examples that choose the best checkpoint are the last `trainer.eval_examples`
         # records of the training traffic: never trained on, and never the prompts the final evaluation
-        # measures (those come from data.eval_path), so the reported numbers are not selected on.
+        # measures (those come from the held-out traffic), so the reported numbers are not selected on.
         records, summary = load_records(resolve_data(cfg.data.path), split=cfg.data.split,
                                         on_bad_record=cfg.data.on_bad_record)
         log.info("%s: %s", cfg.data.path, summary)
@@ -149,10 +143,22 @@ class DistillRecipe:
         n_train = len(records) - held
         if cfg.data.max_records is not None:
             n_train = min(n_train, cfg.data.max_records)
+        self.trained_on = {"path": cfg.data.path, "records": n_train, "checkpoint_chosen_on": held}
+        if cfg.evaluate.enabled:  # read now, so a bad held-out file fails before training, not after it
+            self.eval_traffic = self._final_eval_traffic()
+        # The target is loaded once here; prepare() regenerates with it and training scores with it.
+        self.target, self.tokenizer = load_target(cfg.target.name_or_path, device=self.device, dtype=cfg.target.dtype,
+                                                  trust_remote_code=cfg.target.trust_remote_code,
+                                                  chat_template=cfg.target.chat_template)
+        self.target.requires_grad_(False)
+        regen = OmegaConf.to_container(cfg.regenerate, resolve=True)
+        sampling = Sampling(regen["temperature"], regen["top_k"], regen["top_p"])
         splits = {"train": (records[:n_train], [n_train]), "eval": (records[-held:], ["last", held])}
         self.data_dirs = {}
         for split, (chosen, which) in splits.items():
-            key = zlib.crc32(json.dumps([cfg.target.name_or_path, cfg.data.path, regen, *which]).encode())
+            # Keyed by the records' content, not the path: a file edited in place is prepared anew.
+            content = [[r.id, r.category, r.messages] for r in chosen]
+            key = zlib.crc32(json.dumps([cfg.target.name_or_path, content, regen, *which]).encode())
             directory = Path(cfg.data_cache) / f"{cfg.target.name}-{split}-{key:08x}"
             self.data_dirs[split] = directory
             with self.acc.main_process_first():  # rank 0 regenerates; the others then read its cache
@@ -459,30 +465,37 @@ class DistillRecipe:
                 DraftLM.from_pretrained(self.out / "best", target=self.target, target_tokenizer=self.tokenizer,
                                         name=f"trained_{self.cfg.drafter.loss}")]
 
-    def _final_eval(self) -> str:
-        from eval.evaluate import EvalPlan, evaluate
-        from eval.report import build_report, console_summary, write_report
-        from eval.run import load_prompts
+    def _final_eval_traffic(self):
+        """The traffic the final evaluation measures: the held-out file, or the records training held out."""
+        from eval.run import held_out_path, read_traffic
 
-        e, cfg = self.cfg.evaluate, self.cfg
-        self.target.eval()
-        last = None
-        if not cfg.data.eval_path:  # one file: measure the records training held out, never the trained-on ones
+        cfg = self.cfg
+        eval_path, last = held_out_path(cfg.data.path, cfg.data.eval_path), None
+        if eval_path is None:  # one file: measure the records training held out, never the trained-on ones
             last = cfg.trainer.eval_examples
             log.warning("data.eval_path is not set: the final evaluation reads the last %d records of %s, "
                         "held out of training but also used to choose the best checkpoint; set "
                         "data.eval_path to separate traffic for an unbiased measurement", last, cfg.data.path)
         # Records read as training read them (split, bad-record policy), so `last` is training's held-out slice.
-        prompts = load_prompts(cfg.data.eval_path or cfg.data.path, self.tokenizer, device=self.device, last=last,
-                               split=cfg.data.split, on_bad_record=cfg.data.on_bad_record,
-                               max_per_category=e.prompts_per_category, max_prompt_tokens=cfg.data.max_prompt_tokens)
+        return read_traffic(eval_path or cfg.data.path, split=cfg.data.split, on_bad_record=cfg.data.on_bad_record,
+                            last=last)
+
+    def _final_eval(self) -> str:
+        from eval.evaluate import EvalPlan, evaluate
+        from eval.report import build_report, console_summary, write_report
+        from eval.run import tokenize_prompts
+
+        e, cfg, traffic = self.cfg.evaluate, self.cfg, self.eval_traffic
+        self.target.eval()
+        prompts = tokenize_prompts(traffic, self.tokenizer, device=self.device, max_per_category=e.prompts_per_category,
+                                   max_prompt_tokens=cfg.data.max_prompt_tokens)
         drafters = self._final_drafters()
         plan = EvalPlan(ks=list(e.ks), max_new_tokens=e.max_new_tokens, repeats=e.repeats, seed=cfg.trainer.seed)
         rows = evaluate(self.target, drafters, prompts, plan, eos_token_id=self.tokenizer.eos_token_id,
                         progress=cfg.progress)
         report = build_report(rows, target=cfg.target.name_or_path, baseline=drafters[0].name,
-                              settings={"data": cfg.data.eval_path or cfg.data.path, "ks": list(e.ks),
-                                        "max_new_tokens": e.max_new_tokens, "repeats": e.repeats})
+                              settings={"data": traffic.describe(prompts), "trained_on": self.trained_on,
+                                        "ks": list(e.ks), "max_new_tokens": e.max_new_tokens, "repeats": e.repeats})
         paths = write_report(report, self.out)
         print(console_summary(report))
         print(f"\nreport: {paths['md']}")

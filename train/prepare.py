@@ -44,6 +44,7 @@ class PrepareSummary:
     hidden_layers: list[int] | None
     hidden_bytes_per_token: int | None
     hidden_bytes: int | None
+    data: dict | None = None  # the traffic prepared: {path, records}
 
 
 def tokenize_all(records: list[Record], tokenizer, max_length: int, on_bad_record: str = "error",
@@ -77,8 +78,10 @@ def prepare(
     hidden_dtype: str = "float16",
     hidden_max_bytes: int | None = None,
     progress: bool = True,
+    data: dict | None = None,
 ) -> PrepareSummary:
-    """Regenerate, tokenize and (optionally) cache hidden states into out_dir; return what was made."""
+    """Regenerate, tokenize and (optionally) cache hidden states into out_dir; return what was made.
+    `data` describes where the records came from ({path, records}) for prepare.json."""
     import datasets
 
     out = Path(out_dir)
@@ -107,6 +110,7 @@ def prepare(
         hidden_bytes_per_token=bytes_per_token(target.config.hidden_size, len(hidden_layers), hidden_dtype)
         if hidden_layers else None,
         hidden_bytes=hidden_bytes,
+        data=data,
     )
     (out / "prepare.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result
@@ -114,17 +118,15 @@ def prepare(
 
 def run(cfg: DictConfig) -> PrepareSummary:
     """Run the preparation a composed conf/prepare.yaml describes (what `python -m train.prepare` does)."""
-    from eval.run import load_target, pick_device, resolve_data
-    from train.data import load_records
+    from eval.run import load_target, pick_device, read_traffic
     from train.hidden_states import default_layers
 
+    # The traffic is read first: a bad record fails before a model is loaded.
+    traffic = read_traffic(cfg.data.path, split=cfg.data.split, on_bad_record=cfg.data.on_bad_record)
+    records = traffic.records[: cfg.data.max_records]
     device = pick_device(cfg.device)
     target, tokenizer = load_target(cfg.target.name_or_path, device=device, dtype=cfg.target.dtype,
                                     trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)
-    records, loaded = load_records(resolve_data(cfg.data.path), split=cfg.data.split,
-                                   on_bad_record=cfg.data.on_bad_record)
-    log.info("%s: %s", cfg.data.path, loaded)
-    records = records[: cfg.data.max_records]
     hs = cfg.hidden_states
     layers = None
     if hs.kind or hs.layers:
@@ -136,6 +138,7 @@ def run(cfg: DictConfig) -> PrepareSummary:
         batch_size=cfg.batch_size, seed=cfg.seed, max_length=cfg.max_length, on_bad_record=cfg.data.on_bad_record,
         hidden_layers=layers, hidden_dtype=hs.dtype,
         hidden_max_bytes=int(hs.max_gib * 2**30) if hs.max_gib is not None else None, progress=cfg.progress,
+        data={"path": cfg.data.path, "records": len(records)},
     )
     print(json.dumps(asdict(result), indent=2))
     print(f"prepared data: {cfg.out_dir}")

@@ -68,7 +68,7 @@ def test_bad_input_exits_with_a_message_not_a_traceback(tiny_world, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     proc = subprocess.run(
-        [sys.executable, "-m", "eval", "target=tiny", f"data.path={empty}", "data.eval_path=null",
+        [sys.executable, "-m", "eval", "target=tiny", f"data.path={empty}",
          f"out_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}"],
         capture_output=True, text=True, env={**__import__("os").environ}, timeout=300,
     )

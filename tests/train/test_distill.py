@@ -177,6 +177,22 @@ def test_checkpoints_are_chosen_on_records_neither_trained_on_nor_evaluated(tiny
         train(smoke(tmp_path, "trainer.eval_examples=500", run="too_few"))
 
 
+def test_a_traffic_file_edited_in_place_is_prepared_anew(tiny_world, tmp_path):
+    """The prepared-data cache is keyed by the records, not the path: editing the file is never served the
+    old regenerated data."""
+    lines = (tiny_world / "company_logs" / "train.jsonl").read_text().splitlines()
+    data = tmp_path / "traffic.jsonl"
+    data.write_text("\n".join(lines[:30]) + "\n")
+    run = lambda name: train(smoke(tmp_path, f"data.path={data}", "trainer.max_steps=1", "evaluate.enabled=false",
+                                   run=name))
+    run("first")
+    run("again")  # same content: the cache is reused
+    assert len(list((tmp_path / "data").glob("tiny-train-*"))) == 1
+    data.write_text("\n".join(lines[1:31]) + "\n")
+    run("edited")
+    assert len(list((tmp_path / "data").glob("tiny-train-*"))) == 2
+
+
 def test_without_eval_path_the_final_evaluation_reads_the_held_out_records(tiny_world, tmp_path, monkeypatch, caplog):
     """One traffic file: the final evaluation reads the last trainer.eval_examples records, loaded as
     training loaded them (here skipping a malformed line), and warns that they also chose the checkpoint."""
@@ -185,13 +201,15 @@ def test_without_eval_path_the_final_evaluation_reads_the_held_out_records(tiny_
     lines = (tiny_world / "company_logs" / "train.jsonl").read_text().splitlines()
     data = tmp_path / "traffic.jsonl"
     data.write_text("\n".join([*lines[:30], "{not json", *lines[30:]]) + "\n")
-    seen, real = [], eval.run.load_prompts
-    monkeypatch.setattr(eval.run, "load_prompts", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    seen, real = [], eval.run.read_traffic
+    monkeypatch.setattr(eval.run, "read_traffic", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     with caplog.at_level(logging.WARNING):
-        train(smoke(tmp_path, f"data.path={data}", "data.eval_path=null", "data.on_bad_record=skip",
-                    "data.max_records=20", "trainer.max_steps=1"))
+        summary = train(smoke(tmp_path, f"data.path={data}", "data.on_bad_record=skip", "data.max_records=20",
+                              "trainer.max_steps=1"))
     assert [(kw["last"], kw["on_bad_record"]) for kw in seen] == [(8, "skip")]  # smoke: trainer.eval_examples=8
     assert "data.eval_path is not set" in caplog.text
+    measured = json.loads(Path(summary["report"]).read_text())["settings"]["data"]
+    assert measured["path"] == str(data) and measured["records"] == 8 and measured["held_out"] == 8
 
 
 def _launch(tmp_path, *overrides, env=None):
