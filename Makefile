@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 
 .PHONY: install demo test bench clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/speculators/.installed
 
 # torch is pinned before the project so pip never resolves an unpinned torch (several GB of CUDA wheels).
 $(VENV)/.installed: pyproject.toml
@@ -18,6 +18,16 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+# speculators (vLLM's drafter library) reads the `speculators` export in the tests. Its declared dependencies
+# pull CUDA torch, so it goes into a directory of its own without them, with the light ones it imports
+# (none of them already in the venv); the tests append that directory to sys.path.
+$(VENV)/speculators/.installed: $(VENV)/.installed
+	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/speculators speculators==0.9.0 hs-connectors==0.9.0 \
+		loguru==0.7.3 openai==3.57.0 pydantic-settings==2.16.3 python-dotenv==1.2.4 aiohttp==3.14.5 \
+		aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 jiter==0.19.0 multidict==7.2.1 \
+		propcache==0.5.4 yarl==1.25.1
 	touch $@
 
 demo: install

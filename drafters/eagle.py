@@ -281,4 +281,50 @@ def _pick(logits, sampling, generator, target_ids, vocab_size):
     return target_ids[d], (None if q is None else q.new_zeros(vocab_size).index_copy_(0, target_ids, q))
 
 
+def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None) -> Eagle3:
+    """An EAGLE-3 head from an engine-format export (SGLang's LlamaForCausalLMEagle3 or speculators'
+    Eagle3Speculator, as train/export.py writes them), attached to `target`.
+
+    A draftsmith head drafts through the target's output head; an export carries those rows as its
+    `lm_head`. A checkpoint whose lm_head is not the target's rows (one trained elsewhere with its own
+    output head) is refused rather than silently drafting through different weights.
+    """
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from drafters.heads import head_config
+
+    path = Path(path)
+    state = load_file(str(path / "model.safetensors"))
+    state = {name.replace("layers.0.", "midlayer.", 1): t for name, t in state.items()}
+    layer = raw.get("transformer_layer_config", raw)  # speculators nests the layer's geometry
+    layers = raw.get("eagle_aux_hidden_state_layer_ids")  # top level: vLLM's convention, draftsmith's
+    if layers is None:
+        raise ValueError(f"{path}/config.json: no top-level eagle_aux_hidden_state_layer_ids (vLLM's convention); "
+                         "cannot tell which target layers the head reads")
+    if raw.get("norm_before_residual", False):
+        raise ValueError(f"{path}/config.json: norm_before_residual=true heads are not supported")
+    if raw.get("target_hidden_size", target.config.hidden_size) != target.config.hidden_size:
+        raise ValueError(f"{path}/config.json: target_hidden_size {raw['target_hidden_size']} is not the target's "
+                         f"{target.config.hidden_size}")
+    draft_vocab = state["d2t"].numel()
+    config = head_config(target.config, "eagle", list(layers), intermediate_size=layer["intermediate_size"],
+                         draft_vocab_size=draft_vocab if draft_vocab < target.config.vocab_size else None,
+                         ttt_steps=1, ttt_decay=1.0)
+    head = Eagle3(config)
+    lm_head = state.pop("lm_head.weight", None)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}/model.safetensors: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    rows = target.get_output_embeddings().weight.detach()[head.target_ids()]
+    if lm_head is None or lm_head.shape != rows.shape or not torch.equal(lm_head, rows.to(lm_head.dtype)):
+        raise ValueError(f"{path}: lm_head is missing or is not the target's output head restricted to the draft "
+                         "vocabulary; draftsmith drafts through the target's output head")
+    device = next(target.parameters()).device
+    head = head.to(device=device, dtype=dtype or torch.float32).eval()
+    head.attach(target)
+    return head
+
+
 HEAD = Eagle3

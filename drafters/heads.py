@@ -28,6 +28,8 @@ from transformers import LlamaConfig
 
 from drafters.base import check_stop_below
 
+# config.json architectures of EAGLE-3 checkpoints in the engines' formats, which load_head reads too.
+ENGINE_EAGLE3 = ("LlamaForCausalLMEagle3", "Eagle3Speculator")
 KINDS = {"eagle": "drafters.eagle", "eagle1": "drafters.eagle1", "mtp": "drafters.mtp", "medusa": "drafters.medusa"}
 
 
@@ -99,6 +101,10 @@ def load_head(path: str | Path, target, dtype: torch.dtype | None = None) -> nn.
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a saved head: no config.json")
     raw = json.loads((path / "config.json").read_text())
+    if set(raw.get("architectures") or []) & set(ENGINE_EAGLE3):  # an EAGLE-3 export (train/export.py)
+        from drafters.eagle import load_engine_eagle3
+
+        return load_engine_eagle3(path, raw, target, dtype)
     kind = raw.get("draftsmith_kind")
     if kind not in KINDS:
         raise ValueError(f"{path}/config.json: field draftsmith_kind is {kind!r}, expected one of {sorted(KINDS)}")

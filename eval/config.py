@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from eval.evaluate import EvalPlan
+from train.export import ExportSettings
 
 
 @dataclass
@@ -236,8 +237,20 @@ class TrainConfig:
     progress: bool = True
 
 
+# --- python -m train.export ---------------------------------------------------------------------------
+
+
+@dataclass
+class ExportConfig(ExportSettings):
+    """`python -m train.export`: which run and where to, plus the settings of train.export.export."""
+
+    run: str = MISSING  # a `python -m train` run directory
+    out_dir: str = "${run}/export"
+
+
 def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="eval_schema", node=EvalConfig)
     cs.store(name="prepare_schema", node=PrepareConfig)
     cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="export_schema", node=ExportConfig)

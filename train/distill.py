@@ -91,6 +91,8 @@ class DistillRecipe:
         self._check_distributed()
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
+            # The composed config, resolved: what `python -m train.export` reads (target, drafter kind, data).
+            OmegaConf.save(OmegaConf.to_container(self.cfg, resolve=True), self.out / "train_config.yaml")
         torch.manual_seed(t.seed)
         random.seed(t.seed)
 

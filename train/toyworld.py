@@ -136,6 +136,10 @@ PRESETS["toy_wiki"] = dataclasses.replace(
     PRESETS["toy"], target=dataclasses.replace(PRESETS["toy"].target, steps=2400),
     directory_size=96, codebase_size=96, wiki_repeats=32,
 )
+# For engine tests (llama.cpp, exports): the tiny world with a 4-layer target, deep enough for an EAGLE-3
+# head on layers an engine captures (the inputs of layers 1..n-1) and for layer ids off by one to differ.
+PRESETS["tiny_deep"] = dataclasses.replace(
+    PRESETS["tiny"], target=dataclasses.replace(PRESETS["tiny"].target, layers=4, steps=400))
 # For tests of the wiki's code path: the tiny world with a small wiki.
 PRESETS["tiny_wiki"] = dataclasses.replace(PRESETS["tiny"], directory_size=12, codebase_size=12, wiki_repeats=2)
 

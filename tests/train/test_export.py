@@ -1,0 +1,232 @@
+"""`python -m train.export`: the engine formats' contents, the collapse guard, and the round trip back
+into `python -m eval`. (llama.cpp loading and serving the exports: tests/eval/test_llama_cpp.py.)"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file, save_file
+
+import eval.__main__ as eval_entry
+from eval.config import register
+from eval.run import load_target
+from train.__main__ import train
+from train.export import EAGLE3_OWN, ExportRefused, ExportSettings, export, formats_for
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+register()
+TARGET = "toyworld://tiny_deep/target"  # 4 layers: an EAGLE-3 head on layers 1..3, which engines capture
+
+
+def compose_cfg(name, *overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def train_run(out: Path, *overrides) -> Path:
+    train(compose_cfg("train", "experiment=smoke", "target=tiny_deep", "progress=false", "evaluate.enabled=false",
+                      f"out_dir={out}", f"data_cache={out.parent / 'data'}", *overrides))
+    return out
+
+
+@pytest.fixture(scope="module")
+def eagle_run(tiny_world, tmp_path_factory):
+    """An EAGLE-3 head on tiny_deep, trained for greedy serving, with a reduced draft vocabulary."""
+    return train_run(tmp_path_factory.mktemp("runs") / "eagle", "drafter=eagle", "trainer.max_steps=30",
+                     "trainer.eval_every=15", "trainer.checkpoint_every=15", "trainer.lr=5e-3",
+                     "drafter.label_temperature=0", "trainer.select_by=top1", "drafter.draft_vocab_size=120")
+
+
+@pytest.fixture(scope="module")
+def draft_run(tiny_world, tmp_path_factory):
+    return train_run(tmp_path_factory.mktemp("runs") / "draft_lm", "drafter=draft_lm", "drafter.loss=sft",
+                     "trainer.max_steps=4")
+
+
+def test_the_eagle3_exports_carry_what_each_engine_reads(eagle_run, tmp_path):
+    written = export(eagle_run, tmp_path / "out", ExportSettings(formats=["sglang", "speculators"]))
+    target, _ = load_target(TARGET, device=torch.device("cpu"))
+    head_config = json.loads((eagle_run / "best" / "config.json").read_text())
+    layers = head_config["feature_layers"]
+    assert layers == [1, 2, 3]
+
+    sglang = json.loads((written["sglang"] / "config.json").read_text())
+    assert sglang["architectures"] == ["LlamaForCausalLMEagle3"] and sglang["num_hidden_layers"] == 1
+    assert sglang["vocab_size"] == 320 and sglang["draft_vocab_size"] == 120 and not sglang["tie_word_embeddings"]
+    assert sglang["eagle_aux_hidden_state_layer_ids"] == layers  # vLLM's and llama.cpp's convention
+    assert sglang["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}
+    assert sglang["norm_before_residual"] is False and sglang["rope_theta"] == 10000.0
+    assert sglang["max_position_embeddings"] == target.config.max_position_embeddings
+    tensors = load_file(str(written["sglang"] / "model.safetensors"))
+    assert set(tensors) == {*EAGLE3_OWN, "lm_head.weight"}  # no embedding: the target's is reused
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    target_ids = torch.arange(120) + tensors["d2t"]  # offsets
+    assert torch.equal(tensors["t2d"].nonzero().flatten(), target_ids)
+    assert torch.equal(tensors["lm_head.weight"], target.lm_head.weight.detach()[target_ids])
+    assert tensors["fc.weight"].shape == (64, 3 * 64) and tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 128
+
+    spec = json.loads((written["speculators"] / "config.json").read_text())
+    assert spec["architectures"] == ["Eagle3Speculator"] and spec["speculators_model_type"] == "eagle3"
+    assert spec["eagle_aux_hidden_state_layer_ids"] == layers and spec["norm_before_residual"] is False
+    assert spec["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert Path(spec["speculators_config"]["verifier"]["name_or_path"], "config.json").exists()
+    renamed = load_file(str(written["speculators"] / "model.safetensors"))
+    assert {n.replace("midlayer.", "layers.0.") for n in tensors} == set(renamed)
+
+
+@pytest.mark.slow
+def test_every_export_loads_back_into_eval_with_the_runs_greedy_tau(eagle_run, draft_run, tmp_path):
+    heads = export(eagle_run, tmp_path / "eagle", ExportSettings(formats=["sglang", "speculators"]))
+    draft = export(draft_run, tmp_path / "draft", ExportSettings(formats=["hf"]))
+    drafters = [f"{{name: run_head, kind: head, path: {eagle_run / 'best'}}}",
+                f"{{name: sglang, kind: head, path: {heads['sglang']}}}",
+                f"{{name: speculators, kind: head, path: {heads['speculators']}}}",
+                f"{{name: run_draft, kind: draft_lm, path: {draft_run / 'best'}}}",
+                f"{{name: hf, kind: draft_lm, path: {draft['hf']}}}"]
+    report = eval_entry.run(compose_cfg("eval", "target=tiny_deep", f"drafters=[{','.join(drafters)}]", "ks=[3]",
+                                        "repeats=1", "warmup=0", "max_new_tokens=16",
+                                        "data.max_prompts_per_category=2", "progress=false",
+                                        f"out_dir={tmp_path / 'report'}"))
+    tau = {(r["category"], r["drafter"]): r["acceptance_length"] for r in report["results"]}
+    for category in {c for c, _ in tau}:
+        assert tau[category, "sglang"] == tau[category, "speculators"] == tau[category, "run_head"]
+        assert tau[category, "hf"] == tau[category, "run_draft"]
+    assert all(r["lossless"] for r in report["results"])
+
+
+def _planted(eagle_run: Path, tmp_path: Path, name: str) -> Path:
+    """A copy of the run to plant a fault in."""
+    copy = tmp_path / name
+    shutil.copytree(eagle_run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    return copy
+
+
+def _edit_weights(run: Path, edit) -> None:
+    path = run / "best" / "model.safetensors"
+    state = load_file(str(path))
+    edit(state)
+    save_file(state, str(path))
+
+
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _without_eos(state):
+    """Consistent maps of the same size that leave the target's EOS (id 2) out."""
+    kept = (torch.arange(state["d2t"].numel()) + state["d2t"]).tolist()
+    spare = next(i for i in range(state["t2d"].numel()) if i not in kept)
+    ids = sorted([i for i in kept if i != 2] + [spare])
+    state["d2t"] = torch.tensor(ids) - torch.arange(len(ids))
+    state["t2d"] = torch.zeros_like(state["t2d"])
+    state["t2d"][ids] = True
+
+
+FAULTS = {
+    "maps_disagree": (lambda run: _edit_weights(run, lambda s: s["t2d"].__setitem__(
+        int((~s["t2d"]).nonzero()[0]), True)), "t2d marks 121 target tokens but d2t maps 120"),
+    "no_eos": (lambda run: _edit_weights(run, _without_eos), "lacks the target's EOS token 2"),
+    "layer_outside": (lambda run: _edit_json(run / "best" / "config.json",
+                                             lambda c: c.__setitem__("feature_layers", [0, 2, 3])),
+                      r"outside 1\.\.3"),
+    "no_fc": (lambda run: _edit_weights(run, lambda s: s.pop("fc.weight")), r"\['fc.weight'\] are missing"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_the_collapse_guard_refuses_and_writes_nothing(eagle_run, tmp_path, fault):
+    plant, message = FAULTS[fault]
+    run = _planted(eagle_run, tmp_path, fault)
+    plant(run)
+    with pytest.raises(ExportRefused, match=message):
+        export(run, tmp_path / "out", ExportSettings(formats=["sglang"], force=True))  # force does not override
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_head_at_chance_is_refused_unless_forced(eagle_run, tmp_path, caplog):
+    run = _planted(eagle_run, tmp_path, "chance")
+    _edit_json(run / "best" / "best.json", lambda b: b.__setitem__("top1", 0.01))  # 1.2 x 1/120
+    with pytest.raises(ExportRefused, match="at chance.*force=true"):
+        export(run, tmp_path / "out", ExportSettings(formats=["sglang"]))
+    assert not (tmp_path / "out").exists()
+    written = export(run, tmp_path / "out", ExportSettings(formats=["sglang"], force=True))
+    assert (written["sglang"] / "model.safetensors").exists() and "exporting because force=true" in caplog.text
+
+
+def test_kinds_and_formats_are_checked():
+    assert formats_for("eagle", ["auto"]) == ["sglang", "speculators", "gguf"]
+    assert formats_for("draft_lm", ["auto"]) == ["hf", "gguf"]
+    with pytest.raises(ValueError, match="medusa heads cannot be exported"):
+        formats_for("medusa", ["auto"])
+    with pytest.raises(ValueError, match=r"cannot be written as \['sglang'\]"):
+        formats_for("draft_lm", ["sglang"])
+    with pytest.raises(ValueError, match="unknown export formats"):
+        formats_for("eagle", ["onnx"])
+
+
+def test_the_entry_point_composes_and_names_what_it_wrote(eagle_run, tmp_path, capsys):
+    from train.export import run
+
+    run(compose_cfg("export", f"run={eagle_run}", f"out_dir={tmp_path}", "formats=[sglang]"))
+    assert f"sglang: {tmp_path / 'sglang'}" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="not a training run"):
+        run(compose_cfg("export", f"run={tmp_path}", f"out_dir={tmp_path / 'x'}"))
+
+
+SPECULATORS = Path(__file__).resolve().parents[2] / ".venv" / "speculators"
+
+
+@pytest.fixture(scope="module")
+def speculators():
+    """vLLM's speculators library, installed by `make install` into .venv/speculators without its CUDA
+    dependencies (pip would pull CUDA torch); appended to sys.path so the project's own packages win."""
+    import sys
+
+    if not (SPECULATORS / ".installed").exists():
+        pytest.skip(f"speculators is not installed in {SPECULATORS}: run `make install`")
+    sys.path.append(str(SPECULATORS))
+    import speculators
+
+    return speculators
+
+
+def test_speculators_loads_the_export_and_computes_the_heads_logits(eagle_run, tmp_path, speculators):
+    """speculators' own from_pretrained on the export: its EAGLE-3 forward gives draftsmith's head's draft
+    logits on the same target features and tokens (within 1e-5: the same fp32 arithmetic in another order)."""
+    from drafters.heads import features_of, load_head
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+
+    written = export(eagle_run, tmp_path / "out", ExportSettings(formats=["speculators"]))
+    target, tok = load_target(TARGET, device=torch.device("cpu"))
+    head = load_head(eagle_run / "best", target)
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "Return this as JSON: order 7 is paid"}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)])
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        features = features_of(out.hidden_states, head.config.feature_layers).flatten(2)  # (1, T, 3d)
+        ours = head.unroll(features, ids, torch.ones_like(ids))[0]  # (1, T-1, draft vocab): step 0
+
+    def speculators_logits(directory):
+        config = SpeculatorModelConfig.from_pretrained(directory)
+        config.transformer_layer_config._attn_implementation = "eager"  # its default, flex attention, wants a GPU
+        model = SpeculatorModel.from_pretrained(directory, config=config).eval()
+        assert type(model).__name__ == "Eagle3DraftModel"
+        logits = []
+        hook = model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output))
+        with torch.no_grad():  # speculators pairs hidden state t with token t+1, as draftsmith does: the caller shifts
+            model(hidden_states=features[:, :-1], input_ids=ids[:, 1:], document_ids=torch.zeros_like(ids[:, 1:]),
+                  ttt_steps=1)
+        hook.remove()
+        return logits[0].float()
+
+    theirs = speculators_logits(written["speculators"])
+    assert theirs.shape == ours.shape
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    # The check has teeth: the same weights read with the other residual convention give other logits.
+    _edit_json(written["speculators"] / "config.json", lambda c: c.__setitem__("norm_before_residual", True))
+    assert not torch.allclose(speculators_logits(written["speculators"]), ours, rtol=1e-3, atol=1e-3)
