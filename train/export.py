@@ -15,7 +15,7 @@ which target, which drafter kind) and `best/` (the chosen checkpoint). Formats:
   Face's `output_hidden_states`, which is draftsmith's), with an explicit `norm_before_residual`, so
   vLLM's native `Eagle3LlamaForCausalLM` and llama.cpp's converter read the same directory.
 - `speculators` (EAGLE-3): the speculators library's `Eagle3Speculator` format, which `vllm serve <dir>`
-  detects: `layers.0.*` weights and a `speculators_config` naming the verifier.
+  detects: `layers.0.*` weights, the target's `embed_tokens`, and a `speculators_config` naming the verifier.
 - `gguf`: llama.cpp's own converter (eval/llama_cpp.py) on the `hf` or `sglang` export; an EAGLE-3 GGUF
   is converted with the target's directory, as llama.cpp requires.
 
@@ -225,6 +225,8 @@ def speculators_config(head_config: dict, target_config, verifier: str, dtype: s
         "speculators_model_type": "eagle3",
         "speculators_version": "0.9.0",
         "torch_dtype": dtype,
+        # Explicit: absent, transformers' default ties lm_head to the embedding it loads from the verifier.
+        "tie_word_embeddings": False,
         "draft_vocab_size": layer["draft_vocab_size"],
         "target_hidden_size": layer["target_hidden_size"],
         # Every norm switch explicit: speculators' defaults differ from the head (norm_before_residual is
@@ -343,6 +345,9 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
                                     else str(target_dir), dtype_name, settings.num_speculative_tokens)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         renamed = {name.replace("midlayer.", "layers.0.", 1): t for name, t in tensors.items()}
+        # speculators keeps the embedding in the checkpoint: absent, its loader neither reports it nor fills it
+        # from the verifier (it stays uninitialised memory), so the target's is written.
+        renamed["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().to(tensors["fc.weight"].dtype)
         save_file(renamed, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _copy_tokenizer(target_dir, tmp)
 

@@ -74,7 +74,8 @@ def test_the_eagle3_exports_carry_what_each_engine_reads(eagle_run, tmp_path):
     assert spec["transformer_layer_config"]["num_hidden_layers"] == 1
     assert Path(spec["speculators_config"]["verifier"]["name_or_path"], "config.json").exists()
     renamed = load_file(str(written["speculators"] / "model.safetensors"))
-    assert {n.replace("midlayer.", "layers.0.") for n in tensors} == set(renamed)
+    assert {n.replace("midlayer.", "layers.0.") for n in tensors} | {"embed_tokens.weight"} == set(renamed)
+    assert torch.equal(renamed["embed_tokens.weight"], target.model.embed_tokens.weight.detach())
 
 
 @pytest.mark.slow
@@ -216,6 +217,9 @@ def test_speculators_loads_the_export_and_computes_the_heads_logits(eagle_run, t
         config.transformer_layer_config._attn_implementation = "eager"  # its default, flex attention, wants a GPU
         model = SpeculatorModel.from_pretrained(directory, config=config).eval()
         assert type(model).__name__ == "Eagle3DraftModel"
+        # What its loader fills silently (or leaves uninitialised) when a checkpoint lacks it.
+        assert torch.equal(model.embed_tokens.weight, target.model.embed_tokens.weight)
+        assert torch.equal(model.lm_head.weight, target.lm_head.weight[head.target_ids()])
         logits = []
         hook = model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output))
         with torch.no_grad():  # speculators pairs hidden state t with token t+1, as draftsmith does: the caller shifts
