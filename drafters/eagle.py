@@ -314,6 +314,9 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
                          ttt_steps=1, ttt_decay=1.0)
     head = Eagle3(config)
     lm_head = state.pop("lm_head.weight", None)
+    embed = state.pop("embed_tokens.weight", None)  # speculators stores the target's; SGLang's format has none
+    if embed is not None and not torch.equal(embed, target.get_input_embeddings().weight.detach().to(embed.dtype)):
+        raise ValueError(f"{path}: embed_tokens is not the target's embedding; draftsmith drafts with the target's")
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path}/model.safetensors: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
