@@ -1,14 +1,17 @@
 # make install: .venv with the CPU torch wheel first, then draftsmith in editable mode with test extras.
 # make demo:    the main job end to end on the built-in toy world (built on first use): trains an EAGLE-3 head
 #               on its company traffic and prints the evaluation table against the off-the-shelf draft.
-# make test:    the test suite (what CI runs).
+# make test:    the test suite (what CI runs); builds llama.cpp first (make llama-cpp), whose server the engine
+#               tests run.
+# make llama-cpp: llama.cpp's llama-server from the llama-cpp-python sdist, built once into
+#               ~/.cache/draftsmith/llama.cpp/ (about 15 minutes on 2 cores; reused afterwards).
 # make bench:   the benchmarks behind BENCHMARKS.md sections 1, 3, 4 and 5 (about two hours; not run in CI).
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean llama-cpp
 
 install: $(VENV)/.installed $(VENV)/speculators/.installed
 
@@ -33,7 +36,10 @@ $(VENV)/speculators/.installed: $(VENV)/.installed
 demo: install
 	$(BIN)/python -m train drafter=eagle data=company_logs
 
-test: install
+llama-cpp: install
+	PYTHON=$(BIN)/python scripts/build_llama_cpp.sh
+
+test: install llama-cpp
 	$(BIN)/python -m pytest
 
 bench: install

@@ -2,7 +2,7 @@
 
 The build is llama.cpp as vendored by the llama-cpp-python source distribution on PyPI, compiled once
 by `scripts/build_llama_cpp.sh` (`make llama-cpp`) into `$DRAFTSMITH_LLAMA_CPP`, by default
-`$DRAFTSMITH_HOME/llama.cpp/llama-cpp-python-<version>/` (bin/llama-server, src/ with
+`~/.cache/draftsmith/llama.cpp/llama-cpp-python-<version>/` (bin/llama-server, src/ with
 convert_hf_to_gguf.py and gguf-py/). Nothing of llama.cpp is edited or reimplemented here: conversion runs
 its own script, serving its own server, and what it reports (`timings.draft_n`, `draft_n_accepted`) is
 read as it reports it.
@@ -25,12 +25,11 @@ VERSION = "0.3.36"  # llama-cpp-python's sdist, whose vendored llama.cpp is buil
 
 
 def home() -> Path:
-    """The llama.cpp build: $DRAFTSMITH_LLAMA_CPP, else the cache scripts/build_llama_cpp.sh fills."""
+    """The llama.cpp build: $DRAFTSMITH_LLAMA_CPP, else the cache scripts/build_llama_cpp.sh fills
+    (~/.cache/draftsmith/llama.cpp/..., apart from $DRAFTSMITH_HOME, which tests point at temporary worlds)."""
     if os.environ.get("DRAFTSMITH_LLAMA_CPP"):
         return Path(os.environ["DRAFTSMITH_LLAMA_CPP"])
-    from train import toyworld
-
-    return toyworld.home() / "llama.cpp" / f"llama-cpp-python-{VERSION}"
+    return Path.home() / ".cache" / "draftsmith" / "llama.cpp" / f"llama-cpp-python-{VERSION}"
 
 
 def available() -> bool:
@@ -42,3 +41,170 @@ def _require() -> Path:
         raise FileNotFoundError(f"llama.cpp is not built at {home()}: run `make llama-cpp` "
                                 "(scripts/build_llama_cpp.sh, about 15 minutes on 2 cores) or set DRAFTSMITH_LLAMA_CPP")
     return home()
+
+
+# --- conversion: llama.cpp's own convert_hf_to_gguf.py -----------------------------------------------------
+
+
+def tokenizer_pre_of(model_dir: str | Path) -> str:
+    """llama.cpp's name for the pre-tokenizer of a Hugging Face tokenizer.json, for tokenizers its
+    converter does not recognise by hash (one trained here, like the toy world's).
+
+    The converter names a BPE pre-tokenizer by hashing how the tokenizer splits a probe text; a tokenizer
+    it has not seen has an unknown hash. A byte-level BPE whose only pre-tokenizer is ByteLevel with
+    GPT-2's regex, no prefix space and no normalizer splits text exactly as GPT-2's does: llama.cpp's
+    `gpt-2` pre-tokenizer. Any other is an error naming what was found; pass the name explicitly then.
+    """
+    tok = json.loads((Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8"))
+    pre, normalizer = tok.get("pre_tokenizer"), tok.get("normalizer")
+    if pre and pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:
+        pre = pre["pretokenizers"][0]
+    if (normalizer is None and tok.get("model", {}).get("type") == "BPE" and pre and pre.get("type") == "ByteLevel"
+            and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)):
+        return "gpt-2"
+    raise ValueError(f"{model_dir}/tokenizer.json: no llama.cpp pre-tokenizer is known to match pre_tokenizer={pre!r}, "
+                     f"normalizer={normalizer!r}; name one (tokenizer_pre=..., see llama.cpp's "
+                     "convert_hf_to_gguf_update.py for the names)")
+
+
+def convert_to_gguf(model_dir: str | Path, out_file: str | Path, *, outtype: str = "f32",
+                    target_dir: str | Path | None = None, tokenizer_pre: str = "auto") -> Path:
+    """GGUF of a Hugging Face model directory (a draft LM, a target) or an EAGLE-3 export (with
+    `target_dir`, the target's config and tokenizer, as llama.cpp requires), by llama.cpp's converter."""
+    src = _require() / "src"
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = Path(target_dir or model_dir)
+    pre = tokenizer_pre_of(tokenizer_dir) if tokenizer_pre == "auto" and (tokenizer_dir / "tokenizer.json").exists() \
+        else tokenizer_pre
+    args = [str(model_dir), "--outfile", str(out_file), "--outtype", outtype]
+    if target_dir is not None:
+        args += ["--target-model-dir", str(target_dir)]
+    proc = subprocess.run([sys.executable, "-m", "eval.llama_cpp", "convert", str(src), pre, *args],
+                          capture_output=True, text=True)
+    if proc.returncode != 0 or not out_file.exists():
+        raise RuntimeError(f"llama.cpp's converter failed on {model_dir} (exit {proc.returncode}):\n"
+                           + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
+    return out_file
+
+
+def _convert_main(src: str, tokenizer_pre: str, args: list[str]) -> None:
+    """Run the converter with one thing told: the pre-tokenizer of a tokenizer its hash table lacks.
+
+    The converter is imported as a module (its own file, unedited) and its hash lookup is wrapped in
+    memory: a hash it knows keeps its own answer; an unknown one gets `tokenizer_pre` instead of the
+    error "BPE pre-tokenizer was not recognized".
+    """
+    sys.argv = [str(Path(src) / "convert_hf_to_gguf.py"), *args]
+    sys.path.insert(0, src)
+    import convert_hf_to_gguf  # puts its gguf-py first on sys.path
+    from conversion.base import TextModel
+
+    known = TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer) -> str:
+        try:
+            return known(self, tokenizer)
+        except NotImplementedError:
+            if tokenizer_pre in ("auto", ""):
+                raise
+            return tokenizer_pre
+
+    TextModel.get_vocab_base_pre = get_vocab_base_pre
+    convert_hf_to_gguf.main()
+
+
+# --- serving: llama-server on 127.0.0.1 ----------------------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    """One greedy completion as llama-server reports it."""
+
+    tokens: list[int]  # the generated token ids
+    draft_n: int  # tokens the drafter proposed
+    draft_n_accepted: int  # of those, accepted by the target
+    predicted_per_second: float  # llama-server's own generation speed (tokens/s)
+    predicted_ms: float
+
+    @property
+    def rounds(self) -> int:
+        """Verification passes. llama-server samples the first token from the prompt's own forward, then
+        each pass yields one token of the target's plus the drafts it accepted (llama-server reports the
+        accepted drafts, not the passes)."""
+        return max(len(self.tokens) - 1 - self.draft_n_accepted, 0)
+
+
+class LlamaServer:
+    """`llama-server` serving `model` (a GGUF) on 127.0.0.1 at a free port, optionally with a drafter:
+    `draft` (a GGUF) and `spec_type` (`draft-simple` for a draft LM, `draft-eagle3` for an EAGLE-3 head),
+    drafting `k` tokens per round. Greedy, one slot, deterministic. Use as a context manager."""
+
+    def __init__(self, model: str | Path, *, draft: str | Path | None = None, spec_type: str | None = None,
+                 k: int = 4, ctx_size: int = 2048, threads: int = 1, timeout: float = 120.0,
+                 log_file: str | Path | None = None) -> None:
+        if (draft is None) != (spec_type is None):
+            raise ValueError("a drafter needs both `draft` (its GGUF) and `spec_type`")
+        self.model, self.draft, self.spec_type, self.k = Path(model), draft, spec_type, k
+        self.ctx_size, self.threads, self.timeout, self.log_file = ctx_size, threads, timeout, log_file
+        self.process: subprocess.Popen | None = None
+
+    def command(self, port: int) -> list[str]:
+        cmd = [str(_require() / "bin" / "llama-server"), "-m", str(self.model), "--host", "127.0.0.1",
+               "--port", str(port), "-c", str(self.ctx_size), "-np", "1", "-t", str(self.threads), "-tb",
+               str(self.threads), "--temp", "0", "--top-k", "1", "--seed", "0", "--no-webui"]
+        if self.draft is not None:
+            cmd += ["-md", str(self.draft), "--spec-type", self.spec_type, "--spec-draft-n-max", str(self.k),
+                    "--spec-draft-n-min", "0", "-td", str(self.threads)]
+        return cmd
+
+    def __enter__(self) -> "LlamaServer":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        log = open(self.log_file, "w") if self.log_file else subprocess.DEVNULL
+        self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.process.returncode} while loading {self.model}"
+                                   + (f" and {self.draft}" if self.draft else "")
+                                   + (f"; its log: {self.log_file}" if self.log_file else ""))
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.__exit__(None, None, None)
+        raise TimeoutError(f"llama-server did not come up in {self.timeout:.0f} s")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def _post(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as r:
+            return json.loads(r.read())
+
+    def complete(self, prompt_ids: list[int], max_new_tokens: int) -> Completion:
+        """Greedy continuation of the token ids (sent as ids, so no tokenizer stands between), at most
+        max_new_tokens, stopping at end of generation as llama.cpp decides."""
+        out = self._post("/completion", {"prompt": list(prompt_ids), "n_predict": max_new_tokens, "temperature": 0,
+                                         "top_k": 1, "seed": 0, "cache_prompt": False, "return_tokens": True})
+        t = out["timings"]
+        return Completion(list(out["tokens"]), int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0)),
+                          float(t["predicted_per_second"]), float(t["predicted_ms"]))
+
+
+if __name__ == "__main__" and len(sys.argv) > 3 and sys.argv[1] == "convert":
+    _convert_main(sys.argv[2], sys.argv[3], sys.argv[4:])

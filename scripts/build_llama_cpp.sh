@@ -12,8 +12,7 @@ set -euo pipefail
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 PYTHON="${PYTHON:-python3}"
-HOME_DIR="${DRAFTSMITH_HOME:-$HOME/.cache/draftsmith}"
-DEST="${DRAFTSMITH_LLAMA_CPP:-$HOME_DIR/llama.cpp/llama-cpp-python-$VERSION}"
+DEST="${DRAFTSMITH_LLAMA_CPP:-$HOME/.cache/draftsmith/llama.cpp/llama-cpp-python-$VERSION}"
 
 if [ -x "$DEST/bin/llama-server" ] && [ -f "$DEST/src/convert_hf_to_gguf.py" ]; then
     echo "$DEST"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,40 @@ def tiny_world(tmp_path_factory):
             os.environ.pop("DRAFTSMITH_HOME", None)
         else:
             os.environ["DRAFTSMITH_HOME"] = old
+
+
+def train_tiny_deep(out, *overrides):
+    """A `python -m train` run on the tiny_deep world (a 4-layer target), a few steps, no final evaluation."""
+    from hydra import compose, initialize_config_dir
+
+    from eval.config import register
+    from train.__main__ import train
+
+    register()
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=smoke", "target=tiny_deep", "progress=false",
+                                                      "evaluate.enabled=false", f"out_dir={out}",
+                                                      f"data_cache={out.parent / 'data'}", *overrides])
+    train(cfg)
+    return out
+
+
+@pytest.fixture(scope="session")
+def eagle_run(tiny_world, tmp_path_factory):
+    """An EAGLE-3 head on tiny_deep trained for greedy serving, with a reduced draft vocabulary (120 of 320):
+    what the export and engine tests ship."""
+    return train_tiny_deep(tmp_path_factory.mktemp("runs") / "eagle", "drafter=eagle", "trainer.max_steps=150",
+                           "trainer.eval_every=30", "trainer.checkpoint_every=30", "trainer.lr=5e-3",
+                           "drafter.label_temperature=0", "trainer.select_by=top1", "drafter.draft_vocab_size=120")
+
+
+@pytest.fixture(scope="session")
+def draft_run(tiny_world, tmp_path_factory):
+    """A draft LM distilled by SFT from tiny_deep's off-the-shelf draft on the target's answers."""
+    return train_tiny_deep(tmp_path_factory.mktemp("runs") / "draft_lm", "drafter=draft_lm", "drafter.loss=sft",
+                           "trainer.max_steps=60", "trainer.lr=3e-3", "trainer.eval_every=30",
+                           "trainer.checkpoint_every=30", "trainer.select_by=top1")
 
 
 def pytest_configure(config):

@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 import eval.__main__ as eval_entry
 from eval.config import register
 from eval.run import load_target
-from train.__main__ import train
 from train.export import EAGLE3_OWN, ExportRefused, ExportSettings, export, formats_for
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
@@ -24,26 +23,6 @@ TARGET = "toyworld://tiny_deep/target"  # 4 layers: an EAGLE-3 head on layers 1.
 def compose_cfg(name, *overrides):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         return compose(config_name=name, overrides=list(overrides))
-
-
-def train_run(out: Path, *overrides) -> Path:
-    train(compose_cfg("train", "experiment=smoke", "target=tiny_deep", "progress=false", "evaluate.enabled=false",
-                      f"out_dir={out}", f"data_cache={out.parent / 'data'}", *overrides))
-    return out
-
-
-@pytest.fixture(scope="module")
-def eagle_run(tiny_world, tmp_path_factory):
-    """An EAGLE-3 head on tiny_deep, trained for greedy serving, with a reduced draft vocabulary."""
-    return train_run(tmp_path_factory.mktemp("runs") / "eagle", "drafter=eagle", "trainer.max_steps=30",
-                     "trainer.eval_every=15", "trainer.checkpoint_every=15", "trainer.lr=5e-3",
-                     "drafter.label_temperature=0", "trainer.select_by=top1", "drafter.draft_vocab_size=120")
-
-
-@pytest.fixture(scope="module")
-def draft_run(tiny_world, tmp_path_factory):
-    return train_run(tmp_path_factory.mktemp("runs") / "draft_lm", "drafter=draft_lm", "drafter.loss=sft",
-                     "trainer.max_steps=4")
 
 
 def test_the_eagle3_exports_carry_what_each_engine_reads(eagle_run, tmp_path):
