@@ -232,6 +232,8 @@ class TrainConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     evaluate: FinalEvalConfig = field(default_factory=FinalEvalConfig)
+    # Export at the end into <run>/export/ (python -m train.export's settings); no formats = no export.
+    export: ExportSettings = field(default_factory=lambda: ExportSettings(formats=[]))
     data_cache: str = "runs/prepared"  # regenerated + tokenized data, shared by runs on the same data
     out_dir: str = "${hydra:runtime.output_dir}"
     progress: bool = True

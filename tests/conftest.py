@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
+
+from helpers import train_tiny_deep
 
 # Tests never reach a hub: everything they load is built in the test or by the toy world.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,23 +28,6 @@ def tiny_world(tmp_path_factory):
             os.environ.pop("DRAFTSMITH_HOME", None)
         else:
             os.environ["DRAFTSMITH_HOME"] = old
-
-
-def train_tiny_deep(out, *overrides):
-    """A `python -m train` run on the tiny_deep world (a 4-layer target), a few steps, no final evaluation."""
-    from hydra import compose, initialize_config_dir
-
-    from eval.config import register
-    from train.__main__ import train
-
-    register()
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["experiment=smoke", "target=tiny_deep", "progress=false",
-                                                      "evaluate.enabled=false", f"out_dir={out}",
-                                                      f"data_cache={out.parent / 'data'}", *overrides])
-    train(cfg)
-    return out
 
 
 @pytest.fixture(scope="session")

@@ -138,3 +138,20 @@ def stop_point(target, make_drafter, prompt, k: int, threshold: float, seed: int
     assert stopped.tokens.tolist() == full.tokens[:expected].tolist(), (own.tolist(), threshold)
     assert torch.equal(stopped.probs, full.probs[:expected])
     return expected
+
+
+def train_tiny_deep(out, *overrides):
+    """A `python -m train` run on the tiny_deep world (a 4-layer target), a few steps, no final evaluation."""
+    from hydra import compose, initialize_config_dir
+
+    from eval.config import register
+    from train.__main__ import train
+
+    register()
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=smoke", "target=tiny_deep", "progress=false",
+                                                      "evaluate.enabled=false", f"out_dir={out}",
+                                                      f"data_cache={out.parent / 'data'}", *overrides])
+    train(cfg)
+    return out

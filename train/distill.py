@@ -455,8 +455,21 @@ class DistillRecipe:
         if self.is_main:
             if self.cfg.evaluate.enabled:
                 summary["report"] = self._final_eval()
+            if self.cfg.export.formats:
+                summary["export"] = self._export()
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+    def _export(self) -> dict[str, str]:
+        """The best drafter in the engines' formats, into <run>/export/ (see train/export.py)."""
+        from train.export import ExportSettings, export
+
+        e = self.cfg.export
+        written = export(self.out, self.out / "export", ExportSettings(
+            formats=list(e.formats), dtype=e.dtype, num_speculative_tokens=e.num_speculative_tokens, force=e.force))
+        for name, path in written.items():
+            print(f"exported {name}: {path}")
+        return {name: str(path) for name, path in written.items()}
 
     def _final_drafters(self) -> list:
         """Baseline first: the off-the-shelf draft, then the best trained one (reloaded from disk)."""

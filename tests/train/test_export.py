@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
 import eval.__main__ as eval_entry
+from helpers import train_tiny_deep
 from eval.config import register
 from eval.run import load_target
 from train.export import EAGLE3_OWN, ExportRefused, ExportSettings, export, formats_for
@@ -213,3 +214,11 @@ def test_speculators_loads_the_export_and_computes_the_heads_logits(eagle_run, t
     # The check has teeth: the same weights read with the other residual convention give other logits.
     _edit_json(written["speculators"] / "config.json", lambda c: c.__setitem__("norm_before_residual", True))
     assert not torch.allclose(speculators_logits(written["speculators"]), ours, rtol=1e-3, atol=1e-3)
+
+
+def test_training_exports_at_the_end_when_asked(tiny_world, tmp_path):
+    run = train_tiny_deep(tmp_path / "run", "drafter=eagle", "trainer.max_steps=2", "drafter.draft_vocab_size=120",
+                          "export.formats=[sglang]", "export.force=true")  # 2 steps: at chance, forced
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["export"] == {"sglang": str(run / "export" / "sglang")}
+    assert (run / "export" / "sglang" / "model.safetensors").exists()
