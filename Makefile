@@ -13,7 +13,7 @@ BIN    := $(VENV)/bin
 
 .PHONY: install demo test bench clean llama-cpp
 
-install: $(VENV)/.installed $(VENV)/speculators/.installed
+install: $(VENV)/.installed $(VENV)/speculators/.installed $(VENV)/specforge/.installed
 
 # torch is pinned before the project so pip never resolves an unpinned torch (several GB of CUDA wheels).
 $(VENV)/.installed: pyproject.toml
@@ -31,6 +31,12 @@ $(VENV)/speculators/.installed: $(VENV)/.installed
 		loguru==0.7.3 openai==3.57.0 pydantic-settings==2.16.3 python-dotenv==1.2.4 aiohttp==3.14.5 \
 		aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 jiter==0.19.0 multidict==7.2.1 \
 		propcache==0.5.4 yarl==1.25.1
+	touch $@
+
+# SpecForge (SGLang's trainer) reads the `sglang` export in the tests: its package alone, without its pinned CUDA
+# stack (torch 2.11, sglang); its EAGLE-3 draft model imports without them.
+$(VENV)/specforge/.installed: $(VENV)/.installed
+	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/specforge specforge==0.2.0
 	touch $@
 
 demo: install

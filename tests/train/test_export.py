@@ -159,30 +159,36 @@ def test_the_entry_point_composes_and_names_what_it_wrote(eagle_run, tmp_path, c
         run(compose_cfg("export", f"run={tmp_path}", f"out_dir={tmp_path / 'x'}"))
 
 
-SPECULATORS = Path(__file__).resolve().parents[2] / ".venv" / "speculators"
+VENV = Path(__file__).resolve().parents[2] / ".venv"
+
+
+def _beside_the_venv(name: str):
+    """A package `make install` puts in .venv/<name> without its CUDA dependencies (pip would pull CUDA
+    torch), appended to sys.path so the project's own packages win."""
+    import importlib
+    import sys
+
+    if not (VENV / name / ".installed").exists():
+        pytest.skip(f"{name} is not installed in {VENV / name}: run `make install`")
+    if str(VENV / name) not in sys.path:
+        sys.path.append(str(VENV / name))
+    return importlib.import_module(name)
 
 
 @pytest.fixture(scope="module")
 def speculators():
-    """vLLM's speculators library, installed by `make install` into .venv/speculators without its CUDA
-    dependencies (pip would pull CUDA torch); appended to sys.path so the project's own packages win."""
-    import sys
-
-    if not (SPECULATORS / ".installed").exists():
-        pytest.skip(f"speculators is not installed in {SPECULATORS}: run `make install`")
-    sys.path.append(str(SPECULATORS))
-    import speculators
-
-    return speculators
+    return _beside_the_venv("speculators")
 
 
-def test_speculators_loads_the_export_and_computes_the_heads_logits(eagle_run, tmp_path, speculators):
-    """speculators' own from_pretrained on the export: its EAGLE-3 forward gives draftsmith's head's draft
-    logits on the same target features and tokens (within 1e-5: the same fp32 arithmetic in another order)."""
+@pytest.fixture(scope="module")
+def specforge():
+    return _beside_the_venv("specforge")
+
+
+def _head_inputs(eagle_run):
+    """The target's features and draftsmith's step-0 draft logits for one held-out-style prompt."""
     from drafters.heads import features_of, load_head
-    from speculators import SpeculatorModel, SpeculatorModelConfig
 
-    written = export(eagle_run, tmp_path / "out", ExportSettings(formats=["speculators"]))
     target, tok = load_target(TARGET, device=torch.device("cpu"))
     head = load_head(eagle_run / "best", target)
     ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "Return this as JSON: order 7 is paid"}],
@@ -191,6 +197,39 @@ def test_speculators_loads_the_export_and_computes_the_heads_logits(eagle_run, t
         out = target(ids, output_hidden_states=True)
         features = features_of(out.hidden_states, head.config.feature_layers).flatten(2)  # (1, T, 3d)
         ours = head.unroll(features, ids, torch.ones_like(ids))[0]  # (1, T-1, draft vocab): step 0
+    return target, head, ids, features, ours
+
+
+def test_specforge_loads_the_sglang_export_and_computes_the_heads_logits(eagle_run, tmp_path, specforge):
+    """SpecForge's LlamaForCausalLMEagle3 (the class SGLang's format comes from) on the `sglang` export:
+    lm_head(forward(...)) (its forward ends with the final norm) gives draftsmith's draft logits.
+
+    The model is built from the export's config.json and the weights loaded by name, every name matched:
+    SpecForge 0.2.0 pins transformers 5.8.1, and its `from_pretrained` under 5.24 leaves the rotary
+    tables (buffers outside the checkpoint) uninitialised, NaN in places, whatever the checkpoint."""
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from transformers import LlamaConfig
+
+    written = export(eagle_run, tmp_path / "out", ExportSettings(formats=["sglang"]))
+    target, head, ids, features, ours = _head_inputs(eagle_run)
+    model = LlamaForCausalLMEagle3(LlamaConfig.from_pretrained(written["sglang"]), attention_backend="sdpa").eval()
+    missing, unexpected = model.load_state_dict(load_file(str(written["sglang"] / "model.safetensors")), strict=False)
+    assert missing == ["embed_tokens.weight"] and unexpected == []  # no embedding: SGLang reuses the target's
+    assert torch.equal(model.lm_head.weight, target.lm_head.weight[head.target_ids()])
+    assert torch.equal(model.d2t, head.d2t)
+    with torch.no_grad():  # the embedding is the target's, passed in as SGLang passes it
+        theirs = model.lm_head(model(hidden_states=features[:, :-1],
+                                     inputs_embeds=target.get_input_embeddings()(ids[:, 1:])))
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_speculators_loads_the_export_and_computes_the_heads_logits(eagle_run, tmp_path, speculators):
+    """speculators' own from_pretrained on the export: its EAGLE-3 forward gives draftsmith's head's draft
+    logits on the same target features and tokens (within 1e-5: the same fp32 arithmetic in another order)."""
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+
+    written = export(eagle_run, tmp_path / "out", ExportSettings(formats=["speculators"]))
+    target, head, ids, features, ours = _head_inputs(eagle_run)
 
     def speculators_logits(directory):
         config = SpeculatorModelConfig.from_pretrained(directory)
