@@ -183,7 +183,7 @@ def test_train_with_data_path_alone_measures_what_it_held_out_of_that_file(tiny_
                          f"data_cache={tmp_path / 'prepared'}"])
     check_report_names(tmp_path / "out", capsys.readouterr().out, logs, 8, held_out=True)
     trained = json.loads((tmp_path / "out" / "report.json").read_text())["settings"]["trained_on"]
-    assert trained == {"path": str(logs), "records": 12, "checkpoint_chosen_on": 8}
+    assert trained == {"path": str(logs), "records": 12, "checkpoint_chosen_on": 8, "categories": {"code": 6, "prose": 6}}
 
 
 def _groups(name: str) -> list[str]:

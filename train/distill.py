@@ -32,6 +32,7 @@ import random
 import sys
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -145,7 +146,8 @@ class DistillRecipe:
         n_train = len(records) - held
         if cfg.data.max_records is not None:
             n_train = min(n_train, cfg.data.max_records)
-        self.trained_on = {"path": cfg.data.path, "records": n_train, "checkpoint_chosen_on": held}
+        self.trained_on = {"path": cfg.data.path, "records": n_train, "checkpoint_chosen_on": held,
+                           "categories": dict(Counter(r.category for r in records[:n_train]))}
         if cfg.evaluate.enabled:  # read now, so a bad held-out file fails before training, not after it
             self.eval_traffic = self._final_eval_traffic()
         # The target is loaded once here; prepare() regenerates with it and training scores with it.
@@ -463,10 +465,12 @@ class DistillRecipe:
     def _export(self) -> dict[str, str]:
         """The best drafter in the engines' formats, into <run>/export/ (see train/export.py)."""
         from train.export import ExportSettings, export
+        from train.hub import HubSettings
 
         e = self.cfg.export
         written = export(self.out, self.out / "export", ExportSettings(
-            formats=list(e.formats), dtype=e.dtype, num_speculative_tokens=e.num_speculative_tokens, force=e.force))
+            formats=list(e.formats), dtype=e.dtype, num_speculative_tokens=e.num_speculative_tokens, force=e.force,
+            hub=HubSettings(**OmegaConf.to_container(e.hub))))
         for name, path in written.items():
             print(f"exported {name}: {path}")
         return {name: str(path) for name, path in written.items()}

@@ -19,6 +19,8 @@ which target, which drafter kind) and `best/` (the chosen checkpoint). Formats:
 - `gguf`: llama.cpp's own converter (eval/llama_cpp.py) on the `hf` or `sglang` export; an EAGLE-3 GGUF
   is converted with the target's directory, as llama.cpp requires.
 
+With `hub.repo_id`, the export goes up to the Hugging Face Hub with a model card (train/hub.py).
+
 The collapse guard runs before anything is written (the field's most reported export failure is a
 head that loads and then accepts nothing): `d2t`/`t2d` that disagree, a draft vocabulary without the
 target's EOS, aux layer ids an engine cannot capture, or a missing `fc` / output head are refused, never
@@ -38,6 +40,8 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
+
+from train.hub import HubSettings
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +281,7 @@ class ExportSettings:
     dtype: str = "float32"  # float32 | bfloat16 | float16 (the weights as written)
     num_speculative_tokens: int = 4  # the k recorded in the speculators config
     force: bool = False  # export a head whose held-out agreement is at chance (a warning then)
+    hub: HubSettings = field(default_factory=HubSettings)  # upload to the Hugging Face Hub (train/hub.py)
 
 
 def formats_for(kind: str, requested: list[str]) -> list[str]:
@@ -327,7 +332,7 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
             written["gguf"] = _gguf(hf, out / "gguf" / "draft.gguf", settings.dtype)
         if "hf" not in formats:
             shutil.rmtree(hf)
-        return written
+        return _publish(run, written, out, settings.hub)
 
     best_file = run.best / "best.json"
     best = json.loads(best_file.read_text()) if best_file.exists() else None
@@ -360,7 +365,25 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
         written["gguf"] = _gguf(sglang, out / "gguf" / "eagle3.gguf", settings.dtype, target_dir=target_dir)
     if "sglang" not in formats:
         shutil.rmtree(sglang)
-    return written
+    return _publish(run, written, out, settings.hub)
+
+
+def _publish(run: TrainedRun, written: dict[str, Path], out: Path, hub: HubSettings) -> dict[str, Path | str]:
+    """With hub.repo_id: the repository staged under out/hub/ with its model card, then uploaded (or, with
+    dry_run, listed)."""
+    if not hub.repo_id:
+        return written
+    from train.hub import listing, model_card, stage, upload
+
+    folder = stage(written, run.kind, out / "hub", model_card(run, written, repo_id=hub.repo_id, license=hub.license))
+    if hub.dry_run:
+        print(f"dry run: would upload to {hub.repo_id} ({'private' if hub.private else 'public'}"
+              f"{', revision ' + hub.revision if hub.revision else ''}):")
+        print("\n".join("  " + line for line in listing(folder)))
+        return {**written, "hub": folder}
+    url = upload(folder, hub)
+    print(f"uploaded to {hub.repo_id}: {url}")
+    return {**written, "hub": folder, "hub_commit": url}
 
 
 def _gguf(model_dir: Path, out_file: Path, dtype: str, target_dir: Path | None = None) -> Path:
@@ -375,8 +398,8 @@ def _gguf(model_dir: Path, out_file: Path, dtype: str, target_dir: Path | None =
 
 def run(cfg: DictConfig) -> dict[str, Path]:
     """What `python -m train.export` does with a composed conf/export.yaml."""
-    settings = ExportSettings(formats=list(cfg.formats), dtype=cfg.dtype,
-                              num_speculative_tokens=cfg.num_speculative_tokens, force=cfg.force)
+    settings = ExportSettings(formats=list(cfg.formats), dtype=cfg.dtype, num_speculative_tokens=cfg.num_speculative_tokens,
+                              force=cfg.force, hub=HubSettings(**OmegaConf.to_container(cfg.hub)))
     written = export(cfg.run, cfg.out_dir, settings)
     for name, path in written.items():
         print(f"{name}: {path}")
