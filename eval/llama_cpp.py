@@ -206,5 +206,7 @@ class LlamaServer:
                           float(t["predicted_per_second"]), float(t["predicted_ms"]))
 
 
-if __name__ == "__main__" and len(sys.argv) > 3 and sys.argv[1] == "convert":
+if __name__ == "__main__":  # what convert_to_gguf runs, in a process of its own
+    if len(sys.argv) < 4 or sys.argv[1] != "convert":
+        sys.exit("usage: python -m eval.llama_cpp convert LLAMA_CPP_SRC TOKENIZER_PRE CONVERTER_ARGS...")
     _convert_main(sys.argv[2], sys.argv[3], sys.argv[4:])
