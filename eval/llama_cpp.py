@@ -129,9 +129,10 @@ class Completion:
 
     @property
     def rounds(self) -> int:
-        """Verification passes. llama-server samples the first token from the prompt's own forward, then
-        each pass yields one token of the target's plus the drafts it accepted (llama-server reports the
-        accepted drafts, not the passes)."""
+        """Verifications of drafts. llama-server samples the first token from the prompt's forward, then
+        each verification yields one token of the target's plus the drafts it accepted; it reports the
+        accepted drafts, not the verifications, so they are tokens - 1 - accepted. The acceptance length
+        over a run is then (tokens - 1) / rounds = 1 + accepted drafts per verification."""
         return max(len(self.tokens) - 1 - self.draft_n_accepted, 0)
 
 

@@ -5,8 +5,11 @@
 
 For each trained run: export it (`python -m train.export`'s library call, GGUF through llama.cpp's own
 converter), then on the held-out traffic of the run's data, per category and greedy:
-- draftsmith's acceptance length τ (new tokens per target verification) in its own loop;
-- llama.cpp's τ with the same drafter, k, prompts and budget (from llama-server's draft_n_accepted);
+- draftsmith's acceptance length τ (new tokens per target forward) in its own loop;
+- llama.cpp's τ with the same drafter, k, prompts and budget: 1 + accepted drafts per verification, from
+  llama-server's draft_n_accepted (eval.llama_cpp.Completion.rounds). llama.cpp takes the first new token
+  from the prompt's forward and drafts after it; draftsmith's first round drafts it. On long answers the
+  two count the same; on short ones llama.cpp's τ comes out higher by that first round;
 - llama.cpp's speed-up over its own plain decoding: generated tokens / generation time as llama-server
   reports them, pooled over the category's prompts, plain and speculative servers run in turn in each
   repeat; the median over repeats of the ratio.
@@ -62,7 +65,7 @@ def main() -> None:
                                         "path": str(run.best)}, target=target, tokenizer=tok)
 
     result = {"settings": {**vars(args), "data": traffic.describe(prompts), "target": first.target}, "rows": []}
-    ours = {}  # (drafter, category) -> tau in draftsmith's loop
+    ours = {}  # (drafter, category) -> (new tokens, target forwards) in draftsmith's loop
     for name, drafter in drafters.items():
         for category, ps in prompts.items():
             tokens = forwards = 0
@@ -70,7 +73,8 @@ def main() -> None:
                 g = speculative_generate(target, drafter, torch.tensor(p), k=args.k, sampling=Sampling(),
                                          max_new_tokens=args.new_tokens, eos_token_id=tok.eos_token_id)
                 tokens, forwards = tokens + len(g.tokens), forwards + g.target_forwards
-            ours[name, category] = tokens / forwards
+            ours[name, category] = (tokens, forwards)
+        ours[name, "all"] = tuple(sum(ours[name, c][i] for c in prompts) for i in (0, 1))
 
     def serve(name):
         spec = {} if name == "plain" else {"draft": ggufs[name], "spec_type": SPEC_TYPES[name], "k": args.k}
@@ -79,17 +83,21 @@ def main() -> None:
 
     repeats = [{name: serve(name) for name in ["plain", *ggufs]} for _ in range(args.repeats)]
     speed = lambda cs: sum(len(c.tokens) for c in cs) / sum(c.predicted_ms for c in cs) * 1000  # noqa: E731
+    for r in repeats:  # every category pooled, as draftsmith's report pools them into "all"
+        for name in r:
+            r[name]["all"] = [c for category in prompts for c in r[name][category]]
     for name in ggufs:
-        for category in prompts:
+        for category in [*prompts, "all"]:
             first_run = repeats[0][name][category]
-            rounds = sum(c.rounds for c in first_run)
-            theirs = sum(len(c.tokens) - 1 for c in first_run) / rounds if rounds else None
+            theirs = sum(len(c.tokens) - 1 for c in first_run) / sum(c.rounds for c in first_run)
             ratios = [speed(r[name][category]) / speed(r["plain"][category]) for r in repeats]
             equal = sum(a.tokens == b.tokens for a, b in zip(first_run, repeats[0]["plain"][category]))
             result["rows"].append({
                 "drafter": name, "category": category, "prompts": len(first_run),
-                "tau_draftsmith": round(ours[name, category], 3), "tau_llama_cpp": round(theirs, 3) if theirs else None,
-                "tau_ratio": round(theirs / ours[name, category], 3) if theirs else None,
+                "mean_new_tokens": round(sum(len(c.tokens) for c in first_run) / len(first_run), 1),
+                "tau_draftsmith": round(ours[name, category][0] / ours[name, category][1], 3),
+                "tau_llama_cpp": round(theirs, 3),
+                "tau_ratio": round(theirs / (ours[name, category][0] / ours[name, category][1]), 3),
                 "accepted_share": round(sum(c.draft_n_accepted for c in first_run)
                                         / max(sum(c.draft_n for c in first_run), 1), 3),
                 "llama_cpp_speedup_median": round(statistics.median(ratios), 3),
@@ -97,11 +105,11 @@ def main() -> None:
                 "equal_to_plain": f"{equal}/{len(first_run)}",
             })
     (out / "bench_llama_cpp.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print("| drafter | category | prompts | τ draftsmith | τ llama.cpp | ratio | accepted | llama.cpp speed-up "
-          "(median; each repeat) | output = plain |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| drafter | category | prompts | new tokens | τ draftsmith | τ llama.cpp | ratio | accepted | llama.cpp "
+          "speed-up (median; each repeat) | output = plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
-        print(f"| {r['drafter']} | {r['category']} | {r['prompts']} | {r['tau_draftsmith']:.2f} | "
+        print(f"| {r['drafter']} | {r['category']} | {r['prompts']} | {r['mean_new_tokens']} | {r['tau_draftsmith']:.2f} | "
               f"{r['tau_llama_cpp']:.2f} | {r['tau_ratio']:.3f} | {r['accepted_share']:.2f} | "
               f"{r['llama_cpp_speedup_median']:.2f}× ({', '.join(f'{x:.2f}' for x in r['llama_cpp_speedups'])}) | "
               f"{r['equal_to_plain']} |")

@@ -52,6 +52,7 @@ def serve(world, draft_gguf, spec_type):
 
 
 def llama_tau(completions) -> float:
+    """1 + accepted drafts per verification, the field's acceptance length (eval.llama_cpp.Completion.rounds)."""
     return sum(len(c.tokens) - 1 for c in completions) / sum(c.rounds for c in completions)
 
 
