@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -164,14 +165,17 @@ class LlamaServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        log = open(self.log_file, "w") if self.log_file else subprocess.DEVNULL
-        self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT)
+        # Its log goes to a file (a temporary one unless log_file is given), whose end an error quotes.
+        self._log = open(self.log_file, "w+") if self.log_file else tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(self.command(port), stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self._log.seek(0)
+                tail = "\n".join(self._log.read().splitlines()[-15:])
+                self._log.close()
                 raise RuntimeError(f"llama-server exited with {self.process.returncode} while loading {self.model}"
-                                   + (f" and {self.draft}" if self.draft else "")
-                                   + (f"; its log: {self.log_file}" if self.log_file else ""))
+                                   + (f" and {self.draft}" if self.draft else "") + f"; the end of its log:\n{tail}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -190,6 +194,8 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if not self._log.closed:
+            self._log.close()
 
     def _post(self, path: str, body: dict) -> dict:
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
