@@ -125,8 +125,7 @@ class Completion:
     tokens: list[int]  # the generated token ids
     draft_n: int  # tokens the drafter proposed
     draft_n_accepted: int  # of those, accepted by the target
-    predicted_per_second: float  # llama-server's own generation speed (tokens/s)
-    predicted_ms: float
+    predicted_ms: float  # llama-server's own time for generating them
 
     @property
     def rounds(self) -> int:
@@ -210,7 +209,7 @@ class LlamaServer:
                                          "top_k": 1, "seed": 0, "cache_prompt": False, "return_tokens": True})
         t = out["timings"]
         return Completion(list(out["tokens"]), int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0)),
-                          float(t["predicted_per_second"]), float(t["predicted_ms"]))
+                          float(t["predicted_ms"]))
 
 
 if __name__ == "__main__":  # what convert_to_gguf runs, in a process of its own

@@ -464,13 +464,9 @@ class DistillRecipe:
 
     def _export(self) -> dict[str, str]:
         """The best drafter in the engines' formats, into <run>/export/ (see train/export.py)."""
-        from train.export import ExportSettings, export
-        from train.hub import HubSettings
+        from train.export import export
 
-        e = self.cfg.export
-        written = export(self.out, self.out / "export", ExportSettings(
-            formats=list(e.formats), dtype=e.dtype, num_speculative_tokens=e.num_speculative_tokens, force=e.force,
-            hub=HubSettings(**OmegaConf.to_container(e.hub))))
+        written = export(self.out, self.out / "export", OmegaConf.to_object(self.cfg.export))  # an ExportSettings
         for name, path in written.items():
             print(f"exported {name}: {path}")
         return {name: str(path) for name, path in written.items()}

@@ -279,7 +279,7 @@ class ExportSettings:
 
     formats: list[str] = field(default_factory=lambda: ["auto"])  # auto = every format the kind has
     dtype: str = "float32"  # float32 | bfloat16 | float16 (the weights as written)
-    num_speculative_tokens: int = 4  # the k recorded in the speculators config
+    num_speculative_tokens: int = 4  # the k recorded in the speculators config and the model card's commands
     force: bool = False  # export a head whose held-out agreement is at chance (a warning then)
     hub: HubSettings = field(default_factory=HubSettings)  # upload to the Hugging Face Hub (train/hub.py)
 
@@ -332,7 +332,7 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
             written["gguf"] = _gguf(hf, out / "gguf" / "draft.gguf", settings.dtype)
         if "hf" not in formats:
             shutil.rmtree(hf)
-        return _publish(run, written, out, settings.hub)
+        return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
 
     best_file = run.best / "best.json"
     best = json.loads(best_file.read_text()) if best_file.exists() else None
@@ -365,17 +365,18 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
         written["gguf"] = _gguf(sglang, out / "gguf" / "eagle3.gguf", settings.dtype, target_dir=target_dir)
     if "sglang" not in formats:
         shutil.rmtree(sglang)
-    return _publish(run, written, out, settings.hub)
+    return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
 
 
-def _publish(run: TrainedRun, written: dict[str, Path], out: Path, hub: HubSettings) -> dict[str, Path | str]:
+def _publish(run: TrainedRun, written: dict[str, Path], out: Path, hub: HubSettings, k: int) -> dict[str, Path | str]:
     """With hub.repo_id: the repository staged under out/hub/ with its model card, then uploaded (or, with
     dry_run, listed)."""
     if not hub.repo_id:
         return written
     from train.hub import listing, model_card, stage, upload
 
-    folder = stage(written, run.kind, out / "hub", model_card(run, written, repo_id=hub.repo_id, license=hub.license))
+    card = model_card(run, written, repo_id=hub.repo_id, license=hub.license, k=k)
+    folder = stage(written, run.kind, out / "hub", card)
     if hub.dry_run:
         print(f"dry run: would upload to {hub.repo_id} ({'private' if hub.private else 'public'}"
               f"{', revision ' + hub.revision if hub.revision else ''}):")
@@ -398,9 +399,8 @@ def _gguf(model_dir: Path, out_file: Path, dtype: str, target_dir: Path | None =
 
 def run(cfg: DictConfig) -> dict[str, Path]:
     """What `python -m train.export` does with a composed conf/export.yaml."""
-    settings = ExportSettings(formats=list(cfg.formats), dtype=cfg.dtype, num_speculative_tokens=cfg.num_speculative_tokens,
-                              force=cfg.force, hub=HubSettings(**OmegaConf.to_container(cfg.hub)))
-    written = export(cfg.run, cfg.out_dir, settings)
+    settings = OmegaConf.to_object(cfg)  # an ExportConfig: ExportSettings plus run and out_dir
+    written = export(settings.run, settings.out_dir, settings)
     for name, path in written.items():
         print(f"{name}: {path}")
     return written

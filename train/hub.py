@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf"}
+# Per kind: vLLM's speculative method, SGLang's algorithm, the GGUF file, llama-server's spec type.
+SERVING = {"eagle": ("eagle3", "EAGLE3", "eagle3.gguf", "draft-eagle3"),
+           "draft_lm": ("draft_model", "STANDALONE", "draft.gguf", "draft-simple")}
 
 
 @dataclass
@@ -92,9 +95,10 @@ def _table(rows: list[list], head: list[str]) -> list[str]:
     return out
 
 
-def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | None) -> str:
+def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | None, k: int) -> str:
     """README.md for the Hub: metadata, what the drafter is, its traffic, recipe, measured results and the
-    serving commands, from the run's own files (train_config.yaml, best/best.json, report.json)."""
+    serving commands (drafting k tokens), from the run's own files (train_config.yaml, best/best.json,
+    report.json)."""
     cfg, kind = run.config, run.kind
     target = cfg["target"]["name_or_path"]
     best = json.loads((run.best / "best.json").read_text()) if (run.best / "best.json").exists() else {}
@@ -150,31 +154,19 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     else:
         out.append("No evaluation report in the run (`evaluate.enabled=false`).")
 
-    out += ["", "## Serving", ""]
-    k = 4
-    if kind == "eagle":
-        out += ["```bash",
-                f"vllm serve {target} --speculative-config "
-                f"'{{\"method\": \"eagle3\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}}}'",
-                f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-                f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-                f"--speculative-num-draft-tokens {k + 1}"]
-        if "gguf" in written:
-            out += [f"hf download {repo_id} gguf/eagle3.gguf --local-dir .",
-                    f"llama-server -m target.gguf -md gguf/eagle3.gguf --spec-type draft-eagle3 --spec-draft-n-max {k}"]
-        out.append("```")
-        if "speculators" in written:
-            out += ["", "`speculators/` holds the same head in the speculators format (`vllm serve` detects it)."]
-    else:
-        out += ["```bash",
-                f"vllm serve {target} --speculative-config "
-                f"'{{\"method\": \"draft_model\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}}}'",
-                f"python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE "
-                f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-                f"--speculative-num-draft-tokens {k + 1}"]
-        if "gguf" in written:
-            out += [f"hf download {repo_id} gguf/draft.gguf --local-dir .",
-                    f"llama-server -m target.gguf -md gguf/draft.gguf --spec-type draft-simple --spec-draft-n-max {k}"]
-        out.append("```")
+    # The same three engines for both kinds; only the names of the method and the GGUF file differ.
+    vllm, sglang, gguf, spec_type = SERVING[kind]
+    out += ["", "## Serving", "", "```bash",
+            f"vllm serve {target} --speculative-config "
+            f"'{{\"method\": \"{vllm}\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}}}'",
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} "
+            f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {k + 1}"]
+    if "gguf" in written:
+        out += [f"hf download {repo_id} gguf/{gguf} --local-dir .",
+                f"llama-server -m target.gguf -md gguf/{gguf} --spec-type {spec_type} --spec-draft-n-max {k}"]
+    out.append("```")
+    if "speculators" in written:
+        out += ["", "`speculators/` holds the same head in the speculators format (`vllm serve` detects it)."]
     out += ["", "The target's GGUF for llama.cpp: its own `convert_hf_to_gguf.py` on the target's directory."]
     return "\n".join(out) + "\n"

@@ -103,3 +103,13 @@ def test_no_token_and_a_refused_upload_are_clear_errors(evaluated_run, hub, tmp_
     with pytest.raises(ValueError, match=r"the Hub refused the upload to acme/eagle3 \(HTTP 403\)") as e:
         export(evaluated_run, tmp_path / "b", settings(repo_id="acme/eagle3"))
     assert TOKEN not in str(e.value)
+
+
+def test_a_draft_lm_card_serves_it_as_a_draft_model(draft_run, hub, tmp_path):
+    written = export(draft_run, tmp_path / "out", ExportSettings(formats=["hf", "gguf"], num_speculative_tokens=6,
+                                                                 hub=HubSettings(repo_id="acme/draft", dry_run=True)))
+    card = (written["hub"] / "README.md").read_text()
+    assert "- draft-model" in card and "(the run has no final evaluation report" in card
+    assert '"method": "draft_model", "model": "acme/draft", "num_speculative_tokens": 6' in card
+    assert "--speculative-algorithm STANDALONE" in card and "--spec-type draft-simple --spec-draft-n-max 6" in card
+    assert (written["hub"] / "config.json").exists() and (written["hub"] / "gguf" / "draft.gguf").exists()
