@@ -56,8 +56,9 @@ class EvalPlan:
             raise ValueError(f"every k (draft tokens per round) must be >= 1, got ks={list(self.ks)}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 2:
+            raise ValueError(f"max_new_tokens must be >= 2 (the first new token comes from the prompt's forward; "
+                             f"speculation drafts the ones after it), got {self.max_new_tokens}")
         for t in self.temperatures:
             Sampling(t, self.top_k, self.top_p)  # validates
 
@@ -165,7 +166,10 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
          plain_t: Timings, vs_plain: Comparison) -> dict:
     gens = spec.select(category)
     rounds = [r for g in gens for r in g.rounds]
-    stats = acceptance_stats(rounds, k, sum(len(g.tokens) for g in gens), sum(g.target_forwards for g in gens))
+    if not rounds:
+        raise ValueError(f"drafter {drafter!r}, {category}: every generation ended at its first token (EOS or the "
+                         "budget), so no round was drafted; raise max_new_tokens")
+    stats = acceptance_stats(rounds, k, sum(len(g.tokens) - 1 for g in gens if g.rounds))
     steps = [s for g in plain.select(category) for s in g.step_s]
     costs = cost_model(rounds, steps, k, stats.acceptance_length)
     lossless = None

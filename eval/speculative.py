@@ -1,7 +1,8 @@
 """The speculative decoding loop, and plain decoding to compare it with.
 
 Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling"), one round:
+Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling"). The prompt's own
+forward gives the first new token, as in the serving engines (vLLM, SGLang, llama.cpp); then rounds:
 
 1. The drafter proposes n <= k tokens x_1..x_n (with the distributions q_i it drew them from).
 2. The target scores the last committed token and all n guesses in ONE forward of n+1 positions,
@@ -48,7 +49,7 @@ class Generation:
 
     tokens: list[int]
     seconds: float
-    target_forwards: int
+    target_forwards: int  # the prompt's forward included
     rounds: list[Round] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)  # plain decoding: one entry per 1-token target step
 
@@ -176,24 +177,28 @@ def speculative_generate(
     # Drafters that read the target's hidden states (EAGLE, MTP, Medusa heads) name the layers; the
     # target then returns them with its logits and the drafter gets those of committed positions.
     layers = getattr(drafter, "feature_layers", None)
-    # Prefill all but the last prompt token: every round then starts by feeding exactly one committed
-    # token (the last one) followed by the guesses, so verification is one forward of n+1 positions.
+    # Prefill the whole prompt and take the first new token from its forward, as serving engines do
+    # (vLLM, SGLang, llama.cpp): drafting starts after it, and every round then feeds exactly one
+    # committed token (the last one) followed by the guesses, one forward of n+1 positions.
     if layers:
-        features = None
-        if len(prompt) > 1:
-            features = _forward_with_features(target, prompt[:-1], cache, device, 1, layers)[1]
-        else:  # nothing prefilled: no features yet
-            d = target.config.hidden_size
-            features = torch.empty(0, len(layers), d, device=device, dtype=target.dtype)
-        drafter.start(prompt_ids, features)
+        logits, features = _forward_with_features(target, prompt, cache, device, 1, layers)
     else:
-        if len(prompt) > 1:
-            _forward(target, prompt[:-1], cache, device, keep_logits=1)
-        drafter.start(prompt_ids)
-    last, length = prompt[-1], len(prompt)  # the last committed token, and how many are committed
-    new: list[int] = []
+        logits, features = _forward(target, prompt, cache, device, keep_logits=1), None
+    first = int(choose(logits[-1], sampling, generator).item())
+    forwards = 1
+    new, done = _finish([first], max_new_tokens, eos_token_id)
+    if done:
+        _sync(device)
+        return Generation(new, clock() - t_start, forwards)
+    # The drafter reads the prompt and the first token; a head also the features of every position but
+    # that last one (the prompt's), as it pairs the features at position i with the token at i + 1.
+    committed = torch.cat([prompt_ids, prompt_ids.new_tensor([first])])
+    if layers:
+        drafter.start(committed, features)
+    else:
+        drafter.start(committed)
+    last, length = first, len(prompt) + 1  # the last committed token, and how many are committed
     rounds: list[Round] = []
-    forwards = 0
     while True:
         if timed:
             _sync(device)

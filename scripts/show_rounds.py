@@ -62,7 +62,7 @@ def main() -> None:
                                          max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
                 if g.tokens != reference:
                     raise SystemExit(f"{drafter.name}: speculative output differs from the target's greedy output")
-                tau = len(g.tokens) / len(g.rounds)
+                tau = (len(g.tokens) - 1) / max(len(g.rounds), 1)
                 print(f"--- {drafter.name}: {len(g.rounds)} rounds, {tau:.2f} tokens per round")
                 print(rounds_text(g.tokens, g.rounds, tok.decode))
 

@@ -49,7 +49,9 @@ class ScriptedDrafter:
         self.reference, self.vocab, self.policy, self.name = reference, vocab, policy, name
 
     def start(self, prompt_ids):
-        self.committed = 0  # generated tokens committed so far
+        # Generated tokens committed so far: the loop starts a drafter after the first one, which the
+        # prompt's own forward gave.
+        self.committed = 1
         self.device = prompt_ids.device
 
     def propose(self, k, sampling: Sampling, generator=None):
@@ -67,21 +69,28 @@ class ScriptedDrafter:
 # --- distribution checks: sampled speculative decoding must follow the target ---------------------
 
 
-def exact_joint(target, prompt, sampling, vocab):
-    """p(x1, x2) of the target's first two sampled tokens, by enumeration."""
+def exact_joint(target, prompt, sampling, vocab, n=3):
+    """p(x1, ..., xn) of the target's first n sampled tokens, by enumeration, flattened (x1 the slowest).
+
+    Three tokens by default: the first comes from the prompt's forward, so a round drafting k = 2 then
+    decides the second and the third (acceptance, residual and bonus alike)."""
+    joint = torch.ones(1)
+    seqs = prompt[None]
     with torch.no_grad():
-        p1 = probs_from_logits(target(prompt[None]).logits[0, -1], sampling)
-        seqs = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
-        p2 = probs_from_logits(target(seqs).logits[:, -1], sampling)
-    return (p1[:, None] * p2).flatten()
+        for _ in range(n):
+            p = probs_from_logits(target(seqs).logits[:, -1], sampling)  # (vocab ** i, vocab)
+            joint = (joint[:, None] * p).flatten()
+            seqs = torch.cat([seqs.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(len(seqs))[:, None]], dim=1)
+    return joint
 
 
-def empirical_joint(target, drafter, prompt, sampling, vocab, k, n):
-    counts = torch.zeros(vocab * vocab)
+def empirical_joint(target, drafter, prompt, sampling, vocab, k, samples, n=3):
+    """Counts of the first n tokens of `samples` speculative generations, flattened as exact_joint."""
+    counts = torch.zeros(vocab ** n)
     g = torch.Generator().manual_seed(1234)
-    for _ in range(n):
-        out = speculative_generate(target, drafter, prompt, k=k, sampling=sampling, max_new_tokens=2, generator=g)
-        counts[out.tokens[0] * vocab + out.tokens[1]] += 1
+    for _ in range(samples):
+        out = speculative_generate(target, drafter, prompt, k=k, sampling=sampling, max_new_tokens=n, generator=g)
+        counts[sum(t * vocab ** (n - 1 - i) for i, t in enumerate(out.tokens))] += 1
     return counts
 
 
@@ -128,7 +137,7 @@ def stop_point(target, make_drafter, prompt, k: int, threshold: float, seed: int
     proposals = []
     for stop in (0.0, threshold):
         drafter = Recording(make_drafter(stop))
-        speculative_generate(target, drafter, prompt, k=k, sampling=Sampling(temperature=1.0), max_new_tokens=1,
+        speculative_generate(target, drafter, prompt, k=k, sampling=Sampling(temperature=1.0), max_new_tokens=2,
                              generator=torch.Generator().manual_seed(seed))
         proposals.append(drafter.proposals[0])
     full, stopped = proposals

@@ -57,13 +57,13 @@ def llama_tau(completions) -> float:
 
 
 def draftsmith_tau(world, drafter) -> float:
-    """draftsmith's own loop on the same prompts, k and budget (greedy)."""
-    tokens = forwards = 0
+    """draftsmith's own loop on the same prompts, k and budget (greedy), τ as its reports define it."""
+    tokens = rounds = 0
     for p in world["prompts"]:
         g = speculative_generate(world["target"], drafter, torch.tensor(p), k=K, sampling=Sampling(),
                                  max_new_tokens=NEW_TOKENS, eos_token_id=world["tok"].eos_token_id)
-        tokens, forwards = tokens + len(g.tokens), forwards + g.target_forwards
-    return tokens / forwards
+        tokens, rounds = tokens + len(g.tokens) - 1, rounds + len(g.rounds)
+    return tokens / rounds
 
 
 def test_llama_cpp_tokenizes_like_the_target_tokenizer(world):

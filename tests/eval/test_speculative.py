@@ -54,7 +54,7 @@ def test_greedy_equals_target_with_stub_drafters(target, prompts, policy, k):
         accepted = [r.accepted for r in out.rounds]
         if policy == "always":
             assert all(a == k for a in accepted[:-1])  # the last round may be cut by the budget
-            assert out.target_forwards == -(-40 // (k + 1))
+            assert out.target_forwards == 1 + -(-39 // (k + 1))  # the prompt's forward gives the first
         elif policy == "never":
             assert set(accepted) == {0} and out.target_forwards == 40
 
@@ -198,7 +198,7 @@ def test_a_drafter_that_is_the_target_has_every_sampled_guess_accepted(target, p
             out = speculative_generate(target, DraftLM(target, lean=lean), prompt, k=4, sampling=sampling,
                                        max_new_tokens=30, generator=torch.Generator().manual_seed(0))
             assert [r.accepted for r in out.rounds[:-1]] == [4] * (len(out.rounds) - 1)
-            assert out.target_forwards == -(-30 // 5)
+            assert out.target_forwards == 1 + -(-29 // 5)
 
 
 def test_sampled_with_top_k_top_p_follows_processed_target(small_pair):
