@@ -6,13 +6,16 @@ A thin Hydra wrapper: `run(cfg)` turns the composed config into library calls an
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import asdict, fields
+from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from eval import engine as engines
 from eval.config import register
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, console_summary, log_to_wandb, write_report
@@ -28,6 +31,8 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError("no drafters configured: set `drafters` (the first one is the baseline)")
     plan = EvalPlan(**{f.name: OmegaConf.to_object(cfg[f.name]) if OmegaConf.is_config(cfg[f.name])
                        else cfg[f.name] for f in fields(EvalPlan)})
+    costs = OmegaConf.to_object(cfg.engine_costs)
+    engines.check(cfg.engine, costs)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     # The traffic is read first: a bad record fails before a model is loaded.
@@ -41,7 +46,12 @@ def run(cfg: DictConfig) -> dict:
     prompts = tokenize_prompts(traffic, tokenizer, device=device, max_per_category=cfg.data.max_prompts_per_category,
                                max_prompt_tokens=cfg.data.max_prompt_tokens)
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id, progress=cfg.progress)
-    settings = {"data": traffic.describe(prompts), **asdict(plan), "dtype": cfg.target.dtype, "device": str(device)}
+    specs = [OmegaConf.to_container(spec, resolve=True) for spec in cfg.drafters]
+    engine = engines.add_figures(rows, specs, target, cfg.target.name_or_path, prompts, plan, engine=cfg.engine,
+                                 costs=costs, threads=cfg.threads or os.cpu_count(), work=Path(cfg.out_dir) / "engine",
+                                 progress=cfg.progress)
+    settings = {"data": traffic.describe(prompts), **asdict(plan), "dtype": cfg.target.dtype, "device": str(device),
+                "engine": engine}
     report = build_report(rows, target=cfg.target.name_or_path, baseline=drafters[0].name, settings=settings)
     paths = write_report(report, cfg.out_dir)
     print(console_summary(report))

@@ -13,6 +13,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from eval.engine import EngineCosts
 from eval.evaluate import EvalPlan
 from train.export import ExportSettings
 
@@ -58,6 +59,7 @@ class DrafterSpec:
     stop_below: float = 0.0
     max_ngram: int = 3
     min_ngram: int = 1
+    engine_c: Optional[float] = None  # c measured for this drafter in your engine (overrides engine_costs.c)
 
 
 @dataclass
@@ -78,7 +80,11 @@ class EvalConfig(EvalPlan):
     data: DataConfig = field(default_factory=DataConfig)
     drafters: list[DrafterSpec] = field(default_factory=list)  # the first is the baseline
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    threads: Optional[int] = None  # torch intra-op threads (None = torch's default)
+    threads: Optional[int] = None  # torch intra-op threads (None = torch's default); the engine's too
+    # Measure the drafters inside a serving engine too (eval/engine.py): llamacpp (built by `make llama-cpp`)
+    engine: Optional[str] = None
+    # Or: c and beta measured in an engine that cannot run here, for a predicted per-category verdict there
+    engine_costs: EngineCosts = field(default_factory=EngineCosts)
     out_dir: str = "${hydra:runtime.output_dir}"
     progress: bool = True
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -221,6 +227,7 @@ class FinalEvalConfig:
     max_new_tokens: int = 64
     repeats: int = 3
     prompts_per_category: int = 8
+    engine: Optional[str] = None  # llamacpp: also measure the drafters in llama.cpp (eval/engine.py)
 
 
 @dataclass

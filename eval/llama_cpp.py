@@ -33,15 +33,24 @@ def home() -> Path:
     return Path.home() / ".cache" / "draftsmith" / "llama.cpp" / f"llama-cpp-python-{VERSION}"
 
 
+BINARIES = ("llama-server", "llama-bench")
+
+
 def available() -> bool:
-    return (home() / "bin" / "llama-server").exists() and (home() / "src" / "convert_hf_to_gguf.py").exists()
+    return all((home() / "bin" / b).exists() for b in BINARIES) and (home() / "src" / "convert_hf_to_gguf.py").exists()
 
 
-def _require() -> Path:
+def require() -> Path:
+    """The build's directory, or a FileNotFoundError saying how to build it."""
     if not available():
-        raise FileNotFoundError(f"llama.cpp is not built at {home()}: run `make llama-cpp` "
-                                "(scripts/build_llama_cpp.sh, about 15 minutes on 2 cores) or set DRAFTSMITH_LLAMA_CPP")
+        raise FileNotFoundError(f"llama.cpp is not built at {home()} (bin/{', bin/'.join(BINARIES)}, src/): run "
+                                "`make llama-cpp` (scripts/build_llama_cpp.sh, about 15 minutes on 2 cores) or set "
+                                "DRAFTSMITH_LLAMA_CPP to a build")
     return home()
+
+
+def binary(name: str) -> Path:
+    return require() / "bin" / name
 
 
 # --- conversion: llama.cpp's own convert_hf_to_gguf.py -----------------------------------------------------
@@ -72,7 +81,7 @@ def convert_to_gguf(model_dir: str | Path, out_file: str | Path, *, outtype: str
                     target_dir: str | Path | None = None, tokenizer_pre: str = "auto") -> Path:
     """GGUF of a Hugging Face model directory (a draft LM, a target) or an EAGLE-3 export (with
     `target_dir`, the target's config and tokenizer, as llama.cpp requires), by llama.cpp's converter."""
-    src = _require() / "src"
+    src = require() / "src"
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = Path(target_dir or model_dir)
@@ -139,24 +148,29 @@ class Completion:
 class LlamaServer:
     """`llama-server` serving `model` (a GGUF) on 127.0.0.1 at a free port, optionally with a drafter:
     `draft` (a GGUF) and `spec_type` (`draft-simple` for a draft LM, `draft-eagle3` for an EAGLE-3 head),
-    drafting `k` tokens per round. Greedy, one slot, deterministic. Use as a context manager."""
+    drafting `k` tokens per round. Greedy, one slot, deterministic. Use as a context manager.
+
+    log_verbosity 4 makes it log its drafting statistics (eval/engine.py reads its drafting timer there)."""
 
     def __init__(self, model: str | Path, *, draft: str | Path | None = None, spec_type: str | None = None,
                  k: int = 4, ctx_size: int = 2048, threads: int = 1, timeout: float = 120.0,
-                 log_file: str | Path | None = None) -> None:
+                 log_file: str | Path | None = None, log_verbosity: int | None = None) -> None:
         if (draft is None) != (spec_type is None):
             raise ValueError("a drafter needs both `draft` (its GGUF) and `spec_type`")
         self.model, self.draft, self.spec_type, self.k = Path(model), draft, spec_type, k
         self.ctx_size, self.threads, self.timeout, self.log_file = ctx_size, threads, timeout, log_file
+        self.log_verbosity = log_verbosity
         self.process: subprocess.Popen | None = None
 
     def command(self, port: int) -> list[str]:
-        cmd = [str(_require() / "bin" / "llama-server"), "-m", str(self.model), "--host", "127.0.0.1",
+        cmd = [str(binary("llama-server")), "-m", str(self.model), "--host", "127.0.0.1",
                "--port", str(port), "-c", str(self.ctx_size), "-np", "1", "-t", str(self.threads), "-tb",
                str(self.threads), "--temp", "0", "--top-k", "1", "--seed", "0", "--no-webui"]
         if self.draft is not None:
             cmd += ["-md", str(self.draft), "--spec-type", self.spec_type, "--spec-draft-n-max", str(self.k),
                     "--spec-draft-n-min", "0", "-td", str(self.threads)]
+        if self.log_verbosity is not None:
+            cmd += ["-lv", str(self.log_verbosity)]
         return cmd
 
     def __enter__(self) -> "LlamaServer":
@@ -195,6 +209,14 @@ class LlamaServer:
                 self.process.wait()
         if not self._log.closed:
             self._log.close()
+
+    def log(self) -> str:
+        """Everything the server has logged so far."""
+        self._log.flush()
+        self._log.seek(0)
+        text = self._log.read()
+        self._log.seek(0, os.SEEK_END)
+        return text
 
     def _post(self, path: str, body: dict) -> dict:
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),

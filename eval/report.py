@@ -110,7 +110,8 @@ def markdown(report: dict) -> str:
         f"- hardware: {hw['gpu'] or hw['cpu']}, {hw['torch_threads']} torch threads, torch {hw['torch']}",
         "- settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items() if k not in TRAFFIC_KEYS),
         "",
-        "prop = guesses proposed per round (below k with a confidence stop); τ = new tokens per target forward;"
+        "prop = guesses proposed per round (below k with a confidence stop); τ = tokens per verification"
+        " (1 + guesses kept; the first new token comes from the prompt's forward, as in serving engines);"
         " c = one draft step / one target step; β = verify (k+1 positions) / one step − 1;"
         " pred × = τ / (1 + prop·c + β); speed-up × = speculative / plain tokens/s"
         " (pooled over repeats and prompts, run side by side); plain and spec tok/s are medians over repeats.",
@@ -149,9 +150,53 @@ def markdown(report: dict) -> str:
     out += ["", "## Verdict per category (best k)", ""]
     for r in rows:
         if r["k"] == r["best_k"]:
+            engine = (f"; in {r['engine']}: {_fmt(r.get('engine_speedup') or r.get('engine_predicted_speedup'))}× → "
+                      f"{r['engine_verdict']}") if r.get("engine_verdict") else ""
             out.append(f"- **{r['category']}**, {r['drafter']}, T={_fmt(r['temperature'])}: best k={r['k']}, "
-                       f"speed-up {_fmt(r['speedup'])}× → {r['verdict']}")
+                       f"speed-up {_fmt(r['speedup'])}× → {r['verdict']}{engine}")
+    out += engine_section(rows)
     return "\n".join(out) + "\n"
+
+
+ENGINE_COLUMNS = [
+    ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("τ", "acceptance_length"),
+    ("τ engine", "engine_acceptance_length"), ("plain tok/s", "engine_ar_tokens_per_s"),
+    ("spec tok/s", "engine_sd_tokens_per_s"), ("c", "engine_cost_ratio"), ("β", "engine_verify_overhead"),
+    ("pred ×", "engine_predicted_speedup"), ("speed-up ×", "engine_speedup"), ("95 % interval", "engine_speedup_ci"),
+    ("lossless", "engine_lossless"), ("verdict here", "verdict"), ("verdict in the engine", "engine_verdict"),
+]
+PREDICTED_COLUMNS = [
+    ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("τ", "acceptance_length"), ("prop", "mean_proposed"),
+    ("c", "engine_cost_ratio"), ("β", "engine_verify_overhead"), ("pred ×", "engine_predicted_speedup"),
+    ("verdict here", "verdict"), ("verdict predicted", "engine_verdict"),
+]
+
+
+def engine_section(rows: list[dict]) -> list[str]:
+    """report.md's engine section: measured in llama.cpp beside draftsmith's loop, or predicted for a
+    team's own engine from the c and β it measured there (eval/engine.py)."""
+    rows = [r for r in rows if r.get("engine")]
+    if not rows:
+        return []
+    name = rows[0]["engine"]
+    notes = sorted({f"{r['drafter']}: {r['engine_note']}" for r in rows if r.get("engine_note")})
+    if name.endswith("(predicted)"):
+        out = ["", f"## Predicted for {name.removesuffix(' (predicted)')}", "",
+               "A prediction, not a measurement: draftsmith's τ per category with the c and β measured in that engine,"
+               " pred × = τ / (1 + prop·c + β). Acceptance carries over between engines; cost is the engine's.", "",
+               table(rows, PREDICTED_COLUMNS)]
+    else:
+        measured = [r for r in rows if r.get("engine_speedup") is not None]
+        out = ["", f"## In {name}", "",
+               f"The same drafters, prompts, k and budget served by {name} (greedy). τ engine = 1 + accepted drafts per"
+               " verification from its own counters; tok/s = generated tokens over its own generation time, the median"
+               " over repeats; speed-up × pooled over repeats and prompts, with a 95 % interval over prompts; c = its"
+               " drafting time per drafted token over its plain decoding time per token; β = llama-bench's k+1 tokens"
+               " over 1, minus 1; pred × = draftsmith's τ / (1 + prop·c + β); lossless = its greedy output equals its"
+               " plain output.", "", table(measured, ENGINE_COLUMNS)]
+    if notes:
+        out += ["", *(f"- {n}" for n in notes)]
+    return out
 
 
 TRAFFIC_KEYS = ("data", "trained_on")
@@ -210,6 +255,15 @@ def console_summary(report: dict) -> str:
         )
     lines += ["", "Which drafter is fastest (speed over the fastest's, 95 % interval over prompts):",
               *_fastest_lines(rows)]
+    engine = [r for r in rows if r.get("engine_verdict")]
+    if engine:
+        measured = any(r.get("engine_speedup") is not None for r in engine)
+        lines += ["", f"In {engine[0]['engine']}:" if measured else f"For {engine[0]['engine']}:",
+                  f"{'category':<14}{'drafter':<18}{'k':>3}{'tau':>7}{'tau eng':>9}{'x eng':>8}{'pred':>7}  verdict"]
+        for r in engine:
+            tau_e, x_e = r.get("engine_acceptance_length"), r.get("engine_speedup")
+            lines.append(f"{r['category'][:13]:<14}{r['drafter'][:17]:<18}{r['k']:>3}{r['acceptance_length']:>7.2f}"
+                         f"{_fmt(tau_e):>9}{_fmt(x_e):>8}{_fmt(r['engine_predicted_speedup']):>7}  {r['engine_verdict']}")
     return "\n".join(lines)
 
 

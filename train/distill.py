@@ -83,6 +83,10 @@ class DistillRecipe:
         from accelerate import Accelerator
 
         t = self.cfg.trainer
+        if self.cfg.evaluate.enabled and self.cfg.evaluate.engine:  # fail now, not after training
+            from eval import engine
+
+            engine.check(self.cfg.evaluate.engine, engine.EngineCosts())
         if t.select_by not in ("acceptance", "top1"):
             raise ValueError(f"trainer.select_by must be acceptance or top1, got {t.select_by!r}")
         self._validate()
@@ -471,14 +475,11 @@ class DistillRecipe:
             print(f"exported {name}: {path}")
         return {name: str(path) for name, path in written.items()}
 
-    def _final_drafters(self) -> list:
-        """Baseline first: the off-the-shelf draft, then the best trained one (reloaded from disk)."""
-        from drafters.draft_lm import DraftLM
-
-        return [DraftLM.from_pretrained(self.init_path, target=self.target, target_tokenizer=self.tokenizer,
-                                        name="off_the_shelf"),
-                DraftLM.from_pretrained(self.out / "best", target=self.target, target_tokenizer=self.tokenizer,
-                                        name=f"trained_{self.cfg.drafter.loss}")]
+    def _final_specs(self) -> list[dict]:
+        """The final evaluation's drafters as `python -m eval` specs: baseline first, the off-the-shelf draft,
+        then the best trained one (reloaded from disk)."""
+        return [{"name": "off_the_shelf", "kind": "draft_lm", "path": str(self.init_path)},
+                {"name": f"trained_{self.cfg.drafter.loss}", "kind": "draft_lm", "path": str(self.out / "best")}]
 
     def _final_eval_traffic(self):
         """The traffic the final evaluation measures: the held-out file, or the records training held out."""
@@ -496,21 +497,27 @@ class DistillRecipe:
                             last=last)
 
     def _final_eval(self) -> str:
+        from eval import engine
         from eval.evaluate import EvalPlan, evaluate
         from eval.report import build_report, console_summary, write_report
-        from eval.run import tokenize_prompts
+        from eval.run import build_drafter, tokenize_prompts
 
         e, cfg, traffic = self.cfg.evaluate, self.cfg, self.eval_traffic
         self.target.eval()
         prompts = tokenize_prompts(traffic, self.tokenizer, device=self.device, max_per_category=e.prompts_per_category,
                                    max_prompt_tokens=cfg.data.max_prompt_tokens)
-        drafters = self._final_drafters()
+        specs = self._final_specs()
+        drafters = [build_drafter(spec, target=self.target, tokenizer=self.tokenizer) for spec in specs]
         plan = EvalPlan(ks=list(e.ks), max_new_tokens=e.max_new_tokens, repeats=e.repeats, seed=cfg.trainer.seed)
         rows = evaluate(self.target, drafters, prompts, plan, eos_token_id=self.tokenizer.eos_token_id,
                         progress=cfg.progress)
+        in_engine = engine.add_figures(rows, specs, self.target, cfg.target.name_or_path, prompts, plan, engine=e.engine,
+                                       costs=engine.EngineCosts(), threads=torch.get_num_threads(),
+                                       work=self.out / "engine", progress=cfg.progress)
         report = build_report(rows, target=cfg.target.name_or_path, baseline=drafters[0].name,
                               settings={"data": traffic.describe(prompts), "trained_on": self.trained_on,
-                                        "ks": list(e.ks), "max_new_tokens": e.max_new_tokens, "repeats": e.repeats})
+                                        "ks": list(e.ks), "max_new_tokens": e.max_new_tokens, "repeats": e.repeats,
+                                        "engine": in_engine})
         paths = write_report(report, self.out)
         print(console_summary(report))
         print(f"\nreport: {paths['md']}")

@@ -339,11 +339,7 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
     tensors, head_config = eagle3_tensors(run.best, target, best=best, force=settings.force, dtype=dtype)
     dtype_name = str(dtype).removeprefix("torch.")
 
-    def write_sglang(tmp: Path) -> None:
-        (tmp / "config.json").write_text(json.dumps(sglang_config(head_config, target.config, dtype_name),
-                                                    indent=2) + "\n")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        _copy_tokenizer(target_dir, tmp)
+    write_sglang = _sglang_writer(tensors, head_config, target.config, target_dir, dtype_name)
 
     def write_speculators(tmp: Path) -> None:
         config = speculators_config(head_config, target.config, run.target if not run.target.startswith("toyworld://")
@@ -366,6 +362,29 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
     if "sglang" not in formats:
         shutil.rmtree(sglang)
     return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
+
+
+def _sglang_writer(tensors: dict[str, torch.Tensor], head_config: dict, target_config, target_dir: Path, dtype: str):
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(sglang_config(head_config, target_config, dtype), indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _copy_tokenizer(target_dir, tmp)
+
+    return write
+
+
+def eagle3_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file: str | Path) -> Path:
+    """A saved EAGLE-3 head (a `best/` directory of a run) as a llama.cpp GGUF: the SGLang export beside
+    `out_file`, guarded as `export` guards it, then llama.cpp's converter with the target's directory.
+    What `python -m eval engine=llamacpp` serves."""
+    head_dir, out_file = Path(head_dir), Path(out_file)
+    best_file = head_dir / "best.json"
+    best = json.loads(best_file.read_text()) if best_file.exists() else None
+    tensors, head_config = eagle3_tensors(head_dir, target, best=best)
+    target_dir = target_directory(target_name_or_path)
+    sglang = _write_dir(out_file.with_suffix(".sglang"), _sglang_writer(tensors, head_config, target.config,
+                                                                        target_dir, "float32"))
+    return _gguf(sglang, out_file, "float32", target_dir=target_dir)
 
 
 def _publish(run: TrainedRun, written: dict[str, Path], out: Path, hub: HubSettings, k: int) -> dict[str, Path | str]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from drafters.heads import KINDS, build_head, load_head, save_head
+from drafters.heads import KINDS, build_head, save_head
 from train.checkpoint import full_model_state
 from train.distill import DistillRecipe, _records_batch
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
@@ -320,19 +320,13 @@ class HeadRecipe(DistillRecipe):
 
     # --- the end ----------------------------------------------------------------------------------
 
-    def _final_drafters(self) -> list:
-        from drafters.draft_lm import DraftLM
-
+    def _final_specs(self) -> list[dict]:
         cfg = self.cfg
-        drafters = []
+        specs = []
         if cfg.target.off_the_shelf_draft:
-            from train import toyworld
-
-            drafters.append(DraftLM.from_pretrained(toyworld.resolve(cfg.target.off_the_shelf_draft), target=self.target,
-                                                    target_tokenizer=self.tokenizer, name="off_the_shelf"))
-        head = load_head(self.out / "best", self.target)  # the saved checkpoint, reloaded
-        drafters.append(head.drafter(f"trained_{cfg.drafter.kind}"))
-        return drafters
+            specs.append({"name": "off_the_shelf", "kind": "draft_lm", "path": cfg.target.off_the_shelf_draft})
+        specs.append({"name": f"trained_{cfg.drafter.kind}", "kind": "head", "path": str(self.out / "best")})
+        return specs
 
 
 def datasets_rows(directory: Path):

@@ -1,0 +1,298 @@
+"""The verdict in the engine a team deploys: the same drafters measured inside a serving engine, and the
+engine's cost model, which turns draftsmith's acceptance into a predicted speed-up for engines that cannot
+run here.
+
+Acceptance carries over between engines; cost does not (BENCHMARKS.md section 7). llama.cpp decodes the
+toy target several times faster than draftsmith's PyTorch loop, so one draft step costs it relatively more,
+and a drafter that pays in one engine can lose in another. `python -m eval engine=llamacpp` therefore
+measures, beside draftsmith's loop and on the same prompts, k and budget (greedy):
+
+- every drafter that has an engine format (a draft LM, an EAGLE-3 head) served by llama-server on
+  127.0.0.1 (eval/llama_cpp.py), the plain server and each speculative one in turn within every repeat;
+- the engine's acceptance length from its own counters (1 + accepted drafts per verification), its
+  generation speed (tokens over llama-server's `predicted_ms`: the prompt's processing, the same with and
+  without a drafter, is left out) with and without the drafter, the speed-up pooled over prompts and
+  repeats with a 95 % interval over prompts (eval/compare.py), its verdict, and whether its greedy output
+  equals its plain output (losslessness, in the engine);
+- the engine's costs, each from the engine's own clock: c = llama-server's drafting time (its `dur(g)`
+  statistic) per drafted token over its plain decoding time per token; β = llama-bench's time to process
+  k+1 tokens over its time for 1, at the prompts' median length, minus 1. With draftsmith's τ per
+  category they predict the engine's speed-up, τ / (1 + n·c + β) (n = guesses per round), printed beside
+  the measured one.
+
+A team whose engine cannot run here (vLLM or SGLang on GPUs) measures c and β in it and enters them
+(`engine_costs.c`, `engine_costs.beta`, a drafter's own `engine_c`); the report then turns draftsmith's τ
+into a per-category predicted speed-up and verdict for that engine, labelled a prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from eval import llama_cpp
+from eval.compare import Timings, compare
+from eval.evaluate import ALL
+
+ENGINES = {"llamacpp": "llama.cpp"}
+SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3"}
+# Fields every result row gets (None where a drafter or a temperature has no engine figure).
+FIELDS = ("engine", "engine_acceptance_length", "engine_ar_tokens_per_s", "engine_sd_tokens_per_s",
+          "engine_speedup", "engine_speedup_ci", "engine_verdict", "engine_lossless", "engine_cost_ratio",
+          "engine_verify_overhead", "engine_predicted_speedup", "engine_note")
+
+
+@dataclass
+class EngineCosts:
+    """c and β measured in an engine that cannot run here, for a predicted verdict there.
+
+    name: what they describe ("vLLM 0.11, 1x H100, batch 1"); c: one draft step over one target step in
+    that engine (every drafter without its own `engine_c`); beta: one verification of k+1 positions over
+    one target step, minus 1.
+    """
+
+    name: str = "your engine"
+    c: Optional[float] = None
+    beta: Optional[float] = None
+
+    @property
+    def given(self) -> bool:
+        return self.c is not None or self.beta is not None
+
+
+# --- a cost model for an engine that cannot run here ---------------------------------------------------
+
+
+def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | None], pays_off_at: float) -> None:
+    """Rows gain the speed-up these costs predict from draftsmith's τ, and its verdict, marked predicted."""
+    if costs.beta is None:
+        raise ValueError("engine_costs.beta is not set: a prediction needs β, the verification overhead measured "
+                         "in your engine (one forward of k+1 positions over one decoding step, minus 1)")
+    for r in rows:
+        c = drafter_c.get(r["drafter"])
+        c = costs.c if c is None else c
+        figures = dict.fromkeys(FIELDS)
+        figures.update(engine=f"{costs.name} (predicted)", engine_cost_ratio=c, engine_verify_overhead=costs.beta)
+        if c is None:
+            figures["engine_note"] = f"no c for drafter {r['drafter']!r}: set engine_costs.c or its engine_c"
+        elif r["mean_proposed"] == 0:
+            figures["engine_note"] = "the drafter proposed nothing"
+        else:
+            predicted = r["acceptance_length"] / (1 + r["mean_proposed"] * c + costs.beta)
+            figures.update(engine_predicted_speedup=predicted,
+                           engine_verdict=("pays off" if predicted >= pays_off_at else "turn it off") + " (predicted)")
+        r.update(figures)
+
+
+# --- llama.cpp: the drafters in its formats ------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    """A drafter as llama.cpp serves it: its GGUF and spec type, or why it has none."""
+
+    name: str
+    gguf: Path | None = None
+    spec_type: str | None = None
+    note: str | None = None
+
+
+def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) -> Served:
+    """The drafter of an eval spec ({name, kind, path}) converted for llama.cpp by its own converter."""
+    from train.export import eagle3_gguf, target_directory
+
+    name, kind = spec["name"], spec["kind"]
+    out = work / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.gguf"
+    if kind == "draft_lm":
+        return Served(name, llama_cpp.convert_to_gguf(target_directory(spec["path"]), out), SPEC_TYPES["draft_lm"])
+    if kind != "head":
+        return Served(name, note="draftsmith's n-gram drafter has no llama.cpp counterpart (llama.cpp's ngram "
+                                 "drafters are other algorithms)")
+    head = Path(spec["path"])
+    config = json.loads((head / "config.json").read_text())
+    if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):  # an SGLang export
+        gguf = llama_cpp.convert_to_gguf(head, out, target_dir=target_directory(target_name_or_path))
+    elif config.get("draftsmith_kind") == "eagle":
+        gguf = eagle3_gguf(head, target, target_name_or_path, out)
+    else:
+        what = config.get("draftsmith_kind") or "/".join(config.get("architectures") or ["unknown"])
+        return Served(name, note=f"a {what} head has no llama.cpp format (llama.cpp serves draft models and "
+                                 "EAGLE-3 in the SGLang export)")
+    return Served(name, gguf, SPEC_TYPES["eagle3"])
+
+
+# --- llama.cpp: measuring ------------------------------------------------------------------------------
+
+_STATS = re.compile(r"statistics\s+(\S+):.*#gen tokens =\s*(\d+).*dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
+
+
+def draft_timer(log: str) -> tuple[int, float]:
+    """(tokens drafted, milliseconds drafting them) from the last statistics line llama-server logged
+    (at log verbosity 4; its counters run from the server's start)."""
+    found = _STATS.findall(log)
+    if not found:
+        raise RuntimeError("llama-server logged no drafting statistics (it needs -lv 4); the end of its log:\n"
+                           + "\n".join(log.splitlines()[-10:]))
+    _, tokens, _, draft_ms, _ = found[-1]
+    return int(tokens), float(draft_ms)
+
+
+def verify_overheads(target_gguf: Path, ks: list[int], *, depth: int, threads: int, repetitions: int = 20) -> dict[int, float]:
+    """β per k in llama.cpp: llama-bench's median time to process k+1 tokens after `depth` tokens of context,
+    over its time for 1 token there, minus 1."""
+    sizes = sorted({1, *(k + 1 for k in ks)})
+    cmd = [str(llama_cpp.binary("llama-bench")), "-m", str(target_gguf), "-p", ",".join(map(str, sizes)), "-n", "0",
+           "-d", str(depth), "-r", str(repetitions), "-t", str(threads), "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed (exit {proc.returncode}):\n" + "\n".join(proc.stderr.splitlines()[-15:]))
+    ns = {entry["n_prompt"]: statistics.median(entry["samples_ns"]) for entry in json.loads(proc.stdout)}
+    return {k: ns[k + 1] / ns[1] - 1 for k in ks}
+
+
+def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str, list[list[int]]], ks: list[int],
+                      *, max_new_tokens: int, repeats: int, threads: int, log_dir: Path,
+                      progress: bool = True) -> dict:
+    """Plain and speculative llama-server over every prompt, `repeats` times, the configurations in turn
+    within each repeat (each server's first prompt is run once untimed). Returns the completions by
+    configuration, (repeat, category, prompt index), and each speculative server's drafting timer."""
+    items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
+    configs = [None] + [(s, k) for s in served if s.gguf is not None for k in ks]
+    bar = tqdm(total=repeats * len(configs) * len(items), desc="llama.cpp", unit="gen", disable=not progress)
+    completions: dict = {}
+    timers: dict = {}
+    ctx = max(len(p) for _, _, p in items) + max_new_tokens + 16
+    for rep in range(repeats):
+        for config in configs:
+            key = "plain" if config is None else (config[0].name, config[1])
+            spec = {} if config is None else {"draft": config[0].gguf, "spec_type": config[0].spec_type, "k": config[1]}
+            name = "plain" if config is None else f"{config[0].name}-k{config[1]}"
+            with llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4,
+                                       log_file=log_dir / f"llama-server-{name}-{rep}.log", **spec) as server:
+                server.complete(items[0][2], max_new_tokens)  # warm-up, untimed
+                before = draft_timer(server.log()) if config is not None else None
+                for category, i, prompt in items:
+                    completions.setdefault(key, {})[rep, category, i] = server.complete(prompt, max_new_tokens)
+                    bar.update()
+                if config is not None:
+                    tokens, ms = draft_timer(server.log())
+                    total = timers.setdefault(key, [0, 0.0])
+                    total[0] += tokens - before[0]
+                    total[1] += ms - before[1]
+    bar.close()
+    return {"completions": completions, "timers": timers, "items": [(c, i) for c, i, _ in items]}
+
+
+def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
+    gens = [[runs[r, c, i] for c, i in keys] for r in range(repeats)]
+    return Timings(np.array([[len(g.tokens) for g in row] for row in gens], dtype=float),
+                   np.array([[g.predicted_ms / 1000 for g in row] for row in gens]))
+
+
+def _median_speed(t: Timings) -> float:
+    return float(np.median(t.tokens.sum(1) / t.seconds.sum(1)))
+
+
+def engine_figures(rows: list[dict], measured: dict, served: list[Served], betas: dict[int, float], *, repeats: int,
+                   pays_off_at: float, seed: int = 0) -> None:
+    """Rows of draftsmith's report gain llama.cpp's figures for the same (drafter, k, category); rows at
+    temperature > 0 and drafters llama.cpp cannot serve get a note instead."""
+    completions, timers, items = measured["completions"], measured["timers"], measured["items"]
+    plain = completions["plain"]
+    step_ms = statistics.median(sum(g.predicted_ms for (r, _, _), g in plain.items() if r == rep)
+                                / sum(len(g.tokens) for (r, _, _), g in plain.items() if r == rep)
+                                for rep in range(repeats))
+    notes = {s.name: s.note for s in served if s.gguf is None}
+    for r in rows:
+        figures = dict.fromkeys(FIELDS)
+        figures["engine"] = ENGINES["llamacpp"]
+        if r["temperature"] != 0:
+            figures["engine_note"] = "the engine is measured greedy (temperature 0) only"
+        elif r["drafter"] in notes:
+            figures["engine_note"] = notes[r["drafter"]]
+        else:
+            key = (r["drafter"], r["k"])
+            runs = completions[key]
+            keys = [(c, i) for c, i in items if r["category"] in (ALL, c)]
+            spec_t, plain_t = _timings(runs, keys, repeats), _timings(plain, keys, repeats)
+            vs_plain = compare(spec_t, plain_t, [c for c, _ in keys], seed=seed)
+            chosen = [runs[rep, c, i] for rep in range(repeats) for c, i in keys]
+            rounds = sum(g.rounds for g in chosen)
+            drafted, draft_ms = timers[key]
+            c = draft_ms / drafted / step_ms if drafted else None
+            beta = betas[r["k"]]
+            predicted = (r["acceptance_length"] / (1 + r["mean_proposed"] * c + beta)) if c is not None else None
+            figures.update(
+                engine_acceptance_length=sum(len(g.tokens) - 1 for g in chosen) / rounds if rounds else None,
+                engine_ar_tokens_per_s=_median_speed(plain_t), engine_sd_tokens_per_s=_median_speed(spec_t),
+                engine_speedup=vs_plain.ratio, engine_speedup_ci=vs_plain.interval,
+                engine_verdict="pays off" if vs_plain.ratio >= pays_off_at else "turn it off",
+                engine_lossless=all(runs[rep, c, i].tokens == plain[rep, c, i].tokens
+                                    for rep in range(repeats) for c, i in keys),
+                engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted)
+        r.update(figures)
+
+
+def run_llama_cpp(rows: list[dict], drafter_specs: list[dict], target, target_name_or_path: str,
+                  prompts: dict[str, list[list[int]]], *, ks: list[int], max_new_tokens: int, repeats: int,
+                  pays_off_at: float, threads: int, work: Path, seed: int = 0, progress: bool = True) -> dict:
+    """Everything `engine=llamacpp` adds: convert the target and the drafters, measure them in llama.cpp,
+    calibrate c and β, and add the engine's figures to `rows`. Returns the settings to report."""
+    from train.export import target_directory
+
+    work.mkdir(parents=True, exist_ok=True)
+    llama_cpp.require()
+    target_gguf = llama_cpp.convert_to_gguf(target_directory(target_name_or_path), work / "target.gguf")
+    served = [llama_cpp_drafter(spec, target, target_name_or_path, work) for spec in drafter_specs]
+    for s in served:
+        if s.note:
+            print(f"llama.cpp: {s.name}: {s.note}")
+    measured = measure_llama_cpp(target_gguf, served, prompts, ks, max_new_tokens=max_new_tokens, repeats=repeats,
+                                 threads=threads, log_dir=work, progress=progress)
+    depth = int(statistics.median(len(p) for ps in prompts.values() for p in ps))
+    betas = verify_overheads(target_gguf, ks, depth=depth, threads=threads)
+    engine_figures(rows, measured, served, betas, repeats=repeats, pays_off_at=pays_off_at, seed=seed)
+    return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "threads": threads, "work_dir": str(work),
+            "verify_overhead_depth": depth, "served": {s.name: s.spec_type or s.note for s in served}}
+
+
+# --- what python -m eval and the training recipes call ---------------------------------------------------
+
+
+def check(engine: str | None, costs: EngineCosts) -> None:
+    """Before anything is loaded: a known engine, built; not both an engine and costs to predict with."""
+    if engine is None:
+        return
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} is not one draftsmith runs; known: {sorted(ENGINES)} (for "
+                         "another engine, measure c and beta there and set engine_costs.c / engine_costs.beta)")
+    if costs.given:
+        raise ValueError(f"engine={engine} measures llama.cpp's own costs; engine_costs.c / engine_costs.beta are for "
+                         "predicting an engine that cannot run here: set one or the other")
+    llama_cpp.require()
+
+
+def add_figures(rows: list[dict], specs: list[dict], target, target_name_or_path: str,
+                prompts: dict[str, list], plan, *, engine: str | None, costs: EngineCosts, threads: int, work: Path,
+                progress: bool = True) -> dict | None:
+    """The engine's figures added to `rows` (from eval.evaluate, with `plan`, its EvalPlan, on `prompts`,
+    token-id tensors per category, for the drafters `specs`): measured in llama.cpp (engine=llamacpp) or
+    predicted from costs a team measured in its own engine. Returns what the report's settings say of it."""
+    if engine == "llamacpp":
+        return run_llama_cpp(rows, specs, target, target_name_or_path,
+                             {c: [p.tolist() for p in ps] for c, ps in prompts.items()}, ks=list(plan.ks),
+                             max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, pays_off_at=plan.pays_off_at,
+                             threads=threads, work=work, seed=plan.seed, progress=progress)
+    if costs.given:
+        predict(rows, costs, {s["name"]: s.get("engine_c") for s in specs}, plan.pays_off_at)
+        return {"name": costs.name, "predicted": True, "c": costs.c, "beta": costs.beta,
+                "drafter_c": {s["name"]: s["engine_c"] for s in specs if s.get("engine_c") is not None}}
+    return None

@@ -1,0 +1,117 @@
+"""The verdict in the engine (eval/engine.py): llama.cpp measured beside draftsmith's loop, and a prediction
+for an engine that cannot run here from the c and β a team measured in it."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import eval.__main__ as entry
+from eval import engine, llama_cpp
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+needs_llama_cpp = pytest.mark.skipif(not llama_cpp.available(), reason=(
+    f"llama.cpp is not built at {llama_cpp.home()}: `make llama-cpp` (make test builds it)"))
+
+
+def make_cfg(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="eval", overrides=list(overrides))
+
+
+def row(drafter, tau, proposed, k=4, category="all"):
+    return {"drafter": drafter, "k": k, "category": category, "temperature": 0.0, "acceptance_length": tau,
+            "mean_proposed": proposed, "verdict": "pays off"}
+
+
+def test_predict_turns_tau_into_a_speedup_with_the_engines_costs():
+    rows = [row("head", 3.0, 4.0), row("draft", 3.0, 4.0), row("ngram", 1.5, 2.0)]
+    costs = engine.EngineCosts(name="vLLM on 1x H100", c=0.5, beta=0.1)
+    engine.predict(rows, costs, {"head": 0.05, "draft": None, "ngram": None}, pays_off_at=1.05)
+    head, draft, ngram = rows
+    assert head["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 4 * 0.05 + 0.1))  # its own c
+    assert head["engine_verdict"] == "pays off (predicted)"
+    assert draft["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 4 * 0.5 + 0.1))  # the shared c
+    assert draft["engine_verdict"] == "turn it off (predicted)"
+    assert ngram["engine_cost_ratio"] == 0.5 and ngram["engine"] == "vLLM on 1x H100 (predicted)"
+    assert all(r["engine_speedup"] is None for r in rows)  # nothing was measured
+
+
+def test_predict_needs_beta_and_says_which_drafter_lacks_c():
+    with pytest.raises(ValueError, match="engine_costs.beta"):
+        engine.predict([row("head", 3.0, 4.0)], engine.EngineCosts(c=0.1), {}, 1.05)
+    rows = [row("head", 3.0, 4.0)]
+    engine.predict(rows, engine.EngineCosts(beta=0.1), {}, 1.05)
+    assert rows[0]["engine_predicted_speedup"] is None and "no c for drafter 'head'" in rows[0]["engine_note"]
+
+
+def test_draft_timer_reads_the_last_statistics_line():
+    log = ("spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =   10     94     94, #gen drafts =     94, "
+           "#acc drafts =    81, #gen tokens =    373, #acc tokens =   274, #mean acc len = 3.91, dur(b,g,a) = 0.013, "
+           "66.426, 0.043 ms\nsomething else\n"
+           "spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =   11    109    109, #gen drafts =    109, "
+           "#acc drafts =    95, #gen tokens =    433, #acc tokens =   321, #mean acc len = 3.94, dur(b,g,a) = 0.015, "
+           "76.950, 0.051 ms\n")
+    assert engine.draft_timer(log) == (433, 76.950)
+    with pytest.raises(RuntimeError, match="no drafting statistics"):
+        engine.draft_timer("srv  load_model: loaded\n")
+
+
+def test_unknown_engine_and_engine_with_costs_are_errors_before_anything_loads(tmp_path):
+    with pytest.raises(ValueError, match="engine='vllm' is not one draftsmith runs"):
+        entry.run(make_cfg("engine=vllm", "data.path=/nonexistent.jsonl", f"out_dir={tmp_path}"))
+    with pytest.raises(ValueError, match="set one or the other"):
+        entry.run(make_cfg("engine=llamacpp", "engine_costs.beta=0.1", "data.path=/nonexistent.jsonl",
+                           f"out_dir={tmp_path}"))
+
+
+@pytest.mark.slow
+def test_costs_from_another_engine_give_a_predicted_verdict_per_category(tiny_world, tmp_path):
+    cfg = make_cfg("target=tiny", "ks=[2]", "repeats=1", "max_new_tokens=12", "data.max_prompts_per_category=2",
+                   "progress=false", "engine_costs.name=vLLM on 1x H100", "engine_costs.c=0.02",
+                   "engine_costs.beta=0.05", "drafters.1.engine_c=0.001", f"out_dir={tmp_path}")
+    report = entry.run(cfg)
+    assert report["settings"]["engine"] == {"name": "vLLM on 1x H100", "predicted": True, "c": 0.02, "beta": 0.05,
+                                            "drafter_c": {"ngram": 0.001}}
+    for r in report["results"]:
+        c = 0.001 if r["drafter"] == "ngram" else 0.02
+        assert r["engine_predicted_speedup"] == pytest.approx(r["acceptance_length"] / (1 + r["mean_proposed"] * c + 0.05))
+    md = (tmp_path / "report.md").read_text()
+    assert "## Predicted for vLLM on 1x H100" in md and "A prediction, not a measurement" in md
+
+
+@pytest.mark.slow
+@needs_llama_cpp
+def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny_world, eagle_run, tmp_path):
+    """`python -m eval engine=llamacpp` on tiny_deep: the off-the-shelf draft LM and an EAGLE-3 head served by
+    llama-server, the n-gram drafter noted as having no llama.cpp counterpart."""
+    out = tmp_path / "report"
+    cfg = make_cfg("target=tiny_deep", "engine=llamacpp", "ks=[2,4]", "repeats=2", "max_new_tokens=32",
+                   "data.max_prompts_per_category=4", "progress=false", "threads=1",
+                   f"drafters=[{{name: off_the_shelf, kind: draft_lm, path: toyworld://tiny_deep/draft}}, "
+                   f"{{name: head, kind: head, path: '{eagle_run / 'best'}'}}, {{name: ngram, kind: ngram}}]",
+                   f"out_dir={out}")
+    report = entry.run(cfg)
+    settings = report["settings"]["engine"]
+    assert settings["name"] == "llama.cpp" and settings["served"]["head"] == "draft-eagle3"
+    assert settings["served"]["off_the_shelf"] == "draft-simple" and "n-gram" in settings["served"]["ngram"]
+    rows = {(r["drafter"], r["k"], r["category"]): r for r in report["results"]}
+    for (drafter, k, category), r in rows.items():
+        assert r["engine"] == "llama.cpp"
+        if drafter == "ngram":
+            assert r["engine_speedup"] is None and "no llama.cpp counterpart" in r["engine_note"]
+            continue
+        assert r["engine_lossless"] is True, (drafter, k, category)  # greedy output = the engine's plain output
+        assert r["engine_speedup"] > 0 and r["engine_verdict"] in ("pays off", "turn it off")
+        assert r["engine_cost_ratio"] > 0 and r["engine_verify_overhead"] > -1
+        assert r["engine_predicted_speedup"] == pytest.approx(
+            r["acceptance_length"] / (1 + r["mean_proposed"] * r["engine_cost_ratio"] + r["engine_verify_overhead"]))
+        assert r["engine_ar_tokens_per_s"] > 0 and r["engine_sd_tokens_per_s"] > 0
+    for k in (2, 4):  # the same head, features and prompts in both loops: acceptance carries over
+        ours, theirs = rows["head", k, "all"]["acceptance_length"], rows["head", k, "all"]["engine_acceptance_length"]
+        assert abs(theirs / ours - 1) <= 0.05, (k, ours, theirs)
+    md = (out / "report.md").read_text()
+    assert "## In llama.cpp" in md and "ngram: draftsmith's n-gram drafter has no llama.cpp counterpart" in md
+    assert json.loads((out / "report.json").read_text())["results"][0]["engine"] == "llama.cpp"
+    assert list((out / "engine").glob("llama-server-*.log"))  # the engine's own logs are kept
