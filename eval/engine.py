@@ -31,6 +31,7 @@ import json
 import re
 import statistics
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -145,6 +146,15 @@ def draft_timer(log: str) -> tuple[int, float]:
     return int(tokens), float(draft_ms)
 
 
+def _timer_after(server: llama_cpp.LlamaServer, requests: int, timeout: float = 30.0) -> tuple[int, float]:
+    """The drafting timer once the server has logged the statistics of `requests` requests: it logs them
+    when it releases the slot, which can be just after the reply has been sent."""
+    deadline = time.monotonic() + timeout
+    while len(_STATS.findall(log := server.log())) < requests and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return draft_timer(log)
+
+
 def verify_overheads(target_gguf: Path, ks: list[int], *, depth: int, threads: int, repetitions: int = 20) -> dict[int, float]:
     """β per k in llama.cpp: llama-bench's median time to process k+1 tokens after `depth` tokens of context,
     over its time for 1 token there, minus 1."""
@@ -178,12 +188,12 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
             with llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4,
                                        log_file=log_dir / f"llama-server-{name}-{rep}.log", **spec) as server:
                 server.complete(items[0][2], max_new_tokens)  # warm-up, untimed
-                before = draft_timer(server.log()) if config is not None else None
+                before = _timer_after(server, 1) if config is not None else None
                 for category, i, prompt in items:
                     completions.setdefault(key, {})[rep, category, i] = server.complete(prompt, max_new_tokens)
                     bar.update()
                 if config is not None:
-                    tokens, ms = draft_timer(server.log())
+                    tokens, ms = _timer_after(server, 1 + len(items))
                     total = timers.setdefault(key, [0, 0.0])
                     total[0] += tokens - before[0]
                     total[1] += ms - before[1]

@@ -145,6 +145,13 @@ class Completion:
         return max(len(self.tokens) - 1 - self.draft_n_accepted, 0)
 
 
+def open_log(path: str | Path | None):
+    """A file for a server's log (a temporary one without `path`). llama-server logs token pieces, which can
+    be partial UTF-8: they are read replaced, never as an error."""
+    text = {"mode": "w+", "encoding": "utf-8", "errors": "replace"}
+    return open(path, **text) if path else tempfile.TemporaryFile(**text)
+
+
 class LlamaServer:
     """`llama-server` serving `model` (a GGUF) on 127.0.0.1 at a free port, optionally with a drafter:
     `draft` (a GGUF) and `spec_type` (`draft-simple` for a draft LM, `draft-eagle3` for an EAGLE-3 head),
@@ -179,7 +186,7 @@ class LlamaServer:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         # Its log goes to a file (a temporary one unless log_file is given), whose end an error quotes.
-        self._log = open(self.log_file, "w+") if self.log_file else tempfile.TemporaryFile("w+")
+        self._log = open_log(self.log_file)
         self.process = subprocess.Popen(self.command(port), stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:

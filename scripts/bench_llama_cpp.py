@@ -5,11 +5,10 @@
 
 For each trained run: export it (`python -m train.export`'s library call, GGUF through llama.cpp's own
 converter), then on the held-out traffic of the run's data, per category and greedy:
-- draftsmith's acceptance length τ (new tokens per target forward) in its own loop;
+- draftsmith's acceptance length τ (tokens per verification) in its own loop;
 - llama.cpp's τ with the same drafter, k, prompts and budget: 1 + accepted drafts per verification, from
-  llama-server's draft_n_accepted (eval.llama_cpp.Completion.rounds). llama.cpp takes the first new token
-  from the prompt's forward and drafts after it; draftsmith's first round drafts it. On long answers the
-  two count the same; on short ones llama.cpp's τ comes out higher by that first round;
+  llama-server's draft_n_accepted (eval.llama_cpp.Completion.rounds). Both loops take the first new token
+  from the prompt's forward and draft after it;
 - llama.cpp's speed-up over its own plain decoding: generated tokens / generation time as llama-server
   reports them, pooled over the category's prompts, plain and speculative servers run in turn in each
   repeat; the median over repeats of the ratio.
@@ -65,15 +64,15 @@ def main() -> None:
                                         "path": str(run.best)}, target=target, tokenizer=tok)
 
     result = {"settings": {**vars(args), "data": traffic.describe(prompts), "target": first.target}, "rows": []}
-    ours = {}  # (drafter, category) -> (new tokens, target forwards) in draftsmith's loop
+    ours = {}  # (drafter, category) -> (tokens after the first, rounds) in draftsmith's loop
     for name, drafter in drafters.items():
         for category, ps in prompts.items():
-            tokens = forwards = 0
+            tokens = rounds = 0
             for p in ps:
                 g = speculative_generate(target, drafter, torch.tensor(p), k=args.k, sampling=Sampling(),
                                          max_new_tokens=args.new_tokens, eos_token_id=tok.eos_token_id)
-                tokens, forwards = tokens + len(g.tokens), forwards + g.target_forwards
-            ours[name, category] = (tokens, forwards)
+                tokens, rounds = tokens + len(g.tokens) - 1, rounds + len(g.rounds)
+            ours[name, category] = (tokens, rounds)
         ours[name, "all"] = tuple(sum(ours[name, c][i] for c in prompts) for i in (0, 1))
 
     def serve(name):

@@ -58,6 +58,14 @@ def test_draft_timer_reads_the_last_statistics_line():
         engine.draft_timer("srv  load_model: loaded\n")
 
 
+def test_a_log_with_partial_utf8_token_pieces_reads(tmp_path):
+    log = llama_cpp.open_log(tmp_path / "server.log")
+    with open(tmp_path / "server.log", "ab") as raw:  # what the server process writes, bytes as they come
+        raw.write(b"token piece '\xc4' then statistics\n")
+    assert "statistics" in log.read() and "\ufffd" in (tmp_path / "server.log").read_text(errors="replace")
+    log.close()
+
+
 def test_unknown_engine_and_engine_with_costs_are_errors_before_anything_loads(tmp_path):
     with pytest.raises(ValueError, match="engine='vllm' is not one draftsmith runs"):
         entry.run(make_cfg("engine=vllm", "data.path=/nonexistent.jsonl", f"out_dir={tmp_path}"))
