@@ -123,3 +123,25 @@ def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny
     assert "## In llama.cpp" in md and "ngram: draftsmith's n-gram drafter has no llama.cpp counterpart" in md
     assert json.loads((out / "report.json").read_text())["results"][0]["engine"] == "llama.cpp"
     assert list((out / "engine").glob("llama-server-*.log"))  # the engine's own logs are kept
+
+
+def test_an_unknown_engine_at_the_end_of_training_fails_before_training(tiny_world, tmp_path):
+    from helpers import train_tiny_deep
+
+    with pytest.raises(ValueError, match="engine='sglang' is not one draftsmith runs"):
+        train_tiny_deep(tmp_path / "run", "drafter=eagle", "evaluate.enabled=true", "evaluate.engine=sglang")
+    assert not (tmp_path / "run" / "best").exists()
+
+
+@pytest.mark.slow
+@needs_llama_cpp
+def test_training_ends_with_the_verdict_in_llama_cpp(tiny_world, tmp_path):
+    from helpers import train_tiny_deep
+
+    run = train_tiny_deep(tmp_path / "run", "drafter=eagle", "trainer.max_steps=20", "evaluate.enabled=true",
+                          "evaluate.engine=llamacpp", "evaluate.ks=[2]", "evaluate.repeats=1",
+                          "evaluate.prompts_per_category=2", "evaluate.max_new_tokens=16")
+    report = json.loads((run / "report.json").read_text())
+    assert report["settings"]["engine"]["served"] == {"off_the_shelf": "draft-simple", "trained_eagle": "draft-eagle3"}
+    assert all(r["engine_lossless"] is True and r["engine_speedup"] > 0 for r in report["results"])
+    assert "## In llama.cpp" in (run / "report.md").read_text()
