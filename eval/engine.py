@@ -9,7 +9,8 @@ measures, beside draftsmith's loop and on the same prompts, k and budget (greedy
 
 - every drafter that has an engine format (a draft LM, an EAGLE-3 head) served by llama-server on
   127.0.0.1 (eval/llama_cpp.py), the plain server and each speculative one in turn within every repeat;
-- the engine's acceptance length from its own counters (1 + accepted drafts per verification), its
+- the engine's acceptance length from its own counters (1 + accepted drafts per verification, from the
+  drafting statistics llama-server logs for each request), its
   generation speed (tokens over llama-server's `predicted_ms`: the prompt's processing, the same with and
   without a drafter, is left out) with and without the drafter, the speed-up pooled over prompts and
   repeats with a 95 % interval over prompts (eval/compare.py), its verdict, and whether its greedy output
@@ -132,27 +133,47 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
 
 # --- llama.cpp: measuring ------------------------------------------------------------------------------
 
-_STATS = re.compile(r"statistics\s+(\S+):.*#gen tokens =\s*(\d+).*dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
+_STATS = re.compile(r"statistics\s+\S+: #calls\(b,g,a\) =\s*\d+\s+\d+\s+(\d+),.*#gen tokens =\s*(\d+), "
+                    r"#acc tokens =\s*(\d+).*dur\(b,g,a\) = [\d.]+, ([\d.]+), [\d.]+ ms")
 
 
-def draft_timer(log: str) -> tuple[int, float]:
-    """(tokens drafted, milliseconds drafting them) from the last statistics line llama-server logged
-    (at log verbosity 4; its counters run from the server's start)."""
+@dataclass
+class DraftStats:
+    """llama-server's own drafting counters: verifications (its accept calls), tokens drafted, drafts
+    accepted, and milliseconds spent drafting."""
+
+    verifications: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_ms: float = 0.0
+
+    def __add__(self, other: "DraftStats") -> "DraftStats":
+        return DraftStats(self.verifications + other.verifications, self.drafted + other.drafted,
+                          self.accepted + other.accepted, self.draft_ms + other.draft_ms)
+
+    def __sub__(self, other: "DraftStats") -> "DraftStats":
+        return DraftStats(self.verifications - other.verifications, self.drafted - other.drafted,
+                          self.accepted - other.accepted, self.draft_ms - other.draft_ms)
+
+
+def draft_stats(log: str) -> DraftStats:
+    """The counters of the last statistics line llama-server logged (at log verbosity 4, once per request;
+    they run from the server's start)."""
     found = _STATS.findall(log)
     if not found:
         raise RuntimeError("llama-server logged no drafting statistics (it needs -lv 4); the end of its log:\n"
                            + "\n".join(log.splitlines()[-10:]))
-    _, tokens, _, draft_ms, _ = found[-1]
-    return int(tokens), float(draft_ms)
+    verifications, drafted, accepted, draft_ms = found[-1]
+    return DraftStats(int(verifications), int(drafted), int(accepted), float(draft_ms))
 
 
-def _timer_after(server: llama_cpp.LlamaServer, requests: int, timeout: float = 30.0) -> tuple[int, float]:
-    """The drafting timer once the server has logged the statistics of `requests` requests: it logs them
-    when it releases the slot, which can be just after the reply has been sent."""
+def stats_after(server: llama_cpp.LlamaServer, requests: int, timeout: float = 30.0) -> DraftStats:
+    """The counters once the server has logged the statistics of `requests` requests: it logs them when it
+    releases the slot, which can be just after the reply has been sent."""
     deadline = time.monotonic() + timeout
     while len(_STATS.findall(log := server.log())) < requests and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return draft_timer(log)
+        time.sleep(0.01)
+    return draft_stats(log)
 
 
 def verify_overheads(target_gguf: Path, ks: list[int], *, depth: int, threads: int, repetitions: int = 20) -> dict[int, float]:
@@ -172,13 +193,14 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
                       *, max_new_tokens: int, repeats: int, threads: int, log_dir: Path,
                       progress: bool = True) -> dict:
     """Plain and speculative llama-server over every prompt, `repeats` times, the configurations in turn
-    within each repeat (each server's first prompt is run once untimed). Returns the completions by
-    configuration, (repeat, category, prompt index), and each speculative server's drafting timer."""
+    within each repeat (each server's first prompt is run once untimed). Returns the completions and, for
+    speculative servers, the drafting counters of each request, by configuration and (repeat, category,
+    prompt index)."""
     items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
     configs = [None] + [(s, k) for s in served if s.gguf is not None for k in ks]
     bar = tqdm(total=repeats * len(configs) * len(items), desc="llama.cpp", unit="gen", disable=not progress)
     completions: dict = {}
-    timers: dict = {}
+    counters: dict = {}
     ctx = max(len(p) for _, _, p in items) + max_new_tokens + 16
     for rep in range(repeats):
         for config in configs:
@@ -188,17 +210,16 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
             with llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4,
                                        log_file=log_dir / f"llama-server-{name}-{rep}.log", **spec) as server:
                 server.complete(items[0][2], max_new_tokens)  # warm-up, untimed
-                before = _timer_after(server, 1) if config is not None else None
-                for category, i, prompt in items:
+                before = stats_after(server, 1) if config is not None else None
+                for n, (category, i, prompt) in enumerate(items, start=2):
                     completions.setdefault(key, {})[rep, category, i] = server.complete(prompt, max_new_tokens)
+                    if config is not None:
+                        now = stats_after(server, n)
+                        counters.setdefault(key, {})[rep, category, i] = now - before
+                        before = now
                     bar.update()
-                if config is not None:
-                    tokens, ms = _timer_after(server, 1 + len(items))
-                    total = timers.setdefault(key, [0, 0.0])
-                    total[0] += tokens - before[0]
-                    total[1] += ms - before[1]
     bar.close()
-    return {"completions": completions, "timers": timers, "items": [(c, i) for c, i, _ in items]}
+    return {"completions": completions, "counters": counters, "items": [(c, i) for c, i, _ in items]}
 
 
 def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
@@ -215,7 +236,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], betas
                    pays_off_at: float, seed: int = 0) -> None:
     """Rows of draftsmith's report gain llama.cpp's figures for the same (drafter, k, category); rows at
     temperature > 0 and drafters llama.cpp cannot serve get a note instead."""
-    completions, timers, items = measured["completions"], measured["timers"], measured["items"]
+    completions, counters, items = measured["completions"], measured["counters"], measured["items"]
     plain = completions["plain"]
     step_ms = statistics.median(sum(g.predicted_ms for (r, _, _), g in plain.items() if r == rep)
                                 / sum(len(g.tokens) for (r, _, _), g in plain.items() if r == rep)
@@ -234,14 +255,13 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], betas
             keys = [(c, i) for c, i in items if r["category"] in (ALL, c)]
             spec_t, plain_t = _timings(runs, keys, repeats), _timings(plain, keys, repeats)
             vs_plain = compare(spec_t, plain_t, [c for c, _ in keys], seed=seed)
-            chosen = [runs[rep, c, i] for rep in range(repeats) for c, i in keys]
-            rounds = sum(g.rounds for g in chosen)
-            drafted, draft_ms = timers[key]
-            c = draft_ms / drafted / step_ms if drafted else None
+            chosen = sum((counters[key][rep, c, i] for rep in range(repeats) for c, i in keys), DraftStats())
+            everything = sum(counters[key].values(), DraftStats())  # c from every request of the server
+            c = everything.draft_ms / everything.drafted / step_ms if everything.drafted else None
             beta = betas[r["k"]]
             predicted = (r["acceptance_length"] / (1 + r["mean_proposed"] * c + beta)) if c is not None else None
             figures.update(
-                engine_acceptance_length=sum(len(g.tokens) - 1 for g in chosen) / rounds if rounds else None,
+                engine_acceptance_length=1 + chosen.accepted / chosen.verifications if chosen.verifications else None,
                 engine_ar_tokens_per_s=_median_speed(plain_t), engine_sd_tokens_per_s=_median_speed(spec_t),
                 engine_speedup=vs_plain.ratio, engine_speedup_ci=vs_plain.interval,
                 engine_verdict="pays off" if vs_plain.ratio >= pays_off_at else "turn it off",

@@ -169,7 +169,7 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
     if not rounds:
         raise ValueError(f"drafter {drafter!r}, {category}: every generation ended at its first token (EOS or the "
                          "budget), so no round was drafted; raise max_new_tokens")
-    stats = acceptance_stats(rounds, k, sum(len(g.tokens) - 1 for g in gens if g.rounds))
+    stats = acceptance_stats(rounds, k)
     steps = [s for g in plain.select(category) for s in g.step_s]
     costs = cost_model(rounds, steps, k, stats.acceptance_length)
     lossless = None

@@ -136,14 +136,6 @@ class Completion:
     draft_n_accepted: int  # of those, accepted by the target
     predicted_ms: float  # llama-server's own time for generating them
 
-    @property
-    def rounds(self) -> int:
-        """Verifications of drafts. llama-server samples the first token from the prompt's forward, then
-        each verification yields one token of the target's plus the drafts it accepted; it reports the
-        accepted drafts, not the verifications, so they are tokens - 1 - accepted. The acceptance length
-        over a run is then (tokens - 1) / rounds = 1 + accepted drafts per verification."""
-        return max(len(self.tokens) - 1 - self.draft_n_accepted, 0)
-
 
 def open_log(path: str | Path | None):
     """A file for a server's log (a temporary one without `path`). llama-server logs token pieces, which can

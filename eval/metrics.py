@@ -27,9 +27,9 @@ class AcceptanceStats:
         here; it is in acceptance_length).
     position_acceptance[i]: P(guess i+1 kept | guesses 1..i kept and guess i+1 proposed); real
         drafters fall with position, which an i.i.d. rate hides.
-    acceptance_length: tau = tokens the rounds yielded / rounds = 1 + kept guesses per verification, the
-        serving engines' "mean acceptance length" (the first new token, from the prompt's forward, is in
-        no round).
+    acceptance_length: tau = 1 + kept guesses per round (a round yields its kept guesses and one token of the
+        target's), the serving engines' "mean acceptance length" as llama.cpp and vLLM count it (the first
+        new token, from the prompt's forward, is in no round; a round cut by EOS or the budget counts whole).
     """
 
     rounds: int
@@ -49,9 +49,8 @@ class AcceptanceStats:
         return asdict(self)
 
 
-def acceptance_stats(rounds: Sequence[Round], k: int, round_tokens: int) -> AcceptanceStats:
-    """Summarise rounds drafted with k guesses that yielded `round_tokens` new tokens (every new token but
-    each generation's first; fewer than kept guesses + 1 per round where a budget or EOS cut the last)."""
+def acceptance_stats(rounds: Sequence[Round], k: int) -> AcceptanceStats:
+    """Summarise rounds drafted with k guesses."""
     if not rounds:
         raise ValueError("no rounds to summarise")
     accepted = np.array([r.accepted for r in rounds])
@@ -75,7 +74,7 @@ def acceptance_stats(rounds: Sequence[Round], k: int, round_tokens: int) -> Acce
         full_hit_rate=float((accepted == k).mean()),
         acceptance_rate=float(accepted.sum() / proposed.sum()) if proposed.sum() else 0.0,
         position_acceptance=positions,
-        acceptance_length=round_tokens / len(rounds),
+        acceptance_length=1 + float(accepted.mean()),
     )
 
 

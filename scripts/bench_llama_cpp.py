@@ -7,7 +7,7 @@ For each trained run: export it (`python -m train.export`'s library call, GGUF t
 converter), then on the held-out traffic of the run's data, per category and greedy:
 - draftsmith's acceptance length τ (tokens per verification) in its own loop;
 - llama.cpp's τ with the same drafter, k, prompts and budget: 1 + accepted drafts per verification, from
-  llama-server's draft_n_accepted (eval.llama_cpp.Completion.rounds). Both loops take the first new token
+  llama-server's own drafting counters (eval.engine.DraftStats). Both loops take the first new token
   from the prompt's forward and draft after it;
 - llama.cpp's speed-up over its own plain decoding: generated tokens / generation time as llama-server
   reports them, pooled over the category's prompts, plain and speculative servers run in turn in each
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from eval import llama_cpp
+from eval.engine import DraftStats, stats_after
 from eval.run import build_drafter, held_out_path, load_target, read_traffic, tokenize_prompts
 from eval.sampling import Sampling
 from eval.speculative import speculative_generate
@@ -64,21 +65,31 @@ def main() -> None:
                                         "path": str(run.best)}, target=target, tokenizer=tok)
 
     result = {"settings": {**vars(args), "data": traffic.describe(prompts), "target": first.target}, "rows": []}
-    ours = {}  # (drafter, category) -> (tokens after the first, rounds) in draftsmith's loop
+    ours = {}  # (drafter, category) -> (kept guesses, rounds) in draftsmith's loop
     for name, drafter in drafters.items():
         for category, ps in prompts.items():
-            tokens = rounds = 0
+            accepted = rounds = 0
             for p in ps:
                 g = speculative_generate(target, drafter, torch.tensor(p), k=args.k, sampling=Sampling(),
                                          max_new_tokens=args.new_tokens, eos_token_id=tok.eos_token_id)
-                tokens, rounds = tokens + len(g.tokens) - 1, rounds + len(g.rounds)
-            ours[name, category] = (tokens, rounds)
+                accepted, rounds = accepted + sum(r.accepted for r in g.rounds), rounds + len(g.rounds)
+            ours[name, category] = (accepted, rounds)
         ours[name, "all"] = tuple(sum(ours[name, c][i] for c in prompts) for i in (0, 1))
+
+    counters = {}  # (drafter, category) -> llama-server's drafting counters, first repeat
 
     def serve(name):
         spec = {} if name == "plain" else {"draft": ggufs[name], "spec_type": SPEC_TYPES[name], "k": args.k}
-        with llama_cpp.LlamaServer(target_gguf, threads=args.threads, ctx_size=4096, **spec) as server:
-            return {c: [server.complete(p, args.new_tokens) for p in ps] for c, ps in prompts.items()}
+        with llama_cpp.LlamaServer(target_gguf, threads=args.threads, ctx_size=4096, log_verbosity=4, **spec) as server:
+            out, done, before = {}, 0, DraftStats()
+            for c, ps in prompts.items():
+                out[c] = [server.complete(p, args.new_tokens) for p in ps]
+                done += len(ps)
+                if name != "plain":
+                    now = stats_after(server, done)
+                    counters.setdefault((name, c), now - before)
+                    before = now
+            return out
 
     repeats = [{name: serve(name) for name in ["plain", *ggufs]} for _ in range(args.repeats)]
     speed = lambda cs: sum(len(c.tokens) for c in cs) / sum(c.predicted_ms for c in cs) * 1000  # noqa: E731
@@ -88,15 +99,17 @@ def main() -> None:
     for name in ggufs:
         for category in [*prompts, "all"]:
             first_run = repeats[0][name][category]
-            theirs = sum(len(c.tokens) - 1 for c in first_run) / sum(c.rounds for c in first_run)
+            stats = (sum((counters[name, c] for c in prompts), DraftStats()) if category == "all"
+                     else counters[name, category])
+            theirs = 1 + stats.accepted / stats.verifications
             ratios = [speed(r[name][category]) / speed(r["plain"][category]) for r in repeats]
             equal = sum(a.tokens == b.tokens for a, b in zip(first_run, repeats[0]["plain"][category]))
             result["rows"].append({
                 "drafter": name, "category": category, "prompts": len(first_run),
                 "mean_new_tokens": round(sum(len(c.tokens) for c in first_run) / len(first_run), 1),
-                "tau_draftsmith": round(ours[name, category][0] / ours[name, category][1], 3),
+                "tau_draftsmith": round(1 + ours[name, category][0] / ours[name, category][1], 3),
                 "tau_llama_cpp": round(theirs, 3),
-                "tau_ratio": round(theirs / (ours[name, category][0] / ours[name, category][1]), 3),
+                "tau_ratio": round(theirs / (1 + ours[name, category][0] / ours[name, category][1]), 3),
                 "accepted_share": round(sum(c.draft_n_accepted for c in first_run)
                                         / max(sum(c.draft_n for c in first_run), 1), 3),
                 "llama_cpp_speedup_median": round(statistics.median(ratios), 3),

@@ -46,16 +46,16 @@ def test_predict_needs_beta_and_says_which_drafter_lacks_c():
     assert rows[0]["engine_predicted_speedup"] is None and "no c for drafter 'head'" in rows[0]["engine_note"]
 
 
-def test_draft_timer_reads_the_last_statistics_line():
+def test_draft_stats_reads_the_last_statistics_line():
     log = ("spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =   10     94     94, #gen drafts =     94, "
            "#acc drafts =    81, #gen tokens =    373, #acc tokens =   274, #mean acc len = 3.91, dur(b,g,a) = 0.013, "
            "66.426, 0.043 ms\nsomething else\n"
            "spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =   11    109    109, #gen drafts =    109, "
            "#acc drafts =    95, #gen tokens =    433, #acc tokens =   321, #mean acc len = 3.94, dur(b,g,a) = 0.015, "
            "76.950, 0.051 ms\n")
-    assert engine.draft_timer(log) == (433, 76.950)
+    assert engine.draft_stats(log) == engine.DraftStats(verifications=109, drafted=433, accepted=321, draft_ms=76.950)
     with pytest.raises(RuntimeError, match="no drafting statistics"):
-        engine.draft_timer("srv  load_model: loaded\n")
+        engine.draft_stats("srv  load_model: loaded\n")
 
 
 def test_a_log_with_partial_utf8_token_pieces_reads(tmp_path):

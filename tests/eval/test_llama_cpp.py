@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eval import llama_cpp
+from eval.engine import stats_after
 from eval.run import build_drafter, load_target
 from eval.sampling import Sampling
 from eval.speculative import speculative_generate
@@ -46,24 +47,28 @@ def world(tiny_world, tmp_path_factory):
             "out": out}
 
 
-def serve(world, draft_gguf, spec_type):
-    with llama_cpp.LlamaServer(world["gguf"], draft=draft_gguf, spec_type=spec_type, k=K) as server:
-        return [server.complete(p, NEW_TOKENS) for p in world["prompts"]]
+def serve(world, draft_gguf, spec_type, stats=None):
+    """Completions of every prompt; with `stats` (a list), llama-server's drafting counters appended to it."""
+    with llama_cpp.LlamaServer(world["gguf"], draft=draft_gguf, spec_type=spec_type, k=K, log_verbosity=4) as server:
+        completions = [server.complete(p, NEW_TOKENS) for p in world["prompts"]]
+        if stats is not None:
+            stats.append(stats_after(server, len(completions)))
+        return completions
 
 
-def llama_tau(completions) -> float:
-    """1 + accepted drafts per verification, the field's acceptance length (eval.llama_cpp.Completion.rounds)."""
-    return sum(len(c.tokens) - 1 for c in completions) / sum(c.rounds for c in completions)
+def llama_tau(stats) -> float:
+    """1 + accepted drafts per verification, from llama-server's own counters: the field's acceptance length."""
+    return 1 + stats.accepted / stats.verifications
 
 
 def draftsmith_tau(world, drafter) -> float:
     """draftsmith's own loop on the same prompts, k and budget (greedy), τ as its reports define it."""
-    tokens = rounds = 0
+    accepted = rounds = 0
     for p in world["prompts"]:
         g = speculative_generate(world["target"], drafter, torch.tensor(p), k=K, sampling=Sampling(),
                                  max_new_tokens=NEW_TOKENS, eos_token_id=world["tok"].eos_token_id)
-        tokens, rounds = tokens + len(g.tokens) - 1, rounds + len(g.rounds)
-    return tokens / rounds
+        accepted, rounds = accepted + sum(r.accepted for r in g.rounds), rounds + len(g.rounds)
+    return 1 + accepted / rounds
 
 
 def test_llama_cpp_tokenizes_like_the_target_tokenizer(world):
@@ -78,13 +83,14 @@ def test_llama_cpp_tokenizes_like_the_target_tokenizer(world):
 
 def test_the_exported_eagle3_head_runs_in_llama_cpp_as_in_draftsmith(world, eagle_run):
     written = export(eagle_run, world["out"] / "eagle", ExportSettings(formats=["gguf"]))
-    completions = serve(world, written["gguf"], "draft-eagle3")
+    stats = []
+    completions = serve(world, written["gguf"], "draft-eagle3", stats)
     assert [c.tokens for c in completions] == world["plain"]  # lossless in the engine
     proposed, accepted = sum(c.draft_n for c in completions), sum(c.draft_n_accepted for c in completions)
     assert accepted / proposed > 10 / 120  # far above chance (a uniform guess over 120 draft tokens)
     head = build_drafter({"name": "head", "kind": "head", "path": str(eagle_run / "best")},
                          target=world["target"], tokenizer=world["tok"])
-    ours, theirs = draftsmith_tau(world, head), llama_tau(completions)
+    ours, theirs = draftsmith_tau(world, head), llama_tau(stats[0])
     assert abs(theirs / ours - 1) <= TAU_TOLERANCE, (ours, theirs)
 
 
@@ -131,11 +137,12 @@ def test_a_collapsed_export_fails_the_engine_check(world, eagle_run, plant):
     plant(directory)
     try:
         gguf = llama_cpp.convert_to_gguf(directory, world["out"] / f"{plant.__name__}.gguf", target_dir=world["dir"])
-        completions = serve(world, gguf, "draft-eagle3")
+        stats = []
+        completions = serve(world, gguf, "draft-eagle3", stats)
     except (RuntimeError, OSError):  # refused by llama.cpp's converter or server: a loud failure
         return
     head = build_drafter({"name": "head", "kind": "head", "path": str(eagle_run / "best")},
                          target=world["target"], tokenizer=world["tok"])
     lossless = [c.tokens for c in completions] == world["plain"]
-    close = abs(llama_tau(completions) / draftsmith_tau(world, head) - 1) <= TAU_TOLERANCE
+    close = abs(llama_tau(stats[0]) / draftsmith_tau(world, head) - 1) <= TAU_TOLERANCE
     assert not (lossless and close)

@@ -13,7 +13,7 @@ def rounds(accepted, proposed=None, k=4, draft_s=0.004, verify_s=0.012):
 
 def test_acceptance_stats_on_hand_built_rounds():
     # 5 rounds at k=4: kept 0, 4, 2, 4, 0 -> tokens 1+5+3+5+1 = 15 in 5 rounds.
-    s = acceptance_stats(rounds([0, 4, 2, 4, 0]), k=4, round_tokens=15)
+    s = acceptance_stats(rounds([0, 4, 2, 4, 0]), k=4)
     assert s.rounds == 5
     assert s.accept_hist == [2, 0, 1, 0, 2]
     assert s.mean_accepted == pytest.approx(2.0)
@@ -30,7 +30,7 @@ def test_acceptance_stats_on_hand_built_rounds():
 
 def test_short_proposals_count_only_where_proposed():
     # An n-gram drafter proposing 2, 0 and 4 tokens at k=4.
-    s = acceptance_stats(rounds([2, 0, 1], proposed=[2, 0, 4]), k=4, round_tokens=6)
+    s = acceptance_stats(rounds([2, 0, 1], proposed=[2, 0, 4]), k=4)
     assert s.acceptance_rate == pytest.approx(3 / 6)
     assert s.position_acceptance[0] == pytest.approx(2 / 2)  # the empty proposal did not reach position 1
     assert s.position_acceptance[2] is None  # nobody proposed a third token after keeping two
@@ -38,9 +38,9 @@ def test_short_proposals_count_only_where_proposed():
 
 def test_inconsistent_rounds_are_rejected():
     with pytest.raises(ValueError, match="inconsistent"):
-        acceptance_stats(rounds([3], proposed=[2]), k=4, round_tokens=4)
+        acceptance_stats(rounds([3], proposed=[2]), k=4)
     with pytest.raises(ValueError, match="no rounds"):
-        acceptance_stats([], k=4, round_tokens=0)
+        acceptance_stats([], k=4)
 
 
 def test_cost_model():
@@ -68,7 +68,7 @@ def test_cost_model_with_a_confidence_stop():
     cm = cost_model(stopped, [0.01], k=4, acceptance_length=2.5)
     assert cm.cost_ratio == pytest.approx(0.2) and cm.verify_overhead == pytest.approx(0.3)
     assert cm.predicted_speedup == pytest.approx(2.5 / (1 + 11 / 4 * 0.2 + 0.3))
-    assert acceptance_stats(stopped, k=4, round_tokens=12).mean_proposed == pytest.approx(11 / 4)
+    assert acceptance_stats(stopped, k=4).mean_proposed == pytest.approx(11 / 4)
 
 
 
