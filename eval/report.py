@@ -110,8 +110,8 @@ def markdown(report: dict) -> str:
         f"- hardware: {hw['gpu'] or hw['cpu']}, {hw['torch_threads']} torch threads, torch {hw['torch']}",
         "- settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items() if k not in TRAFFIC_KEYS),
         "",
-        "prop = guesses proposed per round (below k with a confidence stop); τ = tokens per verification"
-        " (1 + guesses kept; the first new token comes from the prompt's forward, as in serving engines);"
+        "prop = guesses proposed per round (below k with a confidence stop); τ = 1 + guesses kept per round"
+        " (the first new token comes from the prompt's forward, as in serving engines);"
         " c = one draft step / one target step; β = verify (k+1 positions) / one step − 1;"
         " pred × = τ / (1 + prop·c + β); speed-up × = speculative / plain tokens/s"
         " (pooled over repeats and prompts, run side by side); plain and spec tok/s are medians over repeats.",
