@@ -43,6 +43,10 @@ class Timings:
     tokens: np.ndarray
     seconds: np.ndarray
 
+    def median_tokens_per_s(self) -> float:
+        """Tokens over seconds within each repeat, the median over repeats."""
+        return float(np.median(self.tokens.sum(1) / self.seconds.sum(1)))
+
 
 @dataclass
 class Comparison:

@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from eval import llama_cpp
 from eval.compare import Timings, compare
 from eval.evaluate import ALL
+from eval.metrics import predicted_speedup
 
 ENGINES = {"llamacpp": "llama.cpp"}
 SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3"}
@@ -85,10 +86,8 @@ def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | N
         figures.update(engine=f"{costs.name} (predicted)", engine_cost_ratio=c, engine_verify_overhead=costs.beta)
         if c is None:
             figures["engine_note"] = f"no c for drafter {r['drafter']!r}: set engine_costs.c or its engine_c"
-        elif r["mean_proposed"] == 0:
-            figures["engine_note"] = "the drafter proposed nothing"
         else:
-            predicted = r["acceptance_length"] / (1 + r["mean_proposed"] * c + costs.beta)
+            predicted = predicted_speedup(r["acceptance_length"], r["mean_proposed"], c, costs.beta)
             figures.update(engine_predicted_speedup=predicted,
                            engine_verdict=("pays off" if predicted >= pays_off_at else "turn it off") + " (predicted)")
         r.update(figures)
@@ -156,24 +155,33 @@ class DraftStats:
                           self.accepted - other.accepted, self.draft_ms - other.draft_ms)
 
 
-def draft_stats(log: str) -> DraftStats:
-    """The counters of the last statistics line llama-server logged (at log verbosity 4, once per request;
-    they run from the server's start)."""
-    found = _STATS.findall(log)
-    if not found:
-        raise RuntimeError("llama-server logged no drafting statistics (it needs -lv 4); the end of its log:\n"
-                           + "\n".join(log.splitlines()[-10:]))
-    verifications, drafted, accepted, draft_ms = found[-1]
+def _counters(groups: tuple[str, ...]) -> DraftStats:
+    verifications, drafted, accepted, draft_ms = groups
     return DraftStats(int(verifications), int(drafted), int(accepted), float(draft_ms))
 
 
-def stats_after(server: llama_cpp.LlamaServer, requests: int, timeout: float = 30.0) -> DraftStats:
-    """The counters once the server has logged the statistics of `requests` requests: it logs them when it
-    releases the slot, which can be just after the reply has been sent."""
-    deadline = time.monotonic() + timeout
-    while len(_STATS.findall(log := server.log())) < requests and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return draft_stats(log)
+class DraftCounters:
+    """llama-server's drafting counters as it logs them, reading only what it logged since the last call
+    (the whole log each time would be quadratic in the requests of a long evaluation)."""
+
+    def __init__(self, server: llama_cpp.LlamaServer) -> None:
+        self.server, self.logged, self.partial, self.last = server, 0, "", None
+
+    def after(self, requests: int, timeout: float = 30.0) -> DraftStats:
+        """The counters once the server has logged the statistics of `requests` requests since its start:
+        it logs them when it releases the slot, which can be just after its reply."""
+        deadline = time.monotonic() + timeout
+        while True:
+            complete, _, self.partial = (self.partial + self.server.new_log()).rpartition("\n")  # whole lines only
+            found = _STATS.findall(complete)
+            if found:
+                self.logged, self.last = self.logged + len(found), _counters(found[-1])
+            if self.logged >= requests:
+                return self.last
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server logged drafting statistics for {self.logged} of {requests} requests "
+                                   f"in {timeout:.0f} s (it needs -lv 4)")
+            time.sleep(0.01)
 
 
 def verify_overheads(target_gguf: Path, ks: list[int], *, depth: int, threads: int, repetitions: int = 20) -> dict[int, float]:
@@ -210,11 +218,12 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
             with llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4,
                                        log_file=log_dir / f"llama-server-{name}-{rep}.log", **spec) as server:
                 server.complete(items[0][2], max_new_tokens)  # warm-up, untimed
-                before = stats_after(server, 1) if config is not None else None
+                drafting = DraftCounters(server) if config is not None else None
+                before = drafting.after(1) if config is not None else None
                 for n, (category, i, prompt) in enumerate(items, start=2):
                     completions.setdefault(key, {})[rep, category, i] = server.complete(prompt, max_new_tokens)
                     if config is not None:
-                        now = stats_after(server, n)
+                        now = drafting.after(n)
                         counters.setdefault(key, {})[rep, category, i] = now - before
                         before = now
                     bar.update()
@@ -228,10 +237,6 @@ def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
                    np.array([[g.predicted_ms / 1000 for g in row] for row in gens]))
 
 
-def _median_speed(t: Timings) -> float:
-    return float(np.median(t.tokens.sum(1) / t.seconds.sum(1)))
-
-
 def engine_figures(rows: list[dict], measured: dict, served: list[Served], betas: dict[int, float], *, repeats: int,
                    pays_off_at: float, seed: int = 0) -> None:
     """Rows of draftsmith's report gain llama.cpp's figures for the same (drafter, k, category); rows at
@@ -242,6 +247,9 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], betas
                                 / sum(len(g.tokens) for (r, _, _), g in plain.items() if r == rep)
                                 for rep in range(repeats))
     notes = {s.name: s.note for s in served if s.gguf is None}
+    # c per (drafter, k): its server's drafting time per drafted token over every request, in plain steps
+    costs = {key: (total.draft_ms / total.drafted / step_ms if total.drafted else None)
+             for key, total in ((key, sum(by_prompt.values(), DraftStats())) for key, by_prompt in counters.items())}
     for r in rows:
         figures = dict.fromkeys(FIELDS)
         figures["engine"] = ENGINES["llamacpp"]
@@ -256,13 +264,11 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], betas
             spec_t, plain_t = _timings(runs, keys, repeats), _timings(plain, keys, repeats)
             vs_plain = compare(spec_t, plain_t, [c for c, _ in keys], seed=seed)
             chosen = sum((counters[key][rep, c, i] for rep in range(repeats) for c, i in keys), DraftStats())
-            everything = sum(counters[key].values(), DraftStats())  # c from every request of the server
-            c = everything.draft_ms / everything.drafted / step_ms if everything.drafted else None
-            beta = betas[r["k"]]
-            predicted = (r["acceptance_length"] / (1 + r["mean_proposed"] * c + beta)) if c is not None else None
+            c, beta = costs[key], betas[r["k"]]
+            predicted = predicted_speedup(r["acceptance_length"], r["mean_proposed"], c, beta) if c is not None else None
             figures.update(
                 engine_acceptance_length=1 + chosen.accepted / chosen.verifications if chosen.verifications else None,
-                engine_ar_tokens_per_s=_median_speed(plain_t), engine_sd_tokens_per_s=_median_speed(spec_t),
+                engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_sd_tokens_per_s=spec_t.median_tokens_per_s(),
                 engine_speedup=vs_plain.ratio, engine_speedup_ci=vs_plain.interval,
                 engine_verdict="pays off" if vs_plain.ratio >= pays_off_at else "turn it off",
                 engine_lossless=all(runs[rep, c, i].tokens == plain[rep, c, i].tokens

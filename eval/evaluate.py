@@ -157,11 +157,6 @@ def _timings(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
                    np.array([[g.seconds for g in row] for row in gens]))
 
 
-def _median_tokens_per_s(t: Timings) -> float:
-    """Tokens over seconds within each repeat, the median over repeats."""
-    return float(np.median(t.tokens.sum(1) / t.seconds.sum(1)))
-
-
 def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, spec_t: Timings,
          plain_t: Timings, vs_plain: Comparison) -> dict:
     gens = spec.select(category)
@@ -186,8 +181,8 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         **stats.to_dict(),
         # What tau would be if each proposed guess were kept independently at the measured rate.
         "acceptance_length_iid": expected_acceptance_length(stats.acceptance_rate, stats.mean_proposed),
-        "ar_tokens_per_s": _median_tokens_per_s(plain_t),
-        "sd_tokens_per_s": _median_tokens_per_s(spec_t),
+        "ar_tokens_per_s": plain_t.median_tokens_per_s(),
+        "sd_tokens_per_s": spec_t.median_tokens_per_s(),
         "speedup": vs_plain.ratio,  # pooled sd / ar tokens/s, as eval/compare.py defines
         "speedup_ci": vs_plain.interval,
         "cost_ratio": costs.cost_ratio,

@@ -10,6 +10,7 @@ read as it reports it.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -139,9 +140,13 @@ class Completion:
 
 def open_log(path: str | Path | None):
     """A file for a server's log (a temporary one without `path`). llama-server logs token pieces, which can
-    be partial UTF-8: they are read replaced, never as an error."""
+    be partial UTF-8: they are read replaced, never as an error. The server writes through a copy of its
+    descriptor, which shares the file's position with the reader: in append mode its writes go to the end
+    wherever a read has left the position."""
     text = {"mode": "w+", "encoding": "utf-8", "errors": "replace"}
-    return open(path, **text) if path else tempfile.TemporaryFile(**text)
+    log = open(path, **text) if path else tempfile.TemporaryFile(**text)
+    fcntl.fcntl(log.fileno(), fcntl.F_SETFL, fcntl.fcntl(log.fileno(), fcntl.F_GETFL) | os.O_APPEND)
+    return log
 
 
 class LlamaServer:
@@ -178,7 +183,7 @@ class LlamaServer:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         # Its log goes to a file (a temporary one unless log_file is given), whose end an error quotes.
-        self._log = open_log(self.log_file)
+        self._log, self._read_at = open_log(self.log_file), 0
         self.process = subprocess.Popen(self.command(port), stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
@@ -209,12 +214,11 @@ class LlamaServer:
         if not self._log.closed:
             self._log.close()
 
-    def log(self) -> str:
-        """Everything the server has logged so far."""
-        self._log.flush()
-        self._log.seek(0)
+    def new_log(self) -> str:
+        """What the server has logged since the previous call (since its start, on the first)."""
+        self._log.seek(self._read_at)
         text = self._log.read()
-        self._log.seek(0, os.SEEK_END)
+        self._read_at = self._log.tell()
         return text
 
     def _post(self, path: str, body: dict) -> dict:

@@ -113,7 +113,13 @@ def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, 
         return CostModel(c, None, None)
     beta = statistics.median(r.verify_s for r in full) / step - 1
     mean_proposed = statistics.fmean(r.proposed for r in rounds)
-    return CostModel(c, beta, acceptance_length / (1 + mean_proposed * c + beta))
+    return CostModel(c, beta, predicted_speedup(acceptance_length, mean_proposed, c, beta))
+
+
+def predicted_speedup(acceptance_length: float, proposed: float, c: float, beta: float) -> float:
+    """The cost model's speed-up: tau / (1 + n*c + beta), a round costing its n draft steps and one
+    verification of n+1 positions, in target steps (ANCHORS section 1)."""
+    return acceptance_length / (1 + proposed * c + beta)
 
 
 def expected_acceptance_length(alpha: float, k: float) -> float:

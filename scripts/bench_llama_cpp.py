@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from eval import llama_cpp
-from eval.engine import DraftStats, stats_after
+from eval.engine import DraftCounters, DraftStats
 from eval.run import build_drafter, held_out_path, load_target, read_traffic, tokenize_prompts
 from eval.sampling import Sampling
 from eval.speculative import speculative_generate
@@ -81,12 +81,12 @@ def main() -> None:
     def serve(name):
         spec = {} if name == "plain" else {"draft": ggufs[name], "spec_type": SPEC_TYPES[name], "k": args.k}
         with llama_cpp.LlamaServer(target_gguf, threads=args.threads, ctx_size=4096, log_verbosity=4, **spec) as server:
-            out, done, before = {}, 0, DraftStats()
+            out, done, before, drafting = {}, 0, DraftStats(), DraftCounters(server)
             for c, ps in prompts.items():
                 out[c] = [server.complete(p, args.new_tokens) for p in ps]
                 done += len(ps)
                 if name != "plain":
-                    now = stats_after(server, done)
+                    now = drafting.after(done)
                     counters.setdefault((name, c), now - before)
                     before = now
             return out

@@ -2,6 +2,7 @@
 for an engine that cannot run here from the c and β a team measured in it."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -46,16 +47,30 @@ def test_predict_needs_beta_and_says_which_drafter_lacks_c():
     assert rows[0]["engine_predicted_speedup"] is None and "no c for drafter 'head'" in rows[0]["engine_note"]
 
 
-def test_draft_stats_reads_the_last_statistics_line():
-    log = ("spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =   10     94     94, #gen drafts =     94, "
+class FakeServer:
+    """Hands out a log in the chunks given, as llama-server's log file grows between reads."""
+
+    def __init__(self, *chunks):
+        self.chunks = list(chunks)
+
+    def new_log(self):
+        return self.chunks.pop(0) if self.chunks else ""
+
+
+STATS_1 = ("spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =   10     94     94, #gen drafts =     94, "
            "#acc drafts =    81, #gen tokens =    373, #acc tokens =   274, #mean acc len = 3.91, dur(b,g,a) = 0.013, "
-           "66.426, 0.043 ms\nsomething else\n"
-           "spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =   11    109    109, #gen drafts =    109, "
+           "66.426, 0.043 ms\n")
+STATS_2 = ("spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =   11    109    109, #gen drafts =    109, "
            "#acc drafts =    95, #gen tokens =    433, #acc tokens =   321, #mean acc len = 3.94, dur(b,g,a) = 0.015, "
            "76.950, 0.051 ms\n")
-    assert engine.draft_stats(log) == engine.DraftStats(verifications=109, drafted=433, accepted=321, draft_ms=76.950)
-    with pytest.raises(RuntimeError, match="no drafting statistics"):
-        engine.draft_stats("srv  load_model: loaded\n")
+
+
+def test_draft_counters_read_the_statistics_line_of_each_request_even_when_split_across_reads():
+    counters = engine.DraftCounters(FakeServer(STATS_1 + "slot release\n" + STATS_2[:60], "", STATS_2[60:]))
+    assert counters.after(1) == engine.DraftStats(verifications=94, drafted=373, accepted=274, draft_ms=66.426)
+    assert counters.after(2) == engine.DraftStats(verifications=109, drafted=433, accepted=321, draft_ms=76.950)
+    with pytest.raises(RuntimeError, match="statistics for 2 of 3 requests"):
+        counters.after(3, timeout=0.05)
 
 
 def test_a_log_with_partial_utf8_token_pieces_reads(tmp_path):
@@ -63,6 +78,20 @@ def test_a_log_with_partial_utf8_token_pieces_reads(tmp_path):
     with open(tmp_path / "server.log", "ab") as raw:  # what the server process writes, bytes as they come
         raw.write(b"token piece '\xc4' then statistics\n")
     assert "statistics" in log.read() and "\ufffd" in (tmp_path / "server.log").read_text(errors="replace")
+    log.close()
+
+
+def test_the_servers_writes_land_at_the_end_wherever_a_read_left_the_shared_position(tmp_path):
+    log = llama_cpp.open_log(tmp_path / "server.log")
+    writer = os.fdopen(os.dup(log.fileno()), "w")  # what Popen(stdout=log) gives the server: the same open file
+    writer.write("first line\nsecond line\n")
+    writer.flush()
+    log.seek(0)
+    assert log.readline() == "first line\n"  # the shared position now sits in the middle of the file
+    writer.write("third line\n")
+    writer.flush()
+    assert (tmp_path / "server.log").read_text().splitlines() == ["first line", "second line", "third line"]
+    writer.close()
     log.close()
 
 

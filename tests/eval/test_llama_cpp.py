@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eval import llama_cpp
-from eval.engine import stats_after
+from eval.engine import DraftCounters
 from eval.run import build_drafter, load_target
 from eval.sampling import Sampling
 from eval.speculative import speculative_generate
@@ -52,7 +52,7 @@ def serve(world, draft_gguf, spec_type, stats=None):
     with llama_cpp.LlamaServer(world["gguf"], draft=draft_gguf, spec_type=spec_type, k=K, log_verbosity=4) as server:
         completions = [server.complete(p, NEW_TOKENS) for p in world["prompts"]]
         if stats is not None:
-            stats.append(stats_after(server, len(completions)))
+            stats.append(DraftCounters(server).after(len(completions)))
         return completions
 
 
