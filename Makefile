@@ -3,7 +3,7 @@
 #               on its company traffic and prints the evaluation table against the off-the-shelf draft.
 # make test:    the test suite (what CI runs); builds llama.cpp first (make llama-cpp), which the engine
 #               tests run.
-# make llama-cpp: llama.cpp's llama-server and llama-bench from the llama-cpp-python sdist, built once into
+# make llama-cpp: llama.cpp's llama-server from the llama-cpp-python sdist, built once into
 #               ~/.cache/draftsmith/llama.cpp/ (about 15 minutes on 2 cores; reused afterwards).
 # make bench:   the benchmarks behind BENCHMARKS.md sections 1, 3, 4 and 5 (about two hours; not run in CI).
 

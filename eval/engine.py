@@ -15,11 +15,17 @@ measures, beside draftsmith's loop and on the same prompts, k and budget (greedy
   without a drafter, is left out) with and without the drafter, the speed-up pooled over prompts and
   repeats with a 95 % interval over prompts (eval/compare.py), its verdict, and whether its greedy output
   equals its plain output (losslessness, in the engine);
-- the engine's costs, each from the engine's own clock: c = llama-server's drafting time (its `dur(g)`
-  statistic) per drafted token over its plain decoding time per token; β = llama-bench's time to process
-  k+1 tokens over its time for 1, at the prompts' median length, minus 1. With draftsmith's τ per
-  category they predict the engine's speed-up, τ / (1 + n·c + β) (n = guesses per round), printed beside
-  the measured one.
+- the engine's costs, each from the engine's own clock, measured by a second llama-server per drafter and
+  k that drafts and verifies as usual but keeps none of the drafts (llama.cpp's synthetic acceptance for
+  benchmarking, `--spec-synth-len 1`; its output is still the plain output), on the first
+  `cost_prompts` prompts of each category: c = its drafting time (its `dur(g)` statistic) per drafted
+  token over the plain server's time per token; β = the rest of its round, everything the round spends
+  outside drafting (the target's forward over k+1 positions, sampling and checking them, the batch and
+  cache bookkeeping), over the plain time per token, minus 1. Those costs depend on no acceptance, so
+  with draftsmith's τ per category they predict the engine's speed-up, τ / (1 + n·c + β) (n = guesses
+  per round), printed beside the one measured with real acceptance. (A bare forward of k+1 tokens, as
+  llama-bench times it, leaves out about one target step per round that llama-server spends around it:
+  BENCHMARKS.md section 8.)
 
 A team whose engine cannot run here (vLLM or SGLang on GPUs) measures c and β in it and enters them
 (`engine_costs.c`, `engine_costs.beta`, a drafter's own `engine_c`); the report then turns draftsmith's τ
@@ -31,9 +37,8 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -160,6 +165,35 @@ def _counters(groups: tuple[str, ...]) -> DraftStats:
     return DraftStats(int(verifications), int(drafted), int(accepted), float(draft_ms))
 
 
+@dataclass
+class RoundCosts:
+    """What a server that keeps none of the drafts spent, summed over requests: generation time
+    (llama-server's `predicted_ms`), tokens generated and its drafting counters. Each verification then
+    emits one token; each request's first token comes from the prompt's forward (not generation time), and
+    the last ones of an answer, when too few remain to draft, from plain steps."""
+
+    requests: int = 0
+    generation_ms: float = 0.0
+    tokens: int = 0
+    stats: DraftStats = field(default_factory=DraftStats)
+
+    def add(self, completion: llama_cpp.Completion, stats: DraftStats) -> "RoundCosts":
+        return RoundCosts(self.requests + 1, self.generation_ms + completion.predicted_ms,
+                          self.tokens + len(completion.tokens), self.stats + stats)
+
+    def c(self, step_ms: float) -> float | None:
+        """Drafting time per drafted token, in plain steps."""
+        return self.stats.draft_ms / self.stats.drafted / step_ms if self.stats.drafted else None
+
+    def beta(self, step_ms: float) -> float | None:
+        """A round's time outside drafting, in plain steps, minus 1: the verification's overhead."""
+        if not self.stats.verifications:
+            return None
+        plain_steps = self.tokens - self.requests - self.stats.verifications
+        verify_ms = self.generation_ms - self.stats.draft_ms - max(plain_steps, 0) * step_ms
+        return verify_ms / self.stats.verifications / step_ms - 1
+
+
 class DraftCounters:
     """llama-server's drafting counters as it logs them, reading only what it logged since the last call
     (the whole log each time would be quadratic in the requests of a long evaluation)."""
@@ -184,51 +218,56 @@ class DraftCounters:
             time.sleep(0.01)
 
 
-def verify_overheads(target_gguf: Path, ks: list[int], *, depth: int, threads: int, repetitions: int = 20) -> dict[int, float]:
-    """β per k in llama.cpp: llama-bench's median time to process k+1 tokens after `depth` tokens of context,
-    over its time for 1 token there, minus 1."""
-    sizes = sorted({1, *(k + 1 for k in ks)})
-    cmd = [str(llama_cpp.binary("llama-bench")), "-m", str(target_gguf), "-p", ",".join(map(str, sizes)), "-n", "0",
-           "-d", str(depth), "-r", str(repetitions), "-t", str(threads), "-o", "json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama-bench failed (exit {proc.returncode}):\n" + "\n".join(proc.stderr.splitlines()[-15:]))
-    ns = {entry["n_prompt"]: statistics.median(entry["samples_ns"]) for entry in json.loads(proc.stdout)}
-    return {k: ns[k + 1] / ns[1] - 1 for k in ks}
-
-
 def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str, list[list[int]]], ks: list[int],
-                      *, max_new_tokens: int, repeats: int, threads: int, log_dir: Path,
+                      *, max_new_tokens: int, repeats: int, threads: int, log_dir: Path, cost_prompts: int = 2,
                       progress: bool = True) -> dict:
     """Plain and speculative llama-server over every prompt, `repeats` times, the configurations in turn
-    within each repeat (each server's first prompt is run once untimed). Returns the completions and, for
-    speculative servers, the drafting counters of each request, by configuration and (repeat, category,
-    prompt index)."""
+    within each repeat (each server's first prompt is run once untimed); after each speculative server, the
+    same drafter and k keeping none of its drafts over the first `cost_prompts` prompts of each category.
+    Returns the completions and, for speculative servers, the drafting counters of each request, by
+    configuration and (repeat, category, prompt index), and the RoundCosts of each configuration."""
     items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
+    cost_items = [(c, i, p) for c, i, p in items if i < cost_prompts]
     configs = [None] + [(s, k) for s in served if s.gguf is not None for k in ks]
-    bar = tqdm(total=repeats * len(configs) * len(items), desc="llama.cpp", unit="gen", disable=not progress)
+    bar = tqdm(total=repeats * (len(items) + (len(configs) - 1) * (len(items) + len(cost_items))), desc="llama.cpp",
+               unit="gen", disable=not progress)
     completions: dict = {}
     counters: dict = {}
+    costs: dict = {}
     ctx = max(len(p) for _, _, p in items) + max_new_tokens + 16
+
+    def serve(config, rep: int, todo: list, accept_none: bool = False):
+        """(completion, its drafting counters or None) for each prompt of `todo`, from one server."""
+        spec = {} if config is None else {"draft": config[0].gguf, "spec_type": config[0].spec_type, "k": config[1],
+                                          "accept_none": accept_none}
+        name = "plain" if config is None else f"{config[0].name}-k{config[1]}" + ("-accept-none" if accept_none else "")
+        out = []
+        with llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4,
+                                   log_file=log_dir / f"llama-server-{name}-{rep}.log", **spec) as server:
+            server.complete(todo[0][2], max_new_tokens)  # warm-up, untimed
+            drafting = DraftCounters(server) if config is not None else None
+            before = drafting.after(1) if config is not None else None
+            for n, (_, _, prompt) in enumerate(todo, start=2):
+                completion, stats = server.complete(prompt, max_new_tokens), None
+                if config is not None:
+                    now = drafting.after(n)
+                    stats, before = now - before, now
+                out.append((completion, stats))
+                bar.update()
+        return out
+
     for rep in range(repeats):
         for config in configs:
             key = "plain" if config is None else (config[0].name, config[1])
-            spec = {} if config is None else {"draft": config[0].gguf, "spec_type": config[0].spec_type, "k": config[1]}
-            name = "plain" if config is None else f"{config[0].name}-k{config[1]}"
-            with llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4,
-                                       log_file=log_dir / f"llama-server-{name}-{rep}.log", **spec) as server:
-                server.complete(items[0][2], max_new_tokens)  # warm-up, untimed
-                drafting = DraftCounters(server) if config is not None else None
-                before = drafting.after(1) if config is not None else None
-                for n, (category, i, prompt) in enumerate(items, start=2):
-                    completions.setdefault(key, {})[rep, category, i] = server.complete(prompt, max_new_tokens)
-                    if config is not None:
-                        now = drafting.after(n)
-                        counters.setdefault(key, {})[rep, category, i] = now - before
-                        before = now
-                    bar.update()
+            for (category, i, _), (completion, stats) in zip(items, serve(config, rep, items)):
+                completions.setdefault(key, {})[rep, category, i] = completion
+                if config is not None:
+                    counters.setdefault(key, {})[rep, category, i] = stats
+            if config is not None:
+                for completion, stats in serve(config, rep, cost_items, accept_none=True):
+                    costs[key] = costs.get(key, RoundCosts()).add(completion, stats)
     bar.close()
-    return {"completions": completions, "counters": counters, "items": [(c, i) for c, i, _ in items]}
+    return {"completions": completions, "counters": counters, "costs": costs, "items": [(c, i) for c, i, _ in items]}
 
 
 def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
@@ -237,8 +276,8 @@ def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
                    np.array([[g.predicted_ms / 1000 for g in row] for row in gens]))
 
 
-def engine_figures(rows: list[dict], measured: dict, served: list[Served], betas: dict[int, float], *, repeats: int,
-                   pays_off_at: float, seed: int = 0) -> None:
+def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, repeats: int, pays_off_at: float,
+                   seed: int = 0) -> None:
     """Rows of draftsmith's report gain llama.cpp's figures for the same (drafter, k, category); rows at
     temperature > 0 and drafters llama.cpp cannot serve get a note instead."""
     completions, counters, items = measured["completions"], measured["counters"], measured["items"]
@@ -247,9 +286,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], betas
                                 / sum(len(g.tokens) for (r, _, _), g in plain.items() if r == rep)
                                 for rep in range(repeats))
     notes = {s.name: s.note for s in served if s.gguf is None}
-    # c per (drafter, k): its server's drafting time per drafted token over every request, in plain steps
-    costs = {key: (total.draft_ms / total.drafted / step_ms if total.drafted else None)
-             for key, total in ((key, sum(by_prompt.values(), DraftStats())) for key, by_prompt in counters.items())}
+    costs = {key: (rc.c(step_ms), rc.beta(step_ms)) for key, rc in measured["costs"].items()}
     for r in rows:
         figures = dict.fromkeys(FIELDS)
         figures["engine"] = ENGINES["llamacpp"]
@@ -264,8 +301,9 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], betas
             spec_t, plain_t = _timings(runs, keys, repeats), _timings(plain, keys, repeats)
             vs_plain = compare(spec_t, plain_t, [c for c, _ in keys], seed=seed)
             chosen = sum((counters[key][rep, c, i] for rep in range(repeats) for c, i in keys), DraftStats())
-            c, beta = costs[key], betas[r["k"]]
-            predicted = predicted_speedup(r["acceptance_length"], r["mean_proposed"], c, beta) if c is not None else None
+            c, beta = costs[key]
+            predicted = (predicted_speedup(r["acceptance_length"], r["mean_proposed"], c, beta)
+                         if c is not None and beta is not None else None)
             figures.update(
                 engine_acceptance_length=1 + chosen.accepted / chosen.verifications if chosen.verifications else None,
                 engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_sd_tokens_per_s=spec_t.median_tokens_per_s(),
@@ -279,7 +317,8 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], betas
 
 def run_llama_cpp(rows: list[dict], drafter_specs: list[dict], target, target_name_or_path: str,
                   prompts: dict[str, list[list[int]]], *, ks: list[int], max_new_tokens: int, repeats: int,
-                  pays_off_at: float, threads: int, work: Path, seed: int = 0, progress: bool = True) -> dict:
+                  pays_off_at: float, threads: int, work: Path, cost_prompts: int = 2, seed: int = 0,
+                  progress: bool = True) -> dict:
     """Everything `engine=llamacpp` adds: convert the target and the drafters, measure them in llama.cpp,
     calibrate c and β, and add the engine's figures to `rows`. Returns the settings to report."""
     from train.export import target_directory
@@ -292,12 +331,10 @@ def run_llama_cpp(rows: list[dict], drafter_specs: list[dict], target, target_na
         if s.note:
             print(f"llama.cpp: {s.name}: {s.note}")
     measured = measure_llama_cpp(target_gguf, served, prompts, ks, max_new_tokens=max_new_tokens, repeats=repeats,
-                                 threads=threads, log_dir=work, progress=progress)
-    depth = int(statistics.median(len(p) for ps in prompts.values() for p in ps))
-    betas = verify_overheads(target_gguf, ks, depth=depth, threads=threads)
-    engine_figures(rows, measured, served, betas, repeats=repeats, pays_off_at=pays_off_at, seed=seed)
+                                 threads=threads, log_dir=work, cost_prompts=cost_prompts, progress=progress)
+    engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed)
     return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "threads": threads, "work_dir": str(work),
-            "verify_overhead_depth": depth, "served": {s.name: s.spec_type or s.note for s in served}}
+            "cost_prompts_per_category": cost_prompts, "served": {s.name: s.spec_type or s.note for s in served}}
 
 
 # --- what python -m eval and the training recipes call ---------------------------------------------------

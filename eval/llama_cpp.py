@@ -34,7 +34,7 @@ def home() -> Path:
     return Path.home() / ".cache" / "draftsmith" / "llama.cpp" / f"llama-cpp-python-{VERSION}"
 
 
-BINARIES = ("llama-server", "llama-bench")
+BINARIES = ("llama-server",)
 
 
 def available() -> bool:
@@ -154,16 +154,22 @@ class LlamaServer:
     `draft` (a GGUF) and `spec_type` (`draft-simple` for a draft LM, `draft-eagle3` for an EAGLE-3 head),
     drafting `k` tokens per round. Greedy, one slot, deterministic. Use as a context manager.
 
-    log_verbosity 4 makes it log its drafting statistics (eval/engine.py reads its drafting timer there)."""
+    log_verbosity 4 makes it log its drafting statistics (eval/engine.py reads its drafting timer there).
+    `accept_none=True` is llama.cpp's synthetic acceptance for benchmarking (`--spec-synth-len 1`): every
+    round drafts and verifies as usual but keeps none of the drafts, so each round emits the target's own
+    token (the output stays the plain output) and costs what a round costs, whatever the drafter's skill."""
 
     def __init__(self, model: str | Path, *, draft: str | Path | None = None, spec_type: str | None = None,
                  k: int = 4, ctx_size: int = 2048, threads: int = 1, timeout: float = 120.0,
-                 log_file: str | Path | None = None, log_verbosity: int | None = None) -> None:
+                 log_file: str | Path | None = None, log_verbosity: int | None = None,
+                 accept_none: bool = False) -> None:
         if (draft is None) != (spec_type is None):
             raise ValueError("a drafter needs both `draft` (its GGUF) and `spec_type`")
+        if accept_none and draft is None:
+            raise ValueError("accept_none needs a drafter")
         self.model, self.draft, self.spec_type, self.k = Path(model), draft, spec_type, k
         self.ctx_size, self.threads, self.timeout, self.log_file = ctx_size, threads, timeout, log_file
-        self.log_verbosity = log_verbosity
+        self.log_verbosity, self.accept_none = log_verbosity, accept_none
         self.process: subprocess.Popen | None = None
 
     def command(self, port: int) -> list[str]:
@@ -173,6 +179,8 @@ class LlamaServer:
         if self.draft is not None:
             cmd += ["-md", str(self.draft), "--spec-type", self.spec_type, "--spec-draft-n-max", str(self.k),
                     "--spec-draft-n-min", "0", "-td", str(self.threads)]
+            if self.accept_none:
+                cmd += ["--spec-synth-len", "1"]
         if self.log_verbosity is not None:
             cmd += ["-lv", str(self.log_verbosity)]
         return cmd

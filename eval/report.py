@@ -190,9 +190,10 @@ def engine_section(rows: list[dict]) -> list[str]:
         out = ["", f"## In {name}", "",
                f"The same drafters, prompts, k and budget served by {name} (greedy). τ engine = 1 + accepted drafts per"
                " verification from its own counters; tok/s = generated tokens over its own generation time, the median"
-               " over repeats; speed-up × pooled over repeats and prompts, with a 95 % interval over prompts; c = its"
-               " drafting time per drafted token over its plain decoding time per token; β = llama-bench's k+1 tokens"
-               " over 1, minus 1; pred × = draftsmith's τ / (1 + prop·c + β); lossless = its greedy output equals its"
+               " over repeats; speed-up × pooled over repeats and prompts, with a 95 % interval over prompts; c and β"
+               " from the same drafter and k keeping none of its drafts (llama.cpp's synthetic acceptance): c = its"
+               " drafting time per drafted token, β = the rest of its round minus 1, both over the plain time per token;"
+               " pred × = draftsmith's τ / (1 + prop·c + β); lossless = its greedy output equals its"
                " plain output.", "", table(measured, ENGINE_COLUMNS)]
     if notes:
         out += ["", *(f"- {n}" for n in notes)]

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` and `llama-bench` from the source that the llama-cpp-python sdist on PyPI vendors, once,
+# Build llama.cpp's `llama-server` from the source that the llama-cpp-python sdist on PyPI vendors, once,
 # into a cache outside the clone (so CI runs and later clones reuse it):
 #
 #     scripts/build_llama_cpp.sh            # or: make llama-cpp
 #
-# It prints the directory it built, which holds bin/llama-server, bin/llama-bench and the source tree (src/) with
+# It prints the directory it built, which holds bin/llama-server and the source tree (src/) with
 # convert_hf_to_gguf.py and gguf-py/. `drafters/export` and the engine tests find it the same way
 # (eval/llama_cpp.py: $DRAFTSMITH_LLAMA_CPP, else this cache). A cold build takes about 15 minutes on 2
 # cores; a built cache returns at once. Nothing of llama.cpp is edited.
@@ -14,7 +14,7 @@ VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 PYTHON="${PYTHON:-python3}"
 DEST="${DRAFTSMITH_LLAMA_CPP:-$HOME/.cache/draftsmith/llama.cpp/llama-cpp-python-$VERSION}"
 
-if [ -x "$DEST/bin/llama-server" ] && [ -x "$DEST/bin/llama-bench" ] && [ -f "$DEST/src/convert_hf_to_gguf.py" ]; then
+if [ -x "$DEST/bin/llama-server" ] && [ -f "$DEST/src/convert_hf_to_gguf.py" ]; then
     echo "$DEST"
     exit 0
 fi
@@ -29,14 +29,13 @@ tar -xzf "$work/llama_cpp_python-$VERSION.tar.gz" -C "$work"
 rm -rf "$DEST/src"
 mv "$work/llama_cpp_python-$VERSION/vendor/llama.cpp" "$DEST/src"
 
-# No network at run time (no curl, no OpenSSL); the server and the benchmark tool (the engine's cost
-# model: eval/engine.py), no tests or examples.
-echo "llama.cpp: building llama-server and llama-bench (about 15 minutes on 2 cores)" >&2
+# No network at run time (no curl, no OpenSSL); the server only, no tests or examples.
+echo "llama.cpp: building llama-server (about 15 minutes on 2 cores)" >&2
 cmake -S "$DEST/src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >&2
-cmake --build "$DEST/build" --target llama-server llama-bench -j "$(nproc)" >&2
+cmake --build "$DEST/build" --target llama-server -j "$(nproc)" >&2
 mkdir -p "$DEST/bin.tmp"
-cp "$DEST/build/bin/llama-server" "$DEST/build/bin/llama-bench" "$DEST/bin.tmp/"
+cp "$DEST/build/bin/llama-server" "$DEST/bin.tmp/"
 rm -rf "$DEST/bin" "$DEST/build"
 mv "$DEST/bin.tmp" "$DEST/bin"  # last: a build interrupted before here is rebuilt next time
 echo "$DEST"

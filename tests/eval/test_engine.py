@@ -73,6 +73,19 @@ def test_draft_counters_read_the_statistics_line_of_each_request_even_when_split
         counters.after(3, timeout=0.05)
 
 
+def test_round_costs_split_a_round_into_drafting_and_the_rest():
+    """Two answers of 11 tokens from a server that keeps no draft: each 1 token from the prompt, 9 from
+    verifications and 1 from a plain step (too few left to draft). The plain step is 2 ms."""
+    costs = engine.RoundCosts()
+    for _ in range(2):
+        costs = costs.add(llama_cpp.Completion(list(range(11)), 36, 0, predicted_ms=9 * (4 * 1.0 + 6.0) + 2.0),
+                          engine.DraftStats(verifications=9, drafted=36, accepted=0, draft_ms=36.0))
+    assert costs.requests == 2 and costs.tokens == 22 and costs.stats.verifications == 18
+    assert costs.c(2.0) == pytest.approx(0.5)  # 1 ms per drafted token over a 2 ms step
+    assert costs.beta(2.0) == pytest.approx(6.0 / 2.0 - 1)  # 6 ms of each round outside drafting
+    assert engine.RoundCosts().c(2.0) is None and engine.RoundCosts().beta(2.0) is None
+
+
 def test_a_log_with_partial_utf8_token_pieces_reads(tmp_path):
     log = llama_cpp.open_log(tmp_path / "server.log")
     with open(tmp_path / "server.log", "ab") as raw:  # what the server process writes, bytes as they come
@@ -152,6 +165,7 @@ def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny
     assert "## In llama.cpp" in md and "ngram: draftsmith's n-gram drafter has no llama.cpp counterpart" in md
     assert json.loads((out / "report.json").read_text())["results"][0]["engine"] == "llama.cpp"
     assert list((out / "engine").glob("llama-server-*.log"))  # the engine's own logs are kept
+    assert list((out / "engine").glob("llama-server-head-k4-accept-none-*.log"))  # and those c and β came from
 
 
 def test_an_unknown_engine_at_the_end_of_training_fails_before_training(tiny_world, tmp_path):

@@ -47,9 +47,10 @@ def world(tiny_world, tmp_path_factory):
             "out": out}
 
 
-def serve(world, draft_gguf, spec_type, stats=None):
+def serve(world, draft_gguf, spec_type, stats=None, accept_none=False):
     """Completions of every prompt; with `stats` (a list), llama-server's drafting counters appended to it."""
-    with llama_cpp.LlamaServer(world["gguf"], draft=draft_gguf, spec_type=spec_type, k=K, log_verbosity=4) as server:
+    with llama_cpp.LlamaServer(world["gguf"], draft=draft_gguf, spec_type=spec_type, k=K, log_verbosity=4,
+                               accept_none=accept_none) as server:
         completions = [server.complete(p, NEW_TOKENS) for p in world["prompts"]]
         if stats is not None:
             stats.append(DraftCounters(server).after(len(completions)))
@@ -100,6 +101,14 @@ def test_the_exported_draft_lm_runs_in_llama_cpp(world, draft_run):
     assert [c.tokens for c in completions] == world["plain"]
     proposed, accepted = sum(c.draft_n for c in completions), sum(c.draft_n_accepted for c in completions)
     assert accepted / proposed > 10 / 320
+    # The same drafter keeping none of its drafts (what the engine's c and β are measured on): every round
+    # drafts k and verifies, each emits the target's own token, so the output is still the plain output.
+    stats = []
+    none_kept = serve(world, written["gguf"], "draft-simple", stats, accept_none=True)
+    assert [c.tokens for c in none_kept] == world["plain"]
+    generated = sum(len(c.tokens) - 1 for c in none_kept)  # each answer's first token is the prompt forward's
+    assert stats[0].accepted == 0 and 0.9 * generated <= stats[0].verifications <= generated
+    assert stats[0].drafted >= 0.9 * K * stats[0].verifications
 
 
 def _sglang_copy(eagle_run, world, name) -> Path:
