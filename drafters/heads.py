@@ -55,17 +55,34 @@ def head_config(target_config, kind: str, feature_layers: list[int], intermediat
     check_layers(feature_layers, target_config.num_hidden_layers)
     if intermediate_size is not None and intermediate_size < 1:
         raise ValueError(f"the head's intermediate_size must be >= 1 (None = the target's), got {intermediate_size}")
-    d = target_config.hidden_size
+    rope = getattr(target_config, "rope_parameters", None)
+    if isinstance(rope, dict) and "full_attention" in rope:  # Gemma-3: one per attention type; the head's is full
+        rope = rope["full_attention"]
     return LlamaConfig(
-        vocab_size=target_config.vocab_size, hidden_size=d,
-        intermediate_size=intermediate_size or target_config.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=target_config.num_attention_heads,
-        num_key_value_heads=target_config.num_key_value_heads,
-        head_dim=getattr(target_config, "head_dim", None) or d // target_config.num_attention_heads,
-        rms_norm_eps=target_config.rms_norm_eps, hidden_act=target_config.hidden_act,
-        max_position_embeddings=target_config.max_position_embeddings,
-        rope_parameters=getattr(target_config, "rope_parameters", None), tie_word_embeddings=False,
-        draftsmith_kind=kind, feature_layers=list(feature_layers), target_hidden_size=d, **settings,
+        vocab_size=target_config.vocab_size, num_hidden_layers=1, **geometry(target_config, intermediate_size),
+        rope_parameters=rope, tie_word_embeddings=False,
+        draftsmith_kind=kind, feature_layers=list(feature_layers), target_hidden_size=target_config.hidden_size,
+        **settings,
+    )
+
+
+def geometry(target_config, intermediate_size: int | None = None) -> dict:
+    """The target's width, attention and MLP shape, norm epsilon and activation, under the names its family
+    gives them (GPT-2's `n_inner` and `activation_function`, Gemma's `hidden_activation`, GPT-NeoX's and
+    GPT-2's single key/value head per query head, LayerNorm epsilons), as a Llama block's config names them."""
+
+    def first(*names, default=None):
+        return next((v for v in (getattr(target_config, n, None) for n in names) if v is not None), default)
+
+    d, heads = target_config.hidden_size, target_config.num_attention_heads
+    return dict(
+        hidden_size=d, num_attention_heads=heads,
+        intermediate_size=intermediate_size or first("intermediate_size", "n_inner", default=4 * d),  # GPT-2: 4d
+        num_key_value_heads=first("num_key_value_heads", default=heads),
+        head_dim=first("head_dim", default=d // heads),
+        rms_norm_eps=first("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", default=1e-6),
+        hidden_act=first("hidden_act", "hidden_activation", "activation_function", default="silu"),
+        max_position_embeddings=first("max_position_embeddings", default=2048),
     )
 
 

@@ -312,6 +312,7 @@ class SharedTarget:
     def __init__(self, target) -> None:
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
+        self.config = target.config
         # A stock nn.Embedding without max_norm is exactly F.embedding on its weight (padding_idx only
         # affects gradients, and the target is frozen).
         self.plain_embedding = type(self.embed) is nn.Embedding and self.embed.max_norm is None
@@ -325,7 +326,22 @@ class SharedTarget:
         """Output-head logits (fp32) of features h; `weight` replaces the head's rows (a draft vocabulary)."""
         w = self.lm_head.weight if weight is None else weight
         bias = getattr(self.lm_head, "bias", None) if weight is None else None
-        return F.linear(h.to(w.dtype), w, bias).float()
+        return finish_logits(self.config, F.linear(h.to(w.dtype), w, bias).float())
+
+
+def finish_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """What the target's forward does to its output head's logits before returning them: Gemma-2's (and
+    Gemma-3's) final soft-capping, Granite's division by `logits_scaling`, Cohere's multiplication by
+    `logit_scale`. Without it a head would learn, and draft from, a distribution that is not the target's.
+    Elementwise, so it holds for a draft vocabulary's rows too."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    if getattr(config, "logits_scaling", None) is not None:  # Granite
+        logits = logits / config.logits_scaling
+    if getattr(config, "logit_scale", None) is not None and config.model_type.startswith("cohere"):
+        logits = logits * config.logit_scale
+    return logits
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 from omegaconf import DictConfig
 
 from drafters.heads import KINDS, build_head, save_head
+from drafters.layers import finish_logits
 from train.checkpoint import full_model_state
 from train.distill import DistillRecipe, _records_batch
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
@@ -257,7 +258,7 @@ class HeadRecipe(DistillRecipe):
             states = capture(self.target, batch["input_ids"], batch["attention_mask"], self.capture_layers)
         head_states = states[:, :, : len(self.layers)].flatten(2).float()
         with torch.no_grad():
-            logits = self.target.get_output_embeddings()(states[:, :, -1]).float()
+            logits = finish_logits(self.target.config, self.target.get_output_embeddings()(states[:, :, -1]).float())
             probs = label_distribution(logits, temperature)
         return head_states, probs
 

@@ -55,7 +55,7 @@ def default_layers(kind: str, num_layers: int) -> list[int]:
 def capture(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers: list[int]) -> torch.Tensor:
     """Hidden states of `layers` for a batch: (B, T) ids -> (B, T, len(layers), d) in the target's dtype."""
     check_layers(layers, target.config.num_hidden_layers)
-    out = target.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
     return features_of(out.hidden_states, layers)
 
 

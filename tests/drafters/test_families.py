@@ -1,0 +1,149 @@
+"""Every common model family as the target: each head builds from the family's own config names, drafts
+from the target's own output distribution (soft-capping and logit scaling included), trains, reloads, and
+drafts losslessly; a draft LM of the same family too. Tiny random models from transformers' config classes,
+built here (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+from drafters.draft_lm import DraftLM
+from drafters.heads import build_head, load_head, save_head
+from drafters.layers import SharedTarget
+from eval.sampling import Sampling
+from eval.speculative import autoregressive_generate, speculative_generate
+from helpers import chi2_pvalue, empirical_joint, exact_joint
+from train.hidden_states import capture, default_layers
+
+GREEDY = Sampling()
+SETTINGS = {
+    "eagle": dict(ttt_steps=3, ttt_decay=0.8),
+    "eagle1": dict(token_loss_weight=0.1),
+    "mtp": dict(depth=3, module_decay=0.8),
+    "medusa": dict(num_heads=3, num_layers=1, head_decay=0.8),
+}
+KINDS = sorted(SETTINGS)
+
+
+def _common(vocab: int) -> dict:
+    return dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+
+
+# name -> (config class, model class, family-specific settings); the post-processing of the output logits
+# is set well away from neutral so that a head reading plain lm_head logits would be visibly off.
+FAMILIES = {
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 8}),
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                                           "moe_intermediate_size": 16}),
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {"head_dim": 8, "final_logit_softcapping": 1.5}),
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, {"head_dim": 8, "final_logit_softcapping": 1.5}),
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {}),
+    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, None),
+    "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {"num_key_value_heads": None}),
+    "granite": (T.GraniteConfig, T.GraniteForCausalLM, {"logits_scaling": 0.5}),
+    "cohere": (T.CohereConfig, T.CohereForCausalLM, {"logit_scale": 0.5}),
+}
+NAMES = sorted(FAMILIES)
+
+
+def tiny(family: str, vocab: int = 48, seed: int = 0, sharpen: float = 4.0):
+    """A random tiny target of `family`, its output head scaled by `sharpen` (random init is near uniform)."""
+    config_class, model_class, extra = FAMILIES[family]
+    if extra is None:  # GPT-2 names its sizes its own way
+        config = config_class(vocab_size=vocab, n_embd=32, n_layer=3, n_head=4, n_positions=256, bos_token_id=1,
+                              eos_token_id=None)
+    else:
+        settings = {**_common(vocab), **extra}
+        config = config_class(**{k: v for k, v in settings.items() if v is not None or k == "eos_token_id"})
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
+    return model.requires_grad_(False)
+
+
+def make_head(kind: str, target, seed: int = 0):
+    torch.manual_seed(seed)
+    head = build_head(kind, target, default_layers(kind, target.config.num_hidden_layers), **SETTINGS[kind])
+    with torch.no_grad():  # sharpen the random head so its guesses are decisive
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return head.eval()
+
+
+def _ids(vocab: int, B: int = 2, T: int = 20, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_a_heads_label_and_drafting_distribution_is_the_targets_own(family):
+    """The last hidden state through the output head, as heads label and draft with it, gives the softmax
+    of the target forward's own logits: Gemma's soft-capping, Granite's and Cohere's scaling included."""
+    target = tiny(family)
+    ids = _ids(target.config.vocab_size)
+    last = capture(target, ids, torch.ones_like(ids), [target.config.num_hidden_layers])[:, :, -1]
+    ours = torch.softmax(SharedTarget(target).logits(last), -1)
+    theirs = torch.softmax(target(input_ids=ids).logits.float(), -1)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", NAMES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_head_trains_reloads_and_drafts_losslessly_on_every_family(family, kind, tmp_path):
+    target = tiny(family)
+    head = make_head(kind, target).train()
+    ids = _ids(target.config.vocab_size, B=3, T=24, seed=1)
+    attn, loss_mask = torch.ones_like(ids), torch.ones_like(ids)
+    loss_mask[:, :6] = 0
+    features = capture(target, ids, attn, list(head.config.feature_layers)).flatten(2)
+    probs = torch.softmax(target(input_ids=ids).logits.float(), -1)
+    opt = torch.optim.SGD([p for p in head.parameters() if p.requires_grad], lr=0.05)
+    before, _ = head(features, ids, attn, loss_mask, probs)
+    before.backward()
+    opt.step()
+    after, _ = head(features, ids, attn, loss_mask, probs)
+    assert torch.isfinite(before) and after < before  # one training step on this family's features
+    head.eval()
+    loaded = load_head(save_head(head, tmp_path / kind), target)
+    for name, tensor in head.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    for prompt in ([5, 9, 3, 17], [40, 2, 11, 7, 30, 6]):
+        prompt = torch.tensor(prompt)
+        ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=16).tokens
+        for drafter in (head.drafter(kind), loaded.drafter(kind)):
+            out = speculative_generate(target, drafter, prompt, k=3, sampling=GREEDY, max_new_tokens=16)
+            assert out.tokens == ref, (family, kind, prompt.tolist())
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_a_draft_lm_of_the_same_family_drafts_losslessly(family):
+    target, draft = tiny(family, seed=0), tiny(family, seed=1)
+    for prompt in ([5, 9, 3, 17], [40, 2, 11, 7, 30, 6]):
+        prompt = torch.tensor(prompt)
+        ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=16).tokens
+        out = speculative_generate(target, DraftLM(draft), prompt, k=3, sampling=GREEDY, max_new_tokens=16)
+        assert out.tokens == ref, (family, prompt.tolist())
+
+
+SMALL_V = 4  # 64 cells for three tokens: well above 5 expected counts each at 1,500 samples
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_sampled_output_follows_the_targets_distribution_on_every_family(family):
+    """An EAGLE-3 head and a draft LM on a 4-token vocabulary: the joint of the first three tokens sampled
+    speculatively against the target's exact joint (chi-squared)."""
+    target = tiny(family, vocab=SMALL_V, seed=10, sharpen=4.0)
+    prompt = torch.tensor([1, 3, 2])
+    sampling = Sampling(temperature=1.0)
+    exact = exact_joint(target, prompt, sampling, SMALL_V)
+    for drafter in (make_head("eagle", target).drafter("eagle"), DraftLM(tiny(family, vocab=SMALL_V, seed=11))):
+        torch.manual_seed(3)
+        counts = empirical_joint(target, drafter, prompt, sampling, SMALL_V, 2, 1500)
+        assert chi2_pvalue(counts, exact) > 1e-3, (family, drafter.name)
