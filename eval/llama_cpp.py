@@ -10,7 +10,7 @@ read as it reports it.
 
 from __future__ import annotations
 
-import fcntl
+import codecs
 import json
 import os
 import socket
@@ -138,15 +138,26 @@ class Completion:
     predicted_ms: float  # llama-server's own time for generating them
 
 
-def open_log(path: str | Path | None):
-    """A file for a server's log (a temporary one without `path`). llama-server logs token pieces, which can
-    be partial UTF-8: they are read replaced, never as an error. The server writes through a copy of its
-    descriptor, which shares the file's position with the reader: in append mode its writes go to the end
-    wherever a read has left the position."""
-    text = {"mode": "w+", "encoding": "utf-8", "errors": "replace"}
-    log = open(path, **text) if path else tempfile.TemporaryFile(**text)
-    fcntl.fcntl(log.fileno(), fcntl.F_SETFL, fcntl.fcntl(log.fileno(), fcntl.F_GETFL) | os.O_APPEND)
-    return log
+class LogReader:
+    """Reads a growing log file from where the last read stopped, through a descriptor of its own (the
+    server writes through another, so neither moves the other's position). llama-server logs token
+    pieces, which can be partial UTF-8: a sequence split between reads is decoded whole, a broken one
+    replaced, never an error."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = open(self.path, "rb")
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def new(self) -> str:
+        """What was written since the previous call (since the file was created, on the first)."""
+        return self._decoder.decode(self._file.read())
+
+    def tail(self, lines: int = 15) -> str:
+        return "\n".join(self.path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class LlamaServer:
@@ -170,6 +181,8 @@ class LlamaServer:
         self.model, self.draft, self.spec_type, self.k = Path(model), draft, spec_type, k
         self.ctx_size, self.threads, self.timeout, self.log_file = ctx_size, threads, timeout, log_file
         self.log_verbosity, self.accept_none = log_verbosity, accept_none
+        self._log: LogReader | None = None
+        self._temporary_log: Path | None = None
         self.process: subprocess.Popen | None = None
 
     def command(self, port: int) -> list[str]:
@@ -191,14 +204,19 @@ class LlamaServer:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         # Its log goes to a file (a temporary one unless log_file is given), whose end an error quotes.
-        self._log, self._read_at = open_log(self.log_file), 0
-        self.process = subprocess.Popen(self.command(port), stdout=self._log, stderr=subprocess.STDOUT)
+        if self.log_file is None:
+            fd, path = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+            os.close(fd)
+            self._temporary_log = Path(path)
+        log_path = Path(self.log_file) if self.log_file is not None else self._temporary_log
+        with open(log_path, "wb") as log:  # the server's own descriptor (Popen gives it a copy)
+            self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT)
+        self._log = LogReader(log_path)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                self._log.seek(0)
-                tail = "\n".join(self._log.read().splitlines()[-15:])
-                self._log.close()
+                tail = self._log.tail()
+                self._close_log()
                 raise RuntimeError(f"llama-server exited with {self.process.returncode} while loading {self.model}"
                                    + (f" and {self.draft}" if self.draft else "") + f"; the end of its log:\n{tail}")
             try:
@@ -219,15 +237,19 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if not self._log.closed:
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
             self._log.close()
+            self._log = None
+        if self._temporary_log is not None:
+            self._temporary_log.unlink(missing_ok=True)
+            self._temporary_log = None
 
     def new_log(self) -> str:
         """What the server has logged since the previous call (since its start, on the first)."""
-        self._log.seek(self._read_at)
-        text = self._log.read()
-        self._read_at = self._log.tell()
-        return text
+        return self._log.new()
 
     def _post(self, path: str, body: dict) -> dict:
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),

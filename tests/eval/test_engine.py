@@ -2,7 +2,6 @@
 for an engine that cannot run here from the c and β a team measured in it."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -86,26 +85,21 @@ def test_round_costs_split_a_round_into_drafting_and_the_rest():
     assert engine.RoundCosts().c(2.0) is None and engine.RoundCosts().beta(2.0) is None
 
 
-def test_a_log_with_partial_utf8_token_pieces_reads(tmp_path):
-    log = llama_cpp.open_log(tmp_path / "server.log")
-    with open(tmp_path / "server.log", "ab") as raw:  # what the server process writes, bytes as they come
-        raw.write(b"token piece '\xc4' then statistics\n")
-    assert "statistics" in log.read() and "\ufffd" in (tmp_path / "server.log").read_text(errors="replace")
-    log.close()
-
-
-def test_the_servers_writes_land_at_the_end_wherever_a_read_left_the_shared_position(tmp_path):
-    log = llama_cpp.open_log(tmp_path / "server.log")
-    writer = os.fdopen(os.dup(log.fileno()), "w")  # what Popen(stdout=log) gives the server: the same open file
-    writer.write("first line\nsecond line\n")
-    writer.flush()
-    log.seek(0)
-    assert log.readline() == "first line\n"  # the shared position now sits in the middle of the file
-    writer.write("third line\n")
-    writer.flush()
-    assert (tmp_path / "server.log").read_text().splitlines() == ["first line", "second line", "third line"]
-    writer.close()
-    log.close()
+def test_the_log_reader_keeps_its_own_position_and_decodes_utf8_split_between_reads(tmp_path):
+    path = tmp_path / "server.log"
+    with open(path, "wb") as server:  # the server's descriptor: its writes move only its own position
+        reader = llama_cpp.LogReader(path)
+        server.write(b"first line\ntoken piece '\xc4")  # the first byte of a two-byte character
+        server.flush()
+        assert reader.new() == "first line\ntoken piece '"
+        server.write(b"\x80' then statistics\nbroken \xff byte\n")
+        server.flush()
+        assert reader.new() == "\u0100' then statistics\nbroken \ufffd byte\n"  # whole, and a bad byte replaced
+        assert reader.new() == ""
+        server.write(b"last line\n")
+        server.flush()
+        assert reader.new() == "last line\n" and reader.tail(2) == "broken \ufffd byte\nlast line"
+    reader.close()
 
 
 def test_unknown_engine_and_engine_with_costs_are_errors_before_anything_loads(tmp_path):
