@@ -19,7 +19,7 @@ from eval import engine as engines
 from eval.config import register
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, console_summary, log_to_wandb, write_report
-from eval.run import build_drafter, held_out_path, load_target, pick_device, read_traffic, tokenize_prompts
+from eval.run import build_drafter, held_out_path, load_target, pick_device, read_traffic, reading, tokenize_prompts
 
 log = logging.getLogger("eval")
 register()
@@ -36,8 +36,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     # The traffic is read first: a bad record fails before a model is loaded.
-    traffic = read_traffic(held_out_path(cfg.data.path, cfg.data.eval_path) or cfg.data.path, split=cfg.data.split,
-                           on_bad_record=cfg.data.on_bad_record)
+    traffic = read_traffic(held_out_path(cfg.data.path, cfg.data.eval_path) or cfg.data.path, **reading(cfg.data))
     device = pick_device(cfg.device)
     target, tokenizer = load_target(cfg.target.name_or_path, device=device, dtype=cfg.target.dtype,
                                     trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)

@@ -98,10 +98,19 @@ class Traffic:
         return out
 
 
-def read_traffic(path: str, *, split: str = "train", on_bad_record: str = "error", last: int | None = None) -> Traffic:
+def reading(data) -> dict:
+    """How a config's `data` group says to read traffic: split, bad-record policy, format, reasoning."""
+    return {"split": data.split, "on_bad_record": data.on_bad_record, "format": data.get("format"),
+            "reasoning": data.get("reasoning", "keep")}
+
+
+def read_traffic(path: str, *, split: str = "train", on_bad_record: str = "error", format: str | None = None,
+                 reasoning: str = "keep", last: int | None = None) -> Traffic:
     """Checked records of `path` (a file, a glob, a hub dataset id or `toyworld://`), before any model is
-    loaded, so bad input fails at once; with `last`, only the last `last` records."""
-    records, summary = load_records(resolve_data(path), split=split, on_bad_record=on_bad_record)
+    loaded, so bad input fails at once; with `last`, only the last `last` records. `format` and
+    `reasoning`: train/formats.py."""
+    records, summary = load_records(resolve_data(path), split=split, on_bad_record=on_bad_record, format=format,
+                                    reasoning=reasoning)
     log.info("%s: %s", path, summary)
     return Traffic(path, records[-last:] if last is not None else records, summary, last)
 

@@ -164,3 +164,33 @@ def train_tiny_deep(out, *overrides):
                                                       f"data_cache={out.parent / 'data'}", *overrides])
     train(cfg)
     return out
+
+
+# --- agent traffic: a tool-calling conversation and a chat template that renders it -----------------------
+
+# A prefix-preserving template in the style of the tool-calling chat models: the offered tools in the
+# system turn, tool calls as <tool_call> JSON, tool results in their own turn, reasoning in <think>.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n{% endif %}"
+    "{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "lookup_order", "parameters": {"type": "object"}}}]
+CHAT = {
+    "id": "c1", "category": "agent", "tools": TOOLS,
+    "messages": [
+        {"role": "developer", "content": "Answer with the order's status."},
+        {"role": "user", "content": [{"type": "text", "text": "Where is order 42?"},
+                                     {"type": "image_url", "image_url": {"url": "data:..."}}]},
+        {"role": "assistant", "content": None, "reasoning_content": "I should look it up.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "lookup_order", "arguments": "{\"order\": 42}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"status\": \"shipped\"}"},
+        {"role": "assistant", "content": "<think>It shipped.</think>Order 42 has shipped."},
+    ],
+}

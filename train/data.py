@@ -1,12 +1,11 @@
-"""Company traffic in: read and check records, and turn them into prompts.
+"""Company traffic in: read and check records, and turn them into prompts and training examples.
 
-A record (one JSON object per line, or a Parquet row) is either
-
-- `messages`: a list of `{"role": "system" | "user" | "assistant", "content": str}` (multi-turn), or
-- `prompt` (str) with an optional `response` (str),
-
-with optional `id`, `category` (or `route`), `timestamp` and `model`. Records without a category are
-put in the category "uncategorized" and counted in a warning; "all" is reserved for the aggregate.
+A record (one JSON object per line, or a Parquet row) holds one conversation in one of the formats
+production traffic is logged in (train/formats.py: OpenAI chat messages with tool calls, tool turns and
+reasoning; request/response log pairs; ShareGPT; benchmark question files; Alpaca; prompt/response),
+detected per record from its keys or named for every record with `data.format=`, with optional `id`, `category` (or
+`route`), `timestamp` and `model`. Records without a category are put in the category "uncategorized" and
+counted in a warning; "all" is reserved for the aggregate.
 
 Local JSONL files are checked line by line, so an error names the file, the line and the field.
 Anything else `datasets` can read (Parquet, a glob, a hub dataset id) is loaded with `datasets` and
@@ -18,14 +17,16 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from train import formats
+
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
 UNCATEGORIZED = "uncategorized"
 RESERVED_CATEGORIES = ("all",)
 
@@ -49,6 +50,7 @@ class Record:
     id: str
     source: str
     line: int | None
+    tools: list[dict] | None = None  # the tools the request offered (handed to the chat template)
 
     @property
     def prompt_messages(self) -> list[dict]:
@@ -64,9 +66,14 @@ class LoadSummary:
     loaded: int = 0
     skipped: Counter = field(default_factory=Counter)
     uncategorized: int = 0
+    formats: Counter = field(default_factory=Counter)  # format -> records
+    notes: Counter = field(default_factory=Counter)  # what reading left out of records it kept
 
     def __str__(self) -> str:
-        parts = [f"{self.loaded} records loaded"]
+        parts = [f"{self.loaded} records loaded" + (f" ({', '.join(f'{n} {f}' for f, n in self.formats.most_common())})"
+                                                   if self.formats else "")]
+        if self.notes:
+            parts.append(", ".join(f"{n}× {why}" for why, n in self.notes.most_common()))
         if self.skipped:
             parts.append(f"{sum(self.skipped.values())} skipped (" +
                          ", ".join(f"{n}× {why}" for why, n in self.skipped.most_common()) + ")")
@@ -75,10 +82,16 @@ class LoadSummary:
         return "; ".join(parts)
 
 
-def _check(raw: object, source: str, line: int | None) -> Record:
+def _check(raw: object, source: str, line: int | None, format: str | None,
+           reasoning: str) -> tuple[Record, Counter, str]:
+    """The record, what reading it left out, and its format (`format`, or detected from its keys)."""
     if not isinstance(raw, dict):
         raise RecordError(source, line, None, f"expected a JSON object, got {type(raw).__name__}")
-    rid = raw.get("id")
+    format = format or formats.detect(raw)
+    if format is None:
+        raise RecordError(source, line, None, "a record needs one of the keys "
+                          + ", ".join(repr(k) for k in formats.FORMATS.values()) + " (train/formats.py)")
+    rid = raw.get("id", raw.get("question_id"))
     if rid is not None and not isinstance(rid, (str, int)):
         raise RecordError(source, line, "id", f"expected a string or integer, got {type(rid).__name__}")
     category = raw.get("category", raw.get("route"))
@@ -87,35 +100,12 @@ def _check(raw: object, source: str, line: int | None) -> Record:
             raise RecordError(source, line, "category", f"expected a non-empty string, got {category!r}")
         if category in RESERVED_CATEGORIES:
             raise RecordError(source, line, "category", f"{category!r} is reserved for the aggregate over categories")
-    if raw.get("messages") is not None:
-        messages = raw["messages"]
-        if not isinstance(messages, list):
-            raise RecordError(source, line, "messages", f"expected a list, got {type(messages).__name__}")
-        if not messages:
-            raise RecordError(source, line, "messages", "empty conversation")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise RecordError(source, line, f"messages[{i}]", f"expected an object, got {type(m).__name__}")
-            if m.get("role") not in ROLES:
-                raise RecordError(source, line, f"messages[{i}].role", f"expected one of {ROLES}, got {m.get('role')!r}")
-            if not isinstance(m.get("content"), str):
-                raise RecordError(source, line, f"messages[{i}].content",
-                                  f"expected a string, got {type(m.get('content')).__name__}")
-        if not any(m["role"] == "user" for m in messages):
-            raise RecordError(source, line, "messages", "no user turn")
-    elif raw.get("prompt") is not None:
-        if not isinstance(raw["prompt"], str) or not raw["prompt"].strip():
-            raise RecordError(source, line, "prompt", f"expected a non-empty string, got {raw['prompt']!r}")
-        messages = [{"role": "user", "content": raw["prompt"]}]
-        response = raw.get("response")
-        if response is not None:
-            if not isinstance(response, str):
-                raise RecordError(source, line, "response", f"expected a string, got {type(response).__name__}")
-            messages.append({"role": "assistant", "content": response})
-    else:
-        raise RecordError(source, line, None, "a record needs 'messages' (chat) or 'prompt'")
-    return Record(messages, category or UNCATEGORIZED, str(rid) if rid is not None else f"{source}:{line}",
-                  source, line)
+    try:
+        conversation = formats.read(raw, format, reasoning)
+    except formats.FieldError as e:
+        raise RecordError(source, line, e.field_name, e.problem) from None
+    return Record(conversation.messages, category or UNCATEGORIZED, str(rid) if rid is not None else f"{source}:{line}",
+                  source, line, conversation.tools), conversation.notes, format
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
@@ -148,15 +138,17 @@ def _dataset_rows(spec: str, split: str) -> Iterator[tuple[int | None, object]]:
         yield i, {k: v for k, v in row.items() if v is not None}
 
 
-def iter_records(spec: str, *, split: str = "train", on_bad_record: str = "error",
-                 summary: LoadSummary | None = None) -> Iterator[Record]:
+def iter_records(spec: str, *, split: str = "train", on_bad_record: str = "error", format: str | None = None,
+                 reasoning: str = "keep", summary: LoadSummary | None = None) -> Iterator[Record]:
     """Yield checked records from a JSONL file, a glob of them, a Parquet file or a hub dataset id.
 
-    on_bad_record: "error" raises RecordError naming file, line and field; "skip" counts the record in
-    `summary` and goes on.
+    format: one of train/formats.py's FORMATS for every record, or None to detect each record's from its
+    keys. reasoning: keep | drop (train/formats.py). on_bad_record: "error" raises RecordError naming
+    file, line and field; "skip" counts the record in `summary` and goes on.
     """
     if on_bad_record not in ("error", "skip"):
         raise ValueError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
+    formats.check_options(format, reasoning)
     summary = summary if summary is not None else LoadSummary()
     paths = sorted(glob.glob(spec)) if glob.has_magic(spec) else ([spec] if Path(spec).exists() else [])
     if paths and all(p.endswith(".jsonl") for p in paths):
@@ -171,7 +163,7 @@ def iter_records(spec: str, *, split: str = "train", on_bad_record: str = "error
             try:
                 if isinstance(raw, RecordError):
                     raise raw
-                record = _check(raw, source, line)
+                record, notes, record_format = _check(raw, source, line, format, reasoning)
                 if record.id in seen:
                     # Duplicate ids make resumable caches and held-out splits ambiguous.
                     raise RecordError(source, line, "id", f"duplicate id {record.id!r} (first at {seen[record.id]})")
@@ -182,14 +174,18 @@ def iter_records(spec: str, *, split: str = "train", on_bad_record: str = "error
                 summary.skipped[e.problem.split(" (")[0].split(",")[0]] += 1
                 continue
             summary.loaded += 1
+            summary.formats[record_format] += 1
+            summary.notes.update(notes)
             summary.uncategorized += record.category == UNCATEGORIZED
             yield record
 
 
-def load_records(spec: str, *, split: str = "train", on_bad_record: str = "error") -> tuple[list[Record], LoadSummary]:
+def load_records(spec: str, *, split: str = "train", on_bad_record: str = "error", format: str | None = None,
+                 reasoning: str = "keep") -> tuple[list[Record], LoadSummary]:
     """All records of `spec` (see `iter_records`), and what loading skipped; an empty result is an error."""
     summary = LoadSummary()
-    records = list(iter_records(spec, split=split, on_bad_record=on_bad_record, summary=summary))
+    records = list(iter_records(spec, split=split, on_bad_record=on_bad_record, format=format, reasoning=reasoning,
+                                summary=summary))
     if not records:
         raise ValueError(f"{spec}: no usable records ({summary})")
     if summary.uncategorized:
@@ -206,8 +202,7 @@ def prompt_ids(record: Record, tokenizer, max_prompt_tokens: int | None = None) 
             f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; set one "
             "(tokenizer.chat_template) to turn chat records into prompts"
         )
-    ids = tokenizer.apply_chat_template(record.prompt_messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
+    ids = tokenizer.encode(render(tokenizer, record.prompt_messages, True, record.tools), add_special_tokens=False)
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise RecordError(record.source, record.line, "messages",
                           f"prompt is {len(ids)} tokens, longer than the {max_prompt_tokens} the context allows")
@@ -229,8 +224,14 @@ class Example:
     loss_mask: list[int]
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    """The conversation as the tokenizer's chat template writes it (train/formats.py's template_messages:
+    developer and reasoning as the template knows them), with the record's tools."""
+    return tokenizer.apply_chat_template(formats.template_messages(messages, tokenizer.chat_template),
+                                         tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+_EMPTY_THINK = re.compile(r"\s*<think>\s*</think>\s*")  # matched at a turn's start
 
 
 def tokenize_record(record: Record, tokenizer, max_length: int | None = None) -> Example:
@@ -242,26 +243,38 @@ def tokenize_record(record: Record, tokenizer, max_length: int | None = None) ->
     with the answer's first characters counts as the answer's). This needs a template whose rendering
     of a prefix is a prefix of the whole; one that is not (e.g. one that drops past reasoning blocks)
     is an error, never a wrong mask.
+
+    The span is the turn as the template renders it: its reasoning, text and tool calls (their names and
+    arguments are tokens the target generates). An empty `<think></think>` a template inserts into a turn
+    that had no reasoning is not the assistant's and stays out; a turn whose tool calls the template does
+    not render is an error (the drafter would never see them).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
                          "set one (tokenizer.chat_template) to train on chat records")
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("locating assistant tokens needs a fast tokenizer (character offsets)")
-    text = _render(tokenizer, record.messages, add_generation_prompt=False)
+    text = render(tokenizer, record.messages, False, record.tools)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     mask = [0] * len(ids)
     for i, message in enumerate(record.messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, record.messages[:i], add_generation_prompt=True)
-        through = _render(tokenizer, record.messages[: i + 1], add_generation_prompt=False)
+        before = render(tokenizer, record.messages[:i], True, record.tools)
+        through = render(tokenizer, record.messages[: i + 1], False, record.tools)
         if not (text.startswith(before) and text.startswith(through)):
             raise RecordError(record.source, record.line, f"messages[{i}]",
                               "the chat template does not render this conversation's prefixes as prefixes; "
                               "cannot locate the assistant turn to mask")
         start, end = len(before), len(through)
+        if "reasoning_content" not in message and (empty := _EMPTY_THINK.match(text, start)):
+            start = empty.end()
+        missing = [c["function"]["name"] for c in message.get("tool_calls", []) if c["function"]["name"] not in text[start:end]]
+        if missing:
+            raise RecordError(record.source, record.line, f"messages[{i}].tool_calls",
+                              f"the chat template does not render tool calls ({', '.join(missing)} missing from the "
+                              "assistant turn); use the target's own template, which writes them")
         for j, (a, b) in enumerate(offsets):
             if a < end and b > start:
                 mask[j] = 1

@@ -130,7 +130,7 @@ class DistillRecipe:
     def _setup_data(self) -> None:
         import datasets
 
-        from eval.run import load_target, resolve_data
+        from eval.run import load_target, reading, resolve_data
         from eval.sampling import Sampling
         from train.data import load_records
         from train.prepare import prepare
@@ -139,8 +139,7 @@ class DistillRecipe:
         # The held-out examples that choose the best checkpoint are the last `trainer.eval_examples`
         # records of the training traffic: never trained on, and never the prompts the final evaluation
         # measures (those come from the held-out traffic), so the reported numbers are not selected on.
-        records, summary = load_records(resolve_data(cfg.data.path), split=cfg.data.split,
-                                        on_bad_record=cfg.data.on_bad_record)
+        records, summary = load_records(resolve_data(cfg.data.path), **reading(cfg.data))
         log.info("%s: %s", cfg.data.path, summary)
         held = cfg.trainer.eval_examples
         if len(records) <= held:
@@ -165,7 +164,7 @@ class DistillRecipe:
         self.data_dirs = {}
         for split, (chosen, which) in splits.items():
             # Keyed by the records' content, not the path: a file edited in place is prepared anew.
-            content = [[r.id, r.category, r.messages] for r in chosen]
+            content = [[r.id, r.category, r.messages] + ([r.tools] if r.tools else []) for r in chosen]
             key = zlib.crc32(json.dumps([cfg.target.name_or_path, content, regen, *which]).encode())
             directory = Path(cfg.data_cache) / f"{cfg.target.name}-{split}-{key:08x}"
             self.data_dirs[split] = directory
@@ -483,7 +482,7 @@ class DistillRecipe:
 
     def _final_eval_traffic(self):
         """The traffic the final evaluation measures: the held-out file, or the records training held out."""
-        from eval.run import held_out_path, read_traffic
+        from eval.run import held_out_path, read_traffic, reading
 
         cfg = self.cfg
         eval_path, last = held_out_path(cfg.data.path, cfg.data.eval_path), None
@@ -493,8 +492,7 @@ class DistillRecipe:
                         "held out of training but also used to choose the best checkpoint; set "
                         "data.eval_path to separate traffic for an unbiased measurement", last, cfg.data.path)
         # Records read as training read them (split, bad-record policy), so `last` is training's held-out slice.
-        return read_traffic(eval_path or cfg.data.path, split=cfg.data.split, on_bad_record=cfg.data.on_bad_record,
-                            last=last)
+        return read_traffic(eval_path or cfg.data.path, **reading(cfg.data), last=last)
 
     def _final_eval(self) -> str:
         from eval import engine

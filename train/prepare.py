@@ -118,11 +118,11 @@ def prepare(
 
 def run(cfg: DictConfig) -> PrepareSummary:
     """Run the preparation a composed conf/prepare.yaml describes (what `python -m train.prepare` does)."""
-    from eval.run import load_target, pick_device, read_traffic
+    from eval.run import load_target, pick_device, read_traffic, reading
     from train.hidden_states import default_layers
 
     # The traffic is read first: a bad record fails before a model is loaded.
-    traffic = read_traffic(cfg.data.path, split=cfg.data.split, on_bad_record=cfg.data.on_bad_record)
+    traffic = read_traffic(cfg.data.path, **reading(cfg.data))
     records = traffic.records[: cfg.data.max_records]
     device = pick_device(cfg.device)
     target, tokenizer = load_target(cfg.target.name_or_path, device=device, dtype=cfg.target.dtype,

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eval.sampling import Sampling
-from train.data import Record
+from train.data import Record, render
 
 
 @dataclass
@@ -120,8 +120,7 @@ def regenerate(
         with open(cache_path, "ab") as out:
             for b in range(first, n_batches):
                 batch = jobs[b * batch_size: (b + 1) * batch_size]
-                texts = [tokenizer.apply_chat_template(by_id[rid].messages[:turn], add_generation_prompt=True,
-                                                       tokenize=False) for rid, turn in batch]
+                texts = [render(tokenizer, by_id[rid].messages[:turn], True, by_id[rid].tools) for rid, turn in batch]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
                 torch.manual_seed(zlib.crc32(f"{seed}-{b}".encode()))  # same batch, same draws, after any resume
                 gen_kwargs = dict(do_sample=False) if sampling.greedy else dict(
@@ -149,9 +148,11 @@ def regenerate(
     stats = RegenStats(len(jobs), resumed, new_tokens, time.perf_counter() - started)
     regenerated = []
     for r in records:
-        messages = [dict(m, content=done[r.id, i]["content"]) if (r.id, i) in done else dict(m)
+        # A regenerated turn is the target's text as it wrote it: tool calls and reasoning included, in its
+        # own syntax, so the logged tool_calls and reasoning_content of that turn go.
+        messages = [{"role": "assistant", "content": done[r.id, i]["content"]} if (r.id, i) in done else dict(m)
                     for i, m in enumerate(r.messages)]
-        regenerated.append(Record(messages, r.category, r.id, r.source, r.line))
+        regenerated.append(Record(messages, r.category, r.id, r.source, r.line, r.tools))
     return regenerated, stats
 
 
@@ -161,7 +162,8 @@ def write_records(records: list[Record], path: str | Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
         for r in records:
-            f.write(json.dumps({"id": r.id, "category": r.category, "messages": r.messages}) + "\n")
+            f.write(json.dumps({"id": r.id, "category": r.category, "messages": r.messages}
+                               | ({"tools": r.tools} if r.tools else {})) + "\n")
     tmp.replace(path)
 
 

@@ -30,7 +30,7 @@ BAD = [
     (b'{"messages": [', "invalid JSON", None),
     (b"\xff\xfe{}", "not valid UTF-8", None),
     ([1, 2], "expected a JSON object", None),
-    ({"category": "code"}, "needs 'messages' (chat) or 'prompt'", None),
+    ({"category": "code"}, "a record needs one of the keys", None),
     ({"messages": []}, "empty conversation", "messages"),
     ({"messages": "hi"}, "expected a list", "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "expected one of", "messages[0].role"),

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eval.sampling import Sampling
+from helpers import CHAT, TOOL_TEMPLATE, TOOLS
 from train.data import load_records
 from train.regenerate import regenerate, write_records
 
@@ -88,3 +89,33 @@ def test_written_records_load_back(world, tmp_path):
     write_records(records, tmp_path / "r.jsonl")
     back, _ = load_records(str(tmp_path / "r.jsonl"))
     assert [(r.id, r.category, r.messages) for r in back] == [(r.id, r.category, r.messages) for r in records]
+
+
+def test_an_agent_conversation_is_regenerated_with_its_tools_and_each_turn_becomes_the_targets_text(world, tmp_path):
+    target, tok, _ = world
+    tok = AutoTokenizer.from_pretrained(tok.name_or_path)
+    tok.chat_template = TOOL_TEMPLATE
+    path = tmp_path / "agent.jsonl"
+    path.write_text(json.dumps(CHAT) + "\n")
+    records, _ = load_records(str(path))
+    seen = []
+    real_generate = target.generate
+
+    def recording_generate(*args, **kw):
+        seen.extend(tok.batch_decode(kw["input_ids"]))
+        return real_generate(*args, **kw)
+
+    target.generate = recording_generate
+    try:
+        regenerated, stats = regenerate(records, target, tok, tmp_path / "cache.jsonl", max_new_tokens=8,
+                                        progress=False)
+    finally:
+        target.generate = real_generate
+    assert stats.jobs == 2 and all("# Tools" in prompt for prompt in seen)  # the target saw the tools offered
+    turns = regenerated[0].messages
+    assert regenerated[0].tools == TOOLS and turns[3] == records[0].messages[3]  # the tool's answer stays
+    for i in (2, 4):  # the target's own text, as it wrote it: the logged tool calls and reasoning go
+        assert set(turns[i]) == {"role", "content"} and turns[i]["role"] == "assistant"
+    write_records(regenerated, tmp_path / "out.jsonl")
+    again, _ = load_records(str(tmp_path / "out.jsonl"))
+    assert again[0].tools == TOOLS and again[0].messages == turns
