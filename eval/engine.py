@@ -219,7 +219,7 @@ class DraftCounters:
 
 
 def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str, list[list[int]]], ks: list[int],
-                      *, max_new_tokens: int, repeats: int, threads: int, log_dir: Path, cost_prompts: int = 2,
+                      *, max_new_tokens: int, repeats: int, threads: int, log_dir: Path, cost_prompts: int = 4,
                       progress: bool = True) -> dict:
     """Plain and speculative llama-server over every prompt, `repeats` times, the configurations in turn
     within each repeat (each server's first prompt is run once untimed); after each speculative server, the
@@ -317,7 +317,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
 
 def run_llama_cpp(rows: list[dict], drafter_specs: list[dict], target, target_name_or_path: str,
                   prompts: dict[str, list[list[int]]], *, ks: list[int], max_new_tokens: int, repeats: int,
-                  pays_off_at: float, threads: int, work: Path, cost_prompts: int = 2, seed: int = 0,
+                  pays_off_at: float, threads: int, work: Path, cost_prompts: int = 4, seed: int = 0,
                   progress: bool = True) -> dict:
     """Everything `engine=llamacpp` adds: convert the target and the drafters, measure them in llama.cpp,
     calibrate c and β, and add the engine's figures to `rows`. Returns the settings to report."""
