@@ -64,13 +64,19 @@ def tokenizer_pre_of(model_dir: str | Path) -> str:
     The converter names a BPE pre-tokenizer by hashing how the tokenizer splits a probe text; a tokenizer
     it has not seen has an unknown hash. A byte-level BPE whose only pre-tokenizer is ByteLevel with
     GPT-2's regex, no prefix space and no normalizer splits text exactly as GPT-2's does: llama.cpp's
-    `gpt-2` pre-tokenizer. Any other is an error naming what was found; pass the name explicitly then.
+    `gpt-2` pre-tokenizer. A SentencePiece-style BPE (byte fallback, a decoder sequence, no pre-tokenizer:
+    Llama-2's layout, what scripts/import_llama2c.py writes) needs no name: the converter reads it as a
+    Llama vocabulary (its LlamaHfVocab), and "" is returned. Any other is an error naming what was found;
+    pass the name explicitly then.
     """
     tok = json.loads((Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8"))
-    pre, normalizer = tok.get("pre_tokenizer"), tok.get("normalizer")
+    pre, normalizer, model = tok.get("pre_tokenizer"), tok.get("normalizer"), tok.get("model", {})
+    if (pre is None and model.get("type") == "BPE" and model.get("byte_fallback")
+            and (tok.get("decoder") or {}).get("type") == "Sequence"):
+        return ""
     if pre and pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:
         pre = pre["pretokenizers"][0]
-    if (normalizer is None and tok.get("model", {}).get("type") == "BPE" and pre and pre.get("type") == "ByteLevel"
+    if (normalizer is None and model.get("type") == "BPE" and pre and pre.get("type") == "ByteLevel"
             and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)):
         return "gpt-2"
     raise ValueError(f"{model_dir}/tokenizer.json: no llama.cpp pre-tokenizer is known to match pre_tokenizer={pre!r}, "

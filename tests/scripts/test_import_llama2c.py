@@ -1,6 +1,6 @@
 """scripts/import_llama2c.py on a real pretrained model: llama2.c's stories260K, converted to Hugging Face's
 Llama, decodes greedily from BOS the text its author published, token for token, and draftsmith's loop
-with a drafter reproduces it too."""
+with a drafter reproduces it too, as does llama.cpp serving its GGUF."""
 
 from pathlib import Path
 
@@ -66,3 +66,19 @@ def test_a_self_draft_of_the_first_layers_drafts_losslessly(directory, converted
     assert out.tokens == plain and sum(r.accepted for r in out.rounds) > 0
     with pytest.raises(ValueError, match="--draft-layers must be in 1..4"):
         load_script("import_llama2c").self_draft(directory, 5, tmp_path / "bad")
+
+
+def test_llama_cpp_converts_and_serves_the_converted_model_as_transformers_runs_it(directory, converted, tmp_path):
+    from eval import llama_cpp
+
+    if not llama_cpp.available():
+        pytest.skip(f"llama.cpp is not built at {llama_cpp.home()}: `make llama-cpp` (make test builds it)")
+    model, tok = converted
+    assert llama_cpp.tokenizer_pre_of(directory) == ""  # a SentencePiece-style vocabulary: no pre-tokenizer name
+    gguf = llama_cpp.convert_to_gguf(directory, tmp_path / "stories260K.gguf")
+    prompts = [[tok.bos_token_id] + tok.encode(text, add_special_tokens=False)
+               for text in ("Once upon a time", "One day, Tim", '"Hi Sam," said Tim.')]
+    with llama_cpp.LlamaServer(gguf) as server:
+        for prompt in prompts:
+            ours = model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist()
+            assert server.complete(prompt, 48).tokens == ours
