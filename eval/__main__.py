@@ -44,10 +44,12 @@ def run(cfg: DictConfig) -> dict:
                               trust_remote_code=cfg.target.trust_remote_code) for spec in cfg.drafters]
     prompts = tokenize_prompts(traffic, tokenizer, device=device, max_per_category=cfg.data.max_prompts_per_category,
                                max_prompt_tokens=cfg.data.max_prompt_tokens)
-    rows = evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id, progress=cfg.progress)
     specs = [OmegaConf.to_container(spec, resolve=True) for spec in cfg.drafters]
+    work = Path(cfg.out_dir) / "engine"
+    converted = engines.convert(cfg.engine, specs, target, cfg.target.name_or_path, work)
+    rows = evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id, progress=cfg.progress)
     engine = engines.add_figures(rows, specs, target, cfg.target.name_or_path, prompts, plan, engine=cfg.engine,
-                                 costs=costs, threads=cfg.threads or os.cpu_count(), work=Path(cfg.out_dir) / "engine",
+                                 costs=costs, threads=cfg.threads or os.cpu_count(), work=work, converted=converted,
                                  progress=cfg.progress)
     settings = {"data": traffic.describe(prompts), **asdict(plan), "dtype": cfg.target.dtype, "device": str(device),
                 "engine": engine}

@@ -315,12 +315,17 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
         r.update(figures)
 
 
-def run_llama_cpp(rows: list[dict], drafter_specs: list[dict], target, target_name_or_path: str,
-                  prompts: dict[str, list[list[int]]], *, ks: list[int], max_new_tokens: int, repeats: int,
-                  pays_off_at: float, threads: int, work: Path, cost_prompts: int = 4, seed: int = 0,
-                  progress: bool = True) -> dict:
-    """Everything `engine=llamacpp` adds: convert the target and the drafters, measure them in llama.cpp,
-    calibrate c and β, and add the engine's figures to `rows`. Returns the settings to report."""
+@dataclass
+class Converted:
+    """What llama.cpp serves: the target's GGUF and each drafter's (or why it has none)."""
+
+    target_gguf: Path
+    served: list[Served]
+
+
+def convert_for_llama_cpp(drafter_specs: list[dict], target, target_name_or_path: str, work: Path) -> Converted:
+    """The target and the drafters through llama.cpp's converter, into `work`: done before anything is
+    measured, so a model the converter cannot read fails at once."""
     from train.export import target_directory
 
     work.mkdir(parents=True, exist_ok=True)
@@ -330,6 +335,15 @@ def run_llama_cpp(rows: list[dict], drafter_specs: list[dict], target, target_na
     for s in served:
         if s.note:
             print(f"llama.cpp: {s.name}: {s.note}")
+    return Converted(target_gguf, served)
+
+
+def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, list[list[int]]], *, ks: list[int],
+                  max_new_tokens: int, repeats: int, pays_off_at: float, threads: int, work: Path,
+                  cost_prompts: int = 4, seed: int = 0, progress: bool = True) -> dict:
+    """Everything `engine=llamacpp` adds once the models are converted: measure them in llama.cpp,
+    calibrate c and β, and add the engine's figures to `rows`. Returns the settings to report."""
+    target_gguf, served = converted.target_gguf, converted.served
     measured = measure_llama_cpp(target_gguf, served, prompts, ks, max_new_tokens=max_new_tokens, repeats=repeats,
                                  threads=threads, log_dir=work, cost_prompts=cost_prompts, progress=progress)
     engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed)
@@ -353,15 +367,22 @@ def check(engine: str | None, costs: EngineCosts) -> None:
     llama_cpp.require()
 
 
+def convert(engine: str | None, specs: list[dict], target, target_name_or_path: str, work: Path) -> Converted | None:
+    """Before measuring: the models converted for the engine that will serve them (engine=llamacpp), so a
+    model it cannot read fails before draftsmith's own measurement, not after it."""
+    return convert_for_llama_cpp(specs, target, target_name_or_path, work) if engine == "llamacpp" else None
+
+
 def add_figures(rows: list[dict], specs: list[dict], target, target_name_or_path: str,
                 prompts: dict[str, list], plan, *, engine: str | None, costs: EngineCosts, threads: int, work: Path,
-                progress: bool = True) -> dict | None:
+                converted: Converted | None = None, progress: bool = True) -> dict | None:
     """The engine's figures added to `rows` (from eval.evaluate, with `plan`, its EvalPlan, on `prompts`,
-    token-id tensors per category, for the drafters `specs`): measured in llama.cpp (engine=llamacpp) or
-    predicted from costs a team measured in its own engine. Returns what the report's settings say of it."""
+    token-id tensors per category, for the drafters `specs`): measured in llama.cpp (engine=llamacpp, the
+    models `convert`ed unless given) or predicted from costs a team measured in its own engine. Returns what
+    the report's settings say of it."""
     if engine == "llamacpp":
-        return run_llama_cpp(rows, specs, target, target_name_or_path,
-                             {c: [p.tolist() for p in ps] for c, ps in prompts.items()}, ks=list(plan.ks),
+        converted = converted or convert_for_llama_cpp(specs, target, target_name_or_path, work)
+        return run_llama_cpp(rows, converted, {c: [p.tolist() for p in ps] for c, ps in prompts.items()}, ks=list(plan.ks),
                              max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, pays_off_at=plan.pays_off_at,
                              threads=threads, work=work, seed=plan.seed, progress=progress)
     if costs.given:

@@ -162,6 +162,21 @@ def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny
     assert list((out / "engine").glob("llama-server-head-k4-accept-none-*.log"))  # and those c and β came from
 
 
+@needs_llama_cpp
+def test_a_model_llama_cpp_cannot_convert_fails_before_draftsmith_measures_anything(tiny_world, tmp_path, monkeypatch):
+    def unreadable(model_dir, *args, **kwargs):
+        raise ValueError(f"{model_dir}/tokenizer.json: no llama.cpp pre-tokenizer is known to match ...")
+
+    def measured(*args, **kwargs):
+        raise AssertionError("draftsmith's loop ran before the conversion failed")
+
+    monkeypatch.setattr(llama_cpp, "convert_to_gguf", unreadable)
+    monkeypatch.setattr(entry, "evaluate", measured)
+    with pytest.raises(ValueError, match="no llama.cpp pre-tokenizer"):
+        entry.run(make_cfg("target=tiny", "engine=llamacpp", "ks=[2]", "repeats=1", "progress=false",
+                           "data.max_prompts_per_category=1", f"out_dir={tmp_path}"))
+
+
 def test_an_unknown_engine_at_the_end_of_training_fails_before_training(tiny_world, tmp_path):
     from helpers import train_tiny_deep
 
