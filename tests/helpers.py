@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import torch
+import transformers as T
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -194,3 +195,45 @@ CHAT = {
         {"role": "assistant", "content": "<think>It shipped.</think>Order 42 has shipped."},
     ],
 }
+
+
+# --- tiny random models of every common family, from transformers' config classes -------------------------
+
+def _common(vocab: int) -> dict:
+    return dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+
+
+# name -> (config class, model class, family-specific settings); the post-processing of the output logits
+# is set well away from neutral so that a head reading plain lm_head logits would be visibly off.
+FAMILIES = {
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 8}),
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                                           "moe_intermediate_size": 16}),
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {"head_dim": 8, "final_logit_softcapping": 1.5}),
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, {"head_dim": 8, "final_logit_softcapping": 1.5}),
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {}),
+    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, None),
+    "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {"num_key_value_heads": None}),
+    "granite": (T.GraniteConfig, T.GraniteForCausalLM, {"logits_scaling": 0.5}),
+    "cohere": (T.CohereConfig, T.CohereForCausalLM, {"logit_scale": 0.5}),
+}
+
+
+def tiny(family: str, vocab: int = 48, seed: int = 0, sharpen: float = 4.0):
+    """A random tiny target of `family`, its output head scaled by `sharpen` (random init is near uniform)."""
+    config_class, model_class, extra = FAMILIES[family]
+    if extra is None:  # GPT-2 names its sizes its own way
+        config = config_class(vocab_size=vocab, n_embd=32, n_layer=3, n_head=4, n_positions=1024, bos_token_id=1,
+                              eos_token_id=None)
+    else:
+        settings = {**_common(vocab), **extra}
+        config = config_class(**{k: v for k, v in settings.items() if v is not None or k == "eos_token_id"})
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
+    return model.requires_grad_(False)

@@ -1,20 +1,19 @@
 """Every common model family as the target: each head builds from the family's own config names, drafts
 from the target's own output distribution (soft-capping and logit scaling included), trains, reloads, and
-drafts losslessly; a draft LM of the same family too. Tiny random models from transformers' config classes,
-built here (no downloads)."""
+drafts losslessly; a draft LM of the same family too. Tiny random models from transformers' config classes
+(tests/helpers.py, no downloads)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import transformers as T
 
 from drafters.draft_lm import DraftLM
 from drafters.heads import build_head, load_head, save_head
 from drafters.layers import SharedTarget
 from eval.sampling import Sampling
 from eval.speculative import autoregressive_generate, speculative_generate
-from helpers import chi2_pvalue, empirical_joint, exact_joint
+from helpers import FAMILIES, chi2_pvalue, empirical_joint, exact_joint, tiny
 from train.hidden_states import capture, default_layers
 
 GREEDY = Sampling()
@@ -25,47 +24,7 @@ SETTINGS = {
     "medusa": dict(num_heads=3, num_layers=1, head_decay=0.8),
 }
 KINDS = sorted(SETTINGS)
-
-
-def _common(vocab: int) -> dict:
-    return dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=None)
-
-
-# name -> (config class, model class, family-specific settings); the post-processing of the output logits
-# is set well away from neutral so that a head reading plain lm_head logits would be visibly off.
-FAMILIES = {
-    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
-    "mistral": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": None}),
-    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
-    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 8}),
-    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
-                                                           "moe_intermediate_size": 16}),
-    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {"head_dim": 8, "final_logit_softcapping": 1.5}),
-    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, {"head_dim": 8, "final_logit_softcapping": 1.5}),
-    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {}),
-    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, None),
-    "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {"num_key_value_heads": None}),
-    "granite": (T.GraniteConfig, T.GraniteForCausalLM, {"logits_scaling": 0.5}),
-    "cohere": (T.CohereConfig, T.CohereForCausalLM, {"logit_scale": 0.5}),
-}
 NAMES = sorted(FAMILIES)
-
-
-def tiny(family: str, vocab: int = 48, seed: int = 0, sharpen: float = 4.0):
-    """A random tiny target of `family`, its output head scaled by `sharpen` (random init is near uniform)."""
-    config_class, model_class, extra = FAMILIES[family]
-    if extra is None:  # GPT-2 names its sizes its own way
-        config = config_class(vocab_size=vocab, n_embd=32, n_layer=3, n_head=4, n_positions=256, bos_token_id=1,
-                              eos_token_id=None)
-    else:
-        settings = {**_common(vocab), **extra}
-        config = config_class(**{k: v for k, v in settings.items() if v is not None or k == "eos_token_id"})
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(sharpen)
-    return model.requires_grad_(False)
 
 
 def make_head(kind: str, target, seed: int = 0):

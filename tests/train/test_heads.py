@@ -259,3 +259,28 @@ def test_draft_vocabulary_size_from_share_or_count():
         with pytest.raises(ValueError, match="draft_vocab_share must be in"):
             size(draft_vocab_share=bad)
 
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt2", "granite", "qwen3_moe"])
+def test_the_recipe_and_eval_run_end_to_end_on_other_families(tiny_world, tmp_path, family):
+    """`python -m train drafter=eagle` and `python -m eval` with a target of another family (a tiny random
+    one, with the tiny world's tokenizer and traffic): the head trains, and the evaluation is lossless."""
+    from transformers import AutoTokenizer
+
+    import eval.__main__ as evaluate_entry
+    from helpers import tiny
+
+    tok = AutoTokenizer.from_pretrained(tiny_world / "target")
+    target_dir = tmp_path / family
+    tiny(family, vocab=len(tok), sharpen=1.0).save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    run = tmp_path / "run"
+    train(smoke(tmp_path, "drafter=eagle", f"target.name_or_path={target_dir}", "evaluate.enabled=false"))
+    assert (run / "best" / "model.safetensors").exists()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=[
+            "target=tiny", f"target.name_or_path={target_dir}", "ks=[2]", "repeats=1", "max_new_tokens=12",
+            "data.max_prompts_per_category=2", "progress=false", f"out_dir={tmp_path / 'report'}",
+            f"drafters=[{{name: head, kind: head, path: '{run / 'best'}'}}]"])
+    report = evaluate_entry.run(cfg)
+    assert all(r["lossless"] for r in report["results"])
