@@ -262,8 +262,9 @@ def test_draft_vocabulary_size_from_share_or_count():
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt2", "granite", "qwen3_moe"])
-def test_the_recipe_and_eval_run_end_to_end_on_other_families(tiny_world, tmp_path, family):
-    """`python -m train drafter=eagle` and `python -m eval` with a target of another family (a tiny random
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_recipe_and_eval_run_end_to_end_on_other_families(tiny_world, tmp_path, family, kind):
+    """`python -m train drafter=<kind>` and `python -m eval` with a target of another family (a tiny random
     one, with the tiny world's tokenizer and traffic): the head trains, and the evaluation is lossless."""
     from transformers import AutoTokenizer
 
@@ -275,7 +276,7 @@ def test_the_recipe_and_eval_run_end_to_end_on_other_families(tiny_world, tmp_pa
     tiny(family, vocab=len(tok), sharpen=1.0).save_pretrained(target_dir)
     tok.save_pretrained(target_dir)
     run = tmp_path / "run"
-    train(smoke(tmp_path, "drafter=eagle", f"target.name_or_path={target_dir}", "evaluate.enabled=false"))
+    train(smoke(tmp_path, f"drafter={kind}", f"target.name_or_path={target_dir}", "evaluate.enabled=false"))
     assert (run / "best" / "model.safetensors").exists()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="eval", overrides=[
