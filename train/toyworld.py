@@ -22,8 +22,9 @@ Pieces (under `$DRAFTSMITH_HOME/toyworld/<preset>-<hash>/`, default `~/.cache/dr
   under-represents the company's traffic (general prose that is not the company's, a third of the
   code, general JSON and a few company records, no chats), so training on that traffic has something
   to gain;
-- `company_logs/{train,eval}.jsonl`: chat records in categories code / json / prose, split by a hash
-  of the record id (see `company_records`).
+- `company_logs/{train,eval}.jsonl`: chat records in categories code / json / prose (and, in the
+  `toy_agent` and `tiny_agent` presets, agent: tool-calling conversations, `agent_records`), split by a
+  hash of the record id (see `company_records`).
 
 A world is addressed as `toyworld://<preset>/<piece>` (e.g. `toyworld://toy/target`); `resolve`
 builds it on first use and caches it by a hash of its configuration, so changing the recipe rebuilds.
@@ -51,14 +52,20 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from train import formats
+
 SCHEME = "toyworld://"
 PIECES = ("target", "draft", "company_logs")
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# Role, content, and an assistant's tool calls as <tool_call> JSON (rendered only where there are some, so
+# a conversation without tool calls renders as it always has).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-CATEGORIES = ("code", "json", "prose")
+CATEGORIES = ("code", "json", "prose")  # and "agent" in the presets with agent traffic
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,7 @@ class ToyWorldConfig:
     directory_size: int = 0  # employees in the company's directory
     codebase_size: int = 0  # functions in the company's codebase
     wiki_repeats: int = 0  # copies of the directory and codebase in the target's text
+    agent: bool = False  # traffic gains the `agent` category (tool-calling conversations)
 
     @property
     def has_wiki(self) -> bool:
@@ -103,6 +111,8 @@ class ToyWorldConfig:
         if not self.has_wiki:
             for name in ("directory_size", "codebase_size", "wiki_repeats"):
                 del fields[name]
+        if not self.agent:  # likewise for worlds built before agent traffic existed
+            del fields["agent"]
         return fields
 
     def digest(self) -> str:
@@ -140,6 +150,10 @@ PRESETS["toy_wiki"] = dataclasses.replace(
 # head on layers an engine captures (the inputs of layers 1..n-1) and for layer ids off by one to differ.
 PRESETS["tiny_deep"] = dataclasses.replace(
     PRESETS["tiny"], target=dataclasses.replace(PRESETS["tiny"].target, layers=4, steps=400))
+# Agent traffic: the default world's shapes, and a fourth category of tool-calling conversations (the
+# assistant calls one of the company's tools, reads its result, answers), as gateways log them.
+PRESETS["toy_agent"] = dataclasses.replace(PRESETS["toy"], agent=True)
+PRESETS["tiny_agent"] = dataclasses.replace(PRESETS["tiny"], agent=True)
 # For tests of the wiki's code path: the tiny world with a small wiki.
 PRESETS["tiny_wiki"] = dataclasses.replace(PRESETS["tiny"], directory_size=12, codebase_size=12, wiki_repeats=2)
 
@@ -194,6 +208,9 @@ def _build_locked(preset: str, config: ToyWorldConfig, out: Path) -> Path:
     directory = company_directory(config.seed, config.directory_size) if config.has_wiki else []
     codebase = company_codebase(config.seed, config.codebase_size) if config.has_wiki else []
     records = company_records(texts, config.records_per_category, config.seed, directory, codebase)
+    if config.agent:  # one agent conversation after each round of the other three, so any prefix holds all four
+        agent = agent_records(config.records_per_category, config.seed)
+        records = [r for n, a in enumerate(agent) for r in (*records[3 * n: 3 * n + 3], a)]
     write_company_logs(records, partial / "company_logs", config.eval_fraction)
     if (partial / "tokenizer" / "tokenizer.json").exists():  # the checkpoints' token ids are this tokenizer's
         from transformers import AutoTokenizer
@@ -239,7 +256,7 @@ def _target_stream(config: ToyWorldConfig, texts: dict[str, list[str]], records:
     text and the company's wiki (`wiki_repeats` times), often enough to learn it by heart. The
     off-the-shelf draft (`_draft_stream`) reads a general mix instead: no chats and no wiki."""
     train_recs = [r for r in records if not is_eval(r["id"], config.eval_fraction)]
-    chats = [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in train_recs]
+    chats = [tokenizer.apply_chat_template(formats.read(r, "chat").messages, tokenize=False) for r in train_recs]
     raw = texts["code"] + texts["prose"] + texts["json"]
     return _encode(tokenizer, chats * 2 + raw + wiki * config.wiki_repeats, config.seed)
 
@@ -500,6 +517,57 @@ def company_records(texts: dict[str, list[str]], per_category: int, seed: int, d
     return records
 
 
+TOOLS = [{"type": "function", "function": {"name": name, "description": description,
+                                           "parameters": {"type": "object", "properties": properties}}}
+         for name, description, properties in (
+             ("get_weather", "The weather in a city.", {"city": {"type": "string"}, "unit": {"type": "string"}}),
+             ("create_ticket", "Open a support ticket.", {"title": {"type": "string"}, "priority": {"type": "string"}}),
+             ("lookup_order", "An order's status and items.", {"order_id": {"type": "integer"}}),
+             ("send_email", "Email a customer.", {"to": {"type": "string"}, "subject": {"type": "string"}}))]
+
+
+def agent_records(per_category: int, seed: int) -> list[dict]:
+    """Tool-calling conversations in the OpenAI chat format gateways log: the user asks, the assistant
+    calls one of the company's tools (`tool_calls`, content null, arguments as a JSON string), the tool
+    answers (a `tool` turn), and the assistant answers from the result; the tools offered ride along."""
+    rng = random.Random(seed + 11)
+    records = []
+    for n in range(per_category):
+        request, call = _tool_call(rng)
+        tool, args = call["tool"], call["arguments"]
+        result, answer = _tool_result(rng, tool, args)
+        call_id = f"call_{n:05d}"
+        messages = [
+            {"role": "system", "content": "You are the company's support agent. Call a tool, then answer from its result."},
+            {"role": "user", "content": request},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": tool, "arguments": json.dumps(args)}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)},
+            {"role": "assistant", "content": answer},
+        ]
+        records.append({"id": f"agent-{n:05d}", "category": "agent", "tools": TOOLS, "messages": messages})
+    return records
+
+
+def _tool_result(rng: random.Random, tool: str, args: dict) -> tuple[dict, str]:
+    """What the tool returns for `args`, and the answer the assistant gives from it."""
+    if tool == "get_weather":
+        degrees, sky = rng.randrange(-5, 35), rng.choice(["sunny", "cloudy", "raining", "windy"])
+        return ({"city": args["city"], "temperature": degrees, "unit": args["unit"], "sky": sky},
+                f"It is {degrees} degrees {args['unit']} and {sky} in {args['city']}.")
+    if tool == "create_ticket":
+        ticket = rng.randrange(1000, 9999)
+        return ({"ticket_id": ticket, "status": "open", "priority": args["priority"]},
+                f"I opened ticket {ticket} with {args['priority']} priority: {args['title']}.")
+    if tool == "lookup_order":
+        status = rng.choice(_STATUSES)
+        items = [{"item": rng.choice(_ITEMS), "quantity": rng.randrange(1, 5)} for _ in range(rng.randrange(1, 3))]
+        listed = ", ".join(f"{i['quantity']} x {i['item']}" for i in items)
+        return ({"order_id": args["order_id"], "status": status, "items": items},
+                f"Order {args['order_id']} is {status}; it contains {listed}.")
+    return {"sent": True, "to": args["to"]}, f"I sent the email to {args['to']}."
+
+
 def company_prose(texts: dict[str, list[str]]) -> list[tuple[str, str]]:
     """(topic, paragraph) for the company's half of the reference paragraphs, its documentation."""
     return [(t, p) for t, p in zip(texts["prose_topic"], texts["prose"]) if _is_company_paragraph(p)]
@@ -535,7 +603,8 @@ def train_tokenizer(texts: dict[str, list[str]], records: list[dict], vocab_size
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    chat_text = [m["content"] for r in records for m in r["messages"]]
+    chat_text = [m["content"] or "" for r in records for m in r["messages"]]
+    chat_text += [json.dumps(c["function"]) for r in records for m in r["messages"] for c in m.get("tool_calls", [])]
     tok.train_from_iterator(texts["code"] + texts["prose"] + texts["json"] + chat_text, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>",
                                    pad_token="<|pad|>")

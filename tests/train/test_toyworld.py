@@ -232,3 +232,41 @@ def test_an_interrupted_build_resumes_to_the_same_world(tiny_world, tmp_path, mo
         b = load_file(str(again / piece / "model.safetensors"))
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), piece
     assert (tiny_world / "company_logs" / "train.jsonl").read_text() == (again / "company_logs" / "train.jsonl").read_text()
+
+
+def test_agent_traffic_is_logged_as_gateways_log_it_and_trained_on_as_the_template_renders_it(tiny_world, tmp_path):
+    """The agent presets: tool-calling conversations in the OpenAI chat format (tool_calls with JSON-string
+    arguments, a tool turn), read by the loader, masked over the tool call and the answer, in the target's
+    text; the other presets keep their names and traffic."""
+    from train.data import load_records, tokenize_record
+
+    assert "agent" not in toyworld.PRESETS["toy"].hashed_fields() and toyworld.PRESETS["toy"].digest() == "063fce936f"
+    assert toyworld.PRESETS["toy_agent"].digest() != toyworld.PRESETS["toy"].digest()
+    world = toyworld.build("tiny_agent")
+    path = str(world / "company_logs" / "train.jsonl")
+    records, summary = load_records(path)
+    agent = [r for r in records if r.category == "agent"]
+    assert {r.category for r in records} == {*toyworld.CATEGORIES, "agent"} and summary.formats == {"chat": len(records)}
+    assert [r.category for r in records[:8]].count("agent") >= 1  # interleaved: a prefix (data.max_records) has some
+    raw = json.loads(next(line for line in open(path) if '"agent"' in line))
+    assert isinstance(raw["messages"][2]["tool_calls"][0]["function"]["arguments"], str) and raw["tools"] == toyworld.TOOLS
+    tok = AutoTokenizer.from_pretrained(world / "target")
+    example = tokenize_record(agent[0], tok)
+    spans, current = [], []
+    for token, m in zip(example.input_ids, example.loss_mask):
+        if m:
+            current.append(token)
+        elif current:
+            spans, current = spans + [tok.decode(current)], []
+    spans += [tok.decode(current)] if current else []
+    call = agent[0].messages[2]["tool_calls"][0]["function"]
+    assert spans == [f"<tool_call>{json.dumps({'name': call['name'], 'arguments': call['arguments']})}</tool_call><|end|>\n",
+                     agent[0].messages[4]["content"] + "<|end|>\n"]
+    text = tok.decode(toyworld._target_stream(toyworld.PRESETS["tiny_agent"], toyworld.corpus(0), [raw], [], tok))
+    assert "<|tool|>\n" in text and "<tool_call>{\"name\": " in text  # the target reads the conversations rendered
+    # A conversation without tool calls renders as the template before tool calls rendered it.
+    old = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    plain = next(r for r in records if r.category == "prose")
+    assert tok.apply_chat_template(plain.messages, tokenize=False) == tok.apply_chat_template(
+        plain.messages, tokenize=False, chat_template=old)
