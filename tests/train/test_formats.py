@@ -9,6 +9,8 @@ import pytest
 from helpers import CHAT, TOOL_TEMPLATE, TOOLS
 from train.data import Record, RecordError, load_records, prompt_ids, tokenize_record
 
+PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 PAIR = {"id": "p1", "request": {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS},
         "response": {"choices": [{"message": {"role": "assistant", "content": "Hello!"}}]}}
 SHAREGPT = {"id": "s1", "conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi"},
@@ -162,7 +164,8 @@ def test_an_empty_think_block_the_template_inserts_is_not_the_assistants(tool_to
 def test_a_template_that_does_not_render_tool_calls_is_an_error(tmp_path, tiny_world):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_world / "target")  # the toy template ignores tool_calls
+    tok = AutoTokenizer.from_pretrained(tiny_world / "target")
+    tok.chat_template = PLAIN_TEMPLATE  # role and content only: tool_calls are ignored
     records, _ = load_records(write(tmp_path, [CHAT]))
     with pytest.raises(RecordError, match=r"messages\[2\].tool_calls.*does not render tool calls \(lookup_order"):
         tokenize_record(records[0], tok)
