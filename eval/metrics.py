@@ -29,7 +29,8 @@ class AcceptanceStats:
         drafters fall with position, which an i.i.d. rate hides.
     acceptance_length: tau = 1 + kept guesses per round (a round yields its kept guesses and one token of the
         target's), the serving engines' "mean acceptance length" as llama.cpp and vLLM count it (the first
-        new token, from the prompt's forward, is in no round; a round cut by EOS or the budget counts whole).
+        new token, from the prompt's forward, is in no round; in a round cut by the end of the answer or the
+        budget, only the guesses the answer emits count, the end token included).
     """
 
     rounds: int

@@ -222,7 +222,12 @@ def speculative_generate(
             target_probs = probs_from_logits(logits, sampling)
             accepted, next_token = accept_sampled(proposal.tokens, proposal.probs, target_probs, generator)
         t2 = clock()
-        rounds.append(Round(len(guesses), accepted, t1 - t0, t2 - t1))
+        # Kept: the accepted guesses the answer emits, as llama.cpp counts them; none after an accepted
+        # end-of-answer token (the target confirms guesses past it, which are never emitted) or the budget.
+        kept = accepted
+        if eos_token_id is not None and eos_token_id in guesses[:accepted]:
+            kept = guesses.index(eos_token_id) + 1
+        rounds.append(Round(len(guesses), min(kept, max_new_tokens - len(new)), t1 - t0, t2 - t1))
         # The cache now holds the committed tokens and all guesses; keep the committed and the accepted.
         rollback(cache, length + accepted)
         if layers:  # features of the committed positions: the last token and the kept guesses

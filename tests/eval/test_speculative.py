@@ -92,6 +92,22 @@ def test_stops_after_eos(target, prompts):
     assert reference(target, prompts[1], eos=eos) == expected
 
 
+def test_a_round_cut_by_the_end_of_the_answer_or_the_budget_keeps_only_the_guesses_emitted(target, prompts):
+    """The target confirms guesses past an accepted end token (its greedy text goes on), but the answer
+    never emits them: they are not kept, as llama.cpp counts them. Likewise guesses past the budget."""
+    # Round 1 guesses tokens 1..4 (token 0 is the prompt forward's), round 2 tokens 6..9: an end token
+    # there that appears nowhere before it.
+    prompt, ref, position = next((p, ref, i) for p in prompts for ref in [reference(target, p, n=40)]
+                                 for i in range(6, 9) if ref[i] not in ref[:i])
+    drafter = ScriptedDrafter(ref, VOCAB, POLICIES["always"])
+    out = speculative_generate(target, drafter, prompt, k=4, sampling=GREEDY, max_new_tokens=40,
+                               eos_token_id=ref[position])
+    assert out.tokens == ref[: position + 1]
+    assert [r.accepted for r in out.rounds] == [4, position - 5]  # the end token kept, nothing after it
+    out = speculative_generate(target, drafter, prompt, k=4, sampling=GREEDY, max_new_tokens=8)
+    assert out.tokens == ref[:8] and [r.accepted for r in out.rounds] == [4, 2]
+
+
 def test_rejects_bad_arguments(target):
     with pytest.raises(ValueError, match="k .* must be >= 1"):
         speculative_generate(target, NgramDrafter(), torch.tensor([1, 2]), k=0, sampling=GREEDY, max_new_tokens=4)
