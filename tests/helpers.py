@@ -167,6 +167,18 @@ def train_tiny_deep(out, *overrides):
     return out
 
 
+def masked_spans(example, tok) -> list[str]:
+    """The decoded runs of tokens an example's loss mask covers, in order (one per assistant turn)."""
+    spans, current = [], []
+    for token, m in zip(example.input_ids, example.loss_mask):
+        if m:
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    return [tok.decode(s) for s in spans + ([current] if current else [])]
+
+
 # --- agent traffic: a tool-calling conversation and a chat template that renders it -----------------------
 
 # A prefix-preserving template in the style of the tool-calling chat models: the offered tools in the

@@ -174,8 +174,10 @@ def _assistant_text(content: str, reasoning: str, notes: Counter) -> dict:
     if not found:
         return {"role": "assistant", "content": content}
     rest, thought = content[found.end():], found.group(1).strip()
-    if reasoning == "drop" or not thought:
-        notes["reasoning blocks dropped"] += reasoning == "drop" and bool(thought)
+    if not thought:
+        return {"role": "assistant", "content": rest}
+    if reasoning == "drop":
+        notes["reasoning blocks dropped"] += 1
         return {"role": "assistant", "content": rest}
     return {"role": "assistant", "content": rest, "reasoning_content": thought}
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from helpers import masked_spans
 from train.data import UNCATEGORIZED, RecordError, load_records, prompt_ids
 
 GOOD = {"id": "a1", "category": "code", "messages": [{"role": "user", "content": "hi"},
@@ -127,15 +128,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tiny_world):
                 {"role": "assistant", "content": "Green, or maybe red."}]
     ex = tokenize_record(Record(messages, "prose", "r", "mem", 1), tok)
     assert len(ex.input_ids) == len(ex.loss_mask)
-    spans, current = [], []
-    for token, m in zip(ex.input_ids, ex.loss_mask):
-        if m:
-            current.append(token)
-        elif current:
-            spans.append(current)
-            current = []
-    spans += [current] if current else []
     # Each masked span is one assistant turn: its content and the end-of-turn token the model must learn.
-    assert [tok.decode(s) for s in spans] == ["Blue.<|end|>\n", "Green, or maybe red.<|end|>\n"]
+    assert masked_spans(ex, tok) == ["Blue.<|end|>\n", "Green, or maybe red.<|end|>\n"]
     with pytest.raises(RecordError, match="longer than the context"):
         tokenize_record(Record(messages, "prose", "r", "mem", 1), tok, max_length=10)

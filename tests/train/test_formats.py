@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import CHAT, TOOL_TEMPLATE, TOOLS
+from helpers import CHAT, TOOL_TEMPLATE, TOOLS, masked_spans
 from train.data import Record, RecordError, load_records, prompt_ids, tokenize_record
 
 PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -103,17 +103,6 @@ def tool_tokenizer(tiny_world):
     tok = AutoTokenizer.from_pretrained(tiny_world / "target")
     tok.chat_template = TOOL_TEMPLATE
     return tok
-
-
-def masked_spans(example, tok) -> list[str]:
-    spans, current = [], []
-    for token, m in zip(example.input_ids, example.loss_mask):
-        if m:
-            current.append(token)
-        elif current:
-            spans.append(current)
-            current = []
-    return [tok.decode(s) for s in spans + ([current] if current else [])]
 
 
 def test_the_mask_covers_exactly_what_the_assistant_generated_in_every_format(tmp_path, tool_tokenizer):

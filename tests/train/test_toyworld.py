@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers import masked_spans
 from train import checkpoint, toyworld
 
 
@@ -252,13 +253,7 @@ def test_agent_traffic_is_logged_as_gateways_log_it_and_trained_on_as_the_templa
     assert isinstance(raw["messages"][2]["tool_calls"][0]["function"]["arguments"], str) and raw["tools"] == toyworld.TOOLS
     tok = AutoTokenizer.from_pretrained(world / "target")
     example = tokenize_record(agent[0], tok)
-    spans, current = [], []
-    for token, m in zip(example.input_ids, example.loss_mask):
-        if m:
-            current.append(token)
-        elif current:
-            spans, current = spans + [tok.decode(current)], []
-    spans += [tok.decode(current)] if current else []
+    spans = masked_spans(example, tok)
     call = agent[0].messages[2]["tool_calls"][0]["function"]
     assert spans == [f"<tool_call>{json.dumps({'name': call['name'], 'arguments': call['arguments']})}</tool_call><|end|>\n",
                      agent[0].messages[4]["content"] + "<|end|>\n"]
