@@ -13,7 +13,7 @@ BIN    := $(VENV)/bin
 
 .PHONY: install demo test bench clean llama-cpp
 
-install: $(VENV)/.installed $(VENV)/speculators/.installed $(VENV)/specforge/.installed
+install: $(VENV)/.installed $(VENV)/speculators/.installed $(VENV)/specforge/.installed $(VENV)/vllm/.installed
 
 # torch is pinned before the project so pip never resolves an unpinned torch (several GB of CUDA wheels).
 $(VENV)/.installed: pyproject.toml
@@ -37,6 +37,18 @@ $(VENV)/speculators/.installed: $(VENV)/.installed
 # stack (torch 2.11, sglang); its EAGLE-3 draft model imports without them.
 $(VENV)/specforge/.installed: $(VENV)/.installed
 	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/specforge specforge==0.2.0
+	touch $@
+
+# vLLM reads the `vllm` (EAGLE-1) export in the tests (tests/train/vllm_worker.py, on its CPU platform): the
+# PyPI wheel without its CUDA stack (torch 2.14, flashinfer, triton), plus the light packages its model
+# loading imports, none of them already in the venv (about 1 GB).
+$(VENV)/vllm/.installed: $(VENV)/.installed
+	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/vllm vllm==0.33.0 compressed-tensors==0.17.0 \
+		apache-tvm-ffi==0.1.11 xgrammar==0.2.8 llguidance==1.9.1 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 \
+		aiosignal==1.4.0 attrs==26.1.0 cachetools==8.0.2 cbor2==6.3.0 cloudpickle==3.1.3 einops==0.8.2 \
+		fastapi==0.165.0 frozenlist==1.8.0 loguru==0.7.3 msgspec==0.22.0 multidict==7.2.1 openai==3.57.0 \
+		openai-harmony==0.0.8 partial-json-parser==0.2.1.1.post7 prometheus-client==0.26.0 propcache==0.5.4 \
+		py-cpuinfo==9.0.0 pybase64==1.5.1 pyzmq==27.3.0 starlette==1.10.0 uvloop==0.23.0 yarl==1.25.1
 	touch $@
 
 demo: install

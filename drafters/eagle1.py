@@ -2,13 +2,17 @@
 one decoder layer that extrapolates the target's last-layer feature.
 
 Entry e of the head's sequence is fc([embedding of token e+1; target feature at e]) (2d -> d), run
-through one Llama decoder layer; its output o_e is trained to be the target's feature at e+1
+through one Llama decoder layer without its input norm (attention reads fc's output itself, as in the
+paper's code and in vLLM's `EagleLlamaForCausalLM`, which loads the export: train/export.py); its output o_e is trained to be the target's feature at e+1
 (smooth-L1 feature regression) and, through the target's own output head, to predict token e+2
 (cross-entropy against the target's distribution, weight `token_loss_weight`). Drafting continues on
 the head's own outputs: the next entry pairs o_e with the guessed token.
 
 The feature is `output_hidden_states[n]` of an n-layer target, the (final-normed) state its output
 head reads, so o_e needs no norm of its own before that head.
+
+Heads saved before the layer lost its input norm have no `input_norm` in their config.json: they load
+with the norm they were trained with, and draft as before, but have no engine format.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from eval.sampling import Sampling, draw
 
 
 class Eagle1(nn.Module):
-    """The head. config: drafters.heads.head_config(..., token_loss_weight=...), one feature layer."""
+    """The head. config: drafters.heads.head_config(..., token_loss_weight=...), one feature layer;
+    `config.input_norm` (False for every head built now) keeps a norm before the layer's attention."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -33,7 +38,7 @@ class Eagle1(nn.Module):
         self.config = config
         d = config.hidden_size
         self.fc = nn.Linear(d + config.target_hidden_size, d, bias=False)
-        self.layer = DecoderLayer(config)
+        self.layer = DecoderLayer(config, input_norm=getattr(config, "input_norm", True))
         self.rotary = Rotary(config)
         self.shared: SharedTarget | None = None
 
@@ -114,6 +119,35 @@ class Eagle1Drafter(FeatureDrafter):
     def commit(self, n_accepted: int, next_token: int, features=None) -> None:
         self.cache.crop(self.fed)
         super().commit(n_accepted, next_token, features)
+
+
+def load_engine_eagle1(path, raw: dict, target, dtype: torch.dtype | None = None) -> Eagle1:
+    """An EAGLE-1 head from its engine export (vLLM's `EagleLlamaForCausalLM` layout, as train/export.py
+    writes it: `fc`, `layers.0.*` without an input norm, no embedding or output head), attached to `target`."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from drafters.heads import head_config
+
+    path = Path(path)
+    if raw.get("hidden_size") != target.config.hidden_size:
+        raise ValueError(f"{path}/config.json: hidden_size {raw.get('hidden_size')} is not the target's "
+                         f"{target.config.hidden_size}; an EAGLE-1 head has the target's width")
+    state = {name.replace("layers.0.", "layer.", 1): t for name, t in load_file(str(path / "model.safetensors")).items()}
+    shared = [name for name in ("embed_tokens.weight", "lm_head.weight") if name in state]
+    if shared:
+        raise ValueError(f"{path}: {shared} stored in the checkpoint; draftsmith drafts with the target's own")
+    config = head_config(target.config, "eagle1", [target.config.num_hidden_layers],
+                         intermediate_size=raw["intermediate_size"], token_loss_weight=0.0)
+    head = Eagle1(config)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}/model.safetensors: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    device = next(target.parameters()).device
+    head = head.to(device=device, dtype=dtype or torch.float32).eval()
+    head.attach(target)
+    return head
 
 
 HEAD = Eagle1

@@ -28,8 +28,9 @@ from transformers import LlamaConfig
 
 from drafters.base import check_stop_below
 
-# config.json architectures of EAGLE-3 checkpoints in the engines' formats, which load_head reads too.
+# config.json architectures of EAGLE-3 and EAGLE-1 checkpoints in the engines' formats, which load_head reads too.
 ENGINE_EAGLE3 = ("LlamaForCausalLMEagle3", "Eagle3Speculator")
+ENGINE_EAGLE1 = ("EagleLlamaForCausalLM",)
 KINDS = {"eagle": "drafters.eagle", "eagle1": "drafters.eagle1", "mtp": "drafters.mtp", "medusa": "drafters.medusa"}
 
 
@@ -55,6 +56,8 @@ def head_config(target_config, kind: str, feature_layers: list[int], intermediat
     check_layers(feature_layers, target_config.num_hidden_layers)
     if intermediate_size is not None and intermediate_size < 1:
         raise ValueError(f"the head's intermediate_size must be >= 1 (None = the target's), got {intermediate_size}")
+    if kind == "eagle1":  # the paper's layer (no norm before attention); saved heads without it keep theirs
+        settings.setdefault("input_norm", False)
     rope = getattr(target_config, "rope_parameters", None)
     if isinstance(rope, dict) and "full_attention" in rope:  # Gemma-3: one per attention type; the head's is full
         rope = rope["full_attention"]
@@ -122,6 +125,10 @@ def load_head(path: str | Path, target, dtype: torch.dtype | None = None) -> nn.
         from drafters.eagle import load_engine_eagle3
 
         return load_engine_eagle3(path, raw, target, dtype)
+    if set(raw.get("architectures") or []) & set(ENGINE_EAGLE1):
+        from drafters.eagle1 import load_engine_eagle1
+
+        return load_engine_eagle1(path, raw, target, dtype)
     kind = raw.get("draftsmith_kind")
     if kind not in KINDS:
         raise ValueError(f"{path}/config.json: field draftsmith_kind is {kind!r}, expected one of {sorted(KINDS)}")

@@ -283,24 +283,26 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """The pre-norm Llama block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """The pre-norm Llama block: x + attn(norm(x)), then + mlp(norm(.)). `input_norm=False` drops the
+    first norm (attention reads x itself), as EAGLE-1's layer does."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, input_norm: bool = True) -> None:
         super().__init__()
         self.self_attn = Attention(config)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if input_norm else None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask):
-        h, _ = self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        h, _ = self.self_attn(x if self.input_layernorm is None else self.input_layernorm(x), cos, sin, mask)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(self, x, cos, sin, mask, cache: KVCache, last: bool = False):
         """`forward` on top of `cache` for drafting (inference only), on the fused ops. `last`: the last
         position's output only, every position's keys and values cached (`Attention.decode`)."""
-        h = self.self_attn.decode(norm(x, self.input_layernorm), cos, sin, mask, cache, last)
+        h = self.self_attn.decode(x if self.input_layernorm is None else norm(x, self.input_layernorm),
+                                  cos, sin, mask, cache, last)
         x = (x[:, -1:] if last else x) + h
         return x + mlp_decode(self.mlp, norm(x, self.post_attention_layernorm))
 

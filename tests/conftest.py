@@ -40,6 +40,14 @@ def eagle_run(tiny_world, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def eagle1_run(tiny_world, tmp_path_factory):
+    """An EAGLE-1 head on tiny_deep, trained a few dozen steps: what the `vllm` export ships."""
+    return train_tiny_deep(tmp_path_factory.mktemp("runs") / "eagle1", "drafter=eagle1", "trainer.max_steps=60",
+                           "trainer.eval_every=30", "trainer.checkpoint_every=30", "trainer.lr=5e-3",
+                           "trainer.select_by=top1")
+
+
+@pytest.fixture(scope="session")
 def draft_run(tiny_world, tmp_path_factory):
     """A draft LM distilled by SFT from tiny_deep's off-the-shelf draft on the target's answers."""
     return train_tiny_deep(tmp_path_factory.mktemp("runs") / "draft_lm", "drafter=draft_lm", "drafter.loss=sft",

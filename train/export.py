@@ -2,6 +2,7 @@
 
     python -m train.export run=runs/train/eagle/<time> 'formats=[sglang,speculators,gguf]'
     python -m train.export run=runs/train/draft_lm/<time> 'formats=[hf,gguf]'
+    python -m train.export run=runs/train/eagle1/<time> 'formats=[vllm]'
 
 A training run directory (what `python -m train` writes) holds `train_config.yaml` (the composed config:
 which target, which drafter kind) and `best/` (the chosen checkpoint). Formats:
@@ -16,6 +17,10 @@ which target, which drafter kind) and `best/` (the chosen checkpoint). Formats:
   vLLM's native `Eagle3LlamaForCausalLM` and llama.cpp's converter read the same directory.
 - `speculators` (EAGLE-3): the speculators library's `Eagle3Speculator` format, which `vllm serve <dir>`
   detects: `layers.0.*` weights, the target's `embed_tokens`, and a `speculators_config` naming the verifier.
+- `vllm` (EAGLE-1): vLLM's `EagleLlamaForCausalLM` (`"method": "eagle"`, the EAGLE authors' layout):
+  `fc` (2d -> d, embedding first), `layers.0.*` without an input norm, no embedding or output head (vLLM
+  shares the target's), a Llama config of the one layer with the target's vocabulary and RoPE. Neither
+  SGLang nor llama.cpp reads this layout from a draftsmith directory: vLLM only.
 - `gguf`: llama.cpp's own converter (eval/llama_cpp.py) on the `hf` or `sglang` export; an EAGLE-3 GGUF
   is converted with the target's directory, as llama.cpp requires.
 
@@ -45,11 +50,16 @@ from train.hub import HubSettings
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("hf", "sglang", "speculators", "gguf")
-# The formats each drafter kind can be written in. EAGLE-1, MTP and Medusa heads have none yet: asking
-# for one is an error, never a directory an engine would misread.
-KIND_FORMATS = {"draft_lm": ("hf", "gguf"), "eagle": ("sglang", "speculators", "gguf"),
-                "eagle1": (), "mtp": (), "medusa": ()}
+FORMATS = ("hf", "sglang", "speculators", "vllm", "gguf")
+# The formats each drafter kind can be written in. MTP and Medusa heads have none: asking for one is an
+# error, never a directory an engine would misread (NO_FORMAT says why).
+KIND_FORMATS = {"draft_lm": ("hf", "gguf"), "eagle": ("sglang", "speculators", "gguf"), "eagle1": ("vllm",),
+                "mtp": (), "medusa": ()}
+NO_FORMAT = {
+    "mtp": "the engines' MTP formats are one module of the target's own architecture that the engine chains "
+           "k times (speculators' `mtp`, vLLM's per-family MTP models), not draftsmith's k separate modules",
+    "medusa": "vLLM dropped Medusa and speculators, SGLang and llama.cpp never had it",
+}
 # EAGLE-3 weights the head itself stores (the output head comes from the target, see `eagle3_tensors`).
 EAGLE3_OWN = ("fc.weight", "norm.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
               "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
@@ -149,6 +159,70 @@ def check_eagle3(state: dict[str, torch.Tensor], head_config: dict, target_confi
                 raise ExportRefused(message + "; export it anyway with force=true")
             log.warning("%s; exporting because force=true", message)
     return target_ids
+
+
+EAGLE1_OWN = ("fc.weight", "layer.post_attention_layernorm.weight",
+              *(f"layer.self_attn.{p}_proj.weight" for p in "qkvo"),
+              *(f"layer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
+
+
+def check_eagle1(state: dict[str, torch.Tensor], head_config: dict, target_config, *, best: dict | None,
+                 force: bool = False, where: str = "head") -> None:
+    """Refuse an EAGLE-1 head vLLM would load into something else than the head that was measured."""
+    missing = [name for name in EAGLE1_OWN if name not in state]
+    if missing:
+        raise ExportRefused(f"{where}: weights {missing} are missing; an engine would load them as random")
+    if head_config.get("input_norm", True):
+        raise ExportRefused(f"{where}: this head has a norm before its layer's attention (saved by a draftsmith "
+                            "before the layer lost it); vLLM's EAGLE-1 layer has none: train it again")
+    n = target_config.num_hidden_layers
+    if list(head_config["feature_layers"]) != [n]:
+        raise ExportRefused(f"{where}: the head reads layers {head_config['feature_layers']}; vLLM hands an EAGLE-1 "
+                            f"head the target's last (normed) state, [{n}]")
+    d = target_config.hidden_size
+    if head_config["hidden_size"] != d or tuple(state["fc.weight"].shape) != (d, 2 * d):
+        raise ExportRefused(f"{where}: fc.weight is {tuple(state['fc.weight'].shape)}, vLLM's EAGLE-1 fc is ({d}, {2 * d})")
+    if best is not None and best.get("top1") is not None:
+        chance = CHANCE_FACTOR / target_config.vocab_size
+        if best["top1"] <= chance:
+            message = (f"{where}: held-out top-1 agreement {best['top1']:.4f} is at chance (<= {chance:.4f}, "
+                       f"{CHANCE_FACTOR:g}x a uniform guess over {target_config.vocab_size} tokens)")
+            if not force:
+                raise ExportRefused(message + "; export it anyway with force=true")
+            log.warning("%s; exporting because force=true", message)
+
+
+def vllm_eagle1(head_dir: Path, target, target_dir: Path, *, best: dict | None, force: bool, dtype: torch.dtype):
+    """The writer of the `vllm` export of an EAGLE-1 head, guarded before it is returned."""
+    head_config = json.loads((head_dir / "config.json").read_text())
+    state = load_file(str(head_dir / "model.safetensors"))
+    check_eagle1(state, head_config, target.config, best=best, force=force, where=str(head_dir))
+    tc = target.config
+    config = {
+        "architectures": ["EagleLlamaForCausalLM"],  # what vLLM makes of LlamaForCausalLM with method "eagle"
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        **{key: head_config[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                             "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act")},
+        **_rope(head_config),
+        "max_position_embeddings": tc.max_position_embeddings,
+        "vocab_size": tc.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": tc.bos_token_id,
+        "eos_token_id": tc.eos_token_id,
+        "pad_token_id": tc.pad_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    tensors = {name.replace("layer.", "layers.0.", 1): state[name].to(dtype).contiguous() for name in EAGLE1_OWN}
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _copy_tokenizer(target_dir, tmp)
+
+    return write
 
 
 # --- EAGLE-3 --------------------------------------------------------------------------------------------
@@ -289,8 +363,9 @@ def formats_for(kind: str, requested: list[str]) -> list[str]:
         raise ValueError(f"drafter kind {kind!r} is unknown; known: {sorted(KIND_FORMATS)}")
     allowed = KIND_FORMATS[kind]
     if not allowed:
-        raise ValueError(f"{kind} heads cannot be exported: draftsmith writes no engine format for them "
-                         f"(exportable kinds: draft_lm -> hf, gguf; eagle -> sglang, speculators, gguf)")
+        exportable = "; ".join(f"{k} -> {', '.join(f)}" for k, f in KIND_FORMATS.items() if f)
+        raise ValueError(f"{kind} heads cannot be exported: no engine loads them ({NO_FORMAT[kind]}); "
+                         f"exportable kinds: {exportable}")
     wanted = list(allowed) if list(requested) == ["auto"] else list(requested)
     unknown = [f for f in wanted if f not in FORMATS]
     if unknown:
@@ -336,6 +411,10 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
 
     best_file = run.best / "best.json"
     best = json.loads(best_file.read_text()) if best_file.exists() else None
+    if run.kind == "eagle1":
+        write_vllm = vllm_eagle1(run.best, target, target_dir, best=best, force=settings.force, dtype=dtype)
+        written["vllm"] = _write_dir(out / "vllm", write_vllm)
+        return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
     tensors, head_config = eagle3_tensors(run.best, target, best=best, force=settings.force, dtype=dtype)
     dtype_name = str(dtype).removeprefix("torch.")
 

@@ -19,10 +19,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf"}
-# Per kind: vLLM's speculative method, SGLang's algorithm, the GGUF file, llama-server's spec type.
+ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf", "eagle1": "vllm"}
+# Per kind: vLLM's speculative method, SGLang's algorithm, the GGUF file, llama-server's spec type (None:
+# the engine does not serve this kind from draftsmith's export).
 SERVING = {"eagle": ("eagle3", "EAGLE3", "eagle3.gguf", "draft-eagle3"),
-           "draft_lm": ("draft_model", "STANDALONE", "draft.gguf", "draft-simple")}
+           "draft_lm": ("draft_model", "STANDALONE", "draft.gguf", "draft-simple"),
+           "eagle1": ("eagle", None, None, None)}
 
 
 @dataclass
@@ -105,16 +107,20 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     report_file = run.path / "report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else None
     d, t, r = cfg["drafter"], cfg["trainer"], cfg["regenerate"]
-    tags = ["speculative-decoding", "draftsmith", "eagle3" if kind == "eagle" else "draft-model"]
-    meta = ["---", f"base_model: {target}", "library_name: transformers" if kind == "draft_lm" else "library_name: sglang",
-            "tags:", *(f"- {tag}" for tag in tags)]
+    tags = ["speculative-decoding", "draftsmith", {"eagle": "eagle3", "eagle1": "eagle", "draft_lm": "draft-model"}[kind]]
+    library = {"eagle": "sglang", "eagle1": "vllm", "draft_lm": "transformers"}[kind]
+    meta = ["---", f"base_model: {target}", f"library_name: {library}", "tags:", *(f"- {tag}" for tag in tags)]
     if license:
         meta.append(f"license: {license}")
     meta.append("---")
-    what = (f"An EAGLE-3 draft head for `{target}`: one decoder layer reading the target's hidden states at "
-            f"layers {json.loads((run.best / 'config.json').read_text())['feature_layers']} (inputs of those "
-            "layers), drafting through the target's output head restricted to its draft vocabulary."
-            if kind == "eagle" else f"A standalone draft model for `{target}`, sharing its tokenizer.")
+    layers = json.loads((run.best / "config.json").read_text()).get("feature_layers")
+    what = {"eagle": f"An EAGLE-3 draft head for `{target}`: one decoder layer reading the target's hidden states at "
+                     f"layers {layers} (inputs of those layers), drafting through the target's output head "
+                     "restricted to its draft vocabulary.",
+            "eagle1": f"An EAGLE-1 draft head for `{target}`: one decoder layer extrapolating the target's last "
+                      "(normed) hidden state from it and the next token's embedding, drafting through the target's "
+                      "own embedding and output head.",
+            "draft_lm": f"A standalone draft model for `{target}`, sharing its tokenizer."}[kind]
     out = [*meta, "", f"# {repo_id}", "", what, "", "Trained and measured with draftsmith on the team's own traffic.", ""]
 
     trained = (report or {}).get("settings", {}).get("trained_on")
@@ -135,6 +141,8 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
         if best.get("vocabulary_coverage"):
             out_cov = ", ".join(f"{c} {v:.3f}" for c, v in sorted(best["vocabulary_coverage"].items()))
             recipe.append(["draft vocabulary: held-out assistant tokens covered", out_cov])
+    elif kind == "eagle1":
+        recipe += [["token loss weight (beside the feature regression)", d["token_loss_weight"]]]
     else:
         recipe += [["objective", d["loss"]], ["started from", d["init_from"] or cfg["target"]["off_the_shelf_draft"]]]
     out += _table(recipe, ["setting", "value"])
@@ -154,19 +162,21 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     else:
         out.append("No evaluation report in the run (`evaluate.enabled=false`).")
 
-    # The same three engines for both kinds; only the names of the method and the GGUF file differ.
+    # The engines that serve the kind from this export; only the names of the method and the GGUF file differ.
     vllm, sglang, gguf, spec_type = SERVING[kind]
     out += ["", "## Serving", "", "```bash",
             f"vllm serve {target} --speculative-config "
-            f"'{{\"method\": \"{vllm}\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}}}'",
-            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} "
-            f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-            f"--speculative-num-draft-tokens {k + 1}"]
+            f"'{{\"method\": \"{vllm}\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}}}'"]
+    if sglang:
+        out.append(f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} "
+                   f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+                   f"--speculative-num-draft-tokens {k + 1}")
     if "gguf" in written:
         out += [f"hf download {repo_id} gguf/{gguf} --local-dir .",
                 f"llama-server -m target.gguf -md gguf/{gguf} --spec-type {spec_type} --spec-draft-n-max {k}"]
     out.append("```")
     if "speculators" in written:
         out += ["", "`speculators/` holds the same head in the speculators format (`vllm serve` detects it)."]
-    out += ["", "The target's GGUF for llama.cpp: its own `convert_hf_to_gguf.py` on the target's directory."]
+    if "gguf" in written:
+        out += ["", "The target's GGUF for llama.cpp: its own `convert_hf_to_gguf.py` on the target's directory."]
     return "\n".join(out) + "\n"

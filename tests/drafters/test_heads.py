@@ -3,6 +3,7 @@ drafting in the loop is the computation the head was trained on."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -408,3 +409,23 @@ def test_loading_a_head_for_another_target_is_an_error(target, tmp_path):
         load_head(tmp_path / "h", other)
     with pytest.raises(FileNotFoundError, match="not a saved head"):
         load_head(tmp_path / "nothing", target)
+
+
+def test_eagle1_has_no_input_norm_and_a_head_saved_with_one_still_loads_and_drafts(target, prompts, tmp_path):
+    head = make_head("eagle1", target)
+    assert head.layer.input_layernorm is None and not any("input_layernorm" in n for n in head.state_dict())
+    # A head saved before the norm was dropped: its config has no input_norm, its weights have the norm.
+    old = make_head("eagle1", target, input_norm=True)
+    old.layer.input_layernorm.weight.data.uniform_(0.5, 2.0)
+    save_head(old, tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    del config["input_norm"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    loaded = load_head(tmp_path / "old", target)
+    torch.testing.assert_close(loaded.layer.input_layernorm.weight, old.layer.input_layernorm.weight)
+    for prompt in prompts:
+        ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=16)
+        a = speculative_generate(target, old.drafter(), prompt, k=3, sampling=GREEDY, max_new_tokens=16)
+        b = speculative_generate(target, loaded.drafter(), prompt, k=3, sampling=GREEDY, max_new_tokens=16)
+        assert a.tokens == b.tokens == ref.tokens
+        assert [r.accepted for r in a.rounds] == [r.accepted for r in b.rounds]

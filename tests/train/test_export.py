@@ -59,10 +59,13 @@ def test_the_eagle3_exports_carry_what_each_engine_reads(eagle_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_every_export_loads_back_into_eval_with_the_runs_greedy_tau(eagle_run, draft_run, tmp_path):
+def test_every_export_loads_back_into_eval_with_the_runs_greedy_tau(eagle_run, eagle1_run, draft_run, tmp_path):
     heads = export(eagle_run, tmp_path / "eagle", ExportSettings(formats=["sglang", "speculators"]))
     draft = export(draft_run, tmp_path / "draft", ExportSettings(formats=["hf"]))
+    eagle1 = export(eagle1_run, tmp_path / "eagle1", ExportSettings(formats=["vllm"]))
     drafters = [f"{{name: run_head, kind: head, path: {eagle_run / 'best'}}}",
+                f"{{name: run_eagle1, kind: head, path: {eagle1_run / 'best'}}}",
+                f"{{name: vllm_eagle1, kind: head, path: {eagle1['vllm']}}}",
                 f"{{name: sglang, kind: head, path: {heads['sglang']}}}",
                 f"{{name: speculators, kind: head, path: {heads['speculators']}}}",
                 f"{{name: run_draft, kind: draft_lm, path: {draft_run / 'best'}}}",
@@ -75,6 +78,7 @@ def test_every_export_loads_back_into_eval_with_the_runs_greedy_tau(eagle_run, d
     for category in {c for c, _ in tau}:
         assert tau[category, "sglang"] == tau[category, "speculators"] == tau[category, "run_head"]
         assert tau[category, "hf"] == tau[category, "run_draft"]
+        assert tau[category, "vllm_eagle1"] == tau[category, "run_eagle1"]
     assert all(r["lossless"] for r in report["results"])
 
 
@@ -142,8 +146,11 @@ def test_a_head_at_chance_is_refused_unless_forced(eagle_run, tmp_path, caplog):
 def test_kinds_and_formats_are_checked():
     assert formats_for("eagle", ["auto"]) == ["sglang", "speculators", "gguf"]
     assert formats_for("draft_lm", ["auto"]) == ["hf", "gguf"]
-    with pytest.raises(ValueError, match="medusa heads cannot be exported"):
+    assert formats_for("eagle1", ["auto"]) == ["vllm"]
+    with pytest.raises(ValueError, match="medusa heads cannot be exported: no engine loads them .vLLM dropped"):
         formats_for("medusa", ["auto"])
+    with pytest.raises(ValueError, match="mtp heads cannot be exported: .*chains k times.*eagle1 -> vllm"):
+        formats_for("mtp", ["vllm"])
     with pytest.raises(ValueError, match=r"cannot be written as \['sglang'\]"):
         formats_for("draft_lm", ["sglang"])
     with pytest.raises(ValueError, match="unknown export formats"):
@@ -261,3 +268,102 @@ def test_training_exports_at_the_end_when_asked(tiny_world, tmp_path):
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["export"] == {"sglang": str(run / "export" / "sglang")}
     assert (run / "export" / "sglang" / "model.safetensors").exists()
+
+
+# --- EAGLE-1: vLLM's layout ----------------------------------------------------------------------------
+
+
+def test_the_eagle1_export_carries_what_vllm_reads(eagle1_run, tmp_path):
+    written = export(eagle1_run, tmp_path / "out", ExportSettings(formats=["vllm"]))
+    target, _ = load_target(TARGET, device=torch.device("cpu"))
+    config = json.loads((written["vllm"] / "config.json").read_text())
+    assert config["architectures"] == ["EagleLlamaForCausalLM"] and config["num_hidden_layers"] == 1
+    assert config["vocab_size"] == 320 and config["hidden_size"] == 64 and config["rope_theta"] == 10000.0
+    tensors = load_file(str(written["vllm"] / "model.safetensors"))
+    own = load_file(str(eagle1_run / "best" / "model.safetensors"))
+    assert {n.replace("layer.", "layers.0.", 1) for n in own} == set(tensors)  # no embedding, no output head
+    assert not any("input_layernorm" in n for n in tensors) and tensors["fc.weight"].shape == (64, 128)
+    assert all(torch.equal(tensors[n.replace("layer.", "layers.0.", 1)], t) for n, t in own.items())
+
+
+def _eagle1_inputs(eagle1_run, tmp_path):
+    """The target's last (normed) states on a prompt, and draftsmith's head's outputs and logits on them."""
+    from drafters.heads import load_head
+    from drafters.layers import causal_mask
+
+    target, tok = load_target(TARGET, device=torch.device("cpu"))
+    head = load_head(eagle1_run / "best", target)
+    ids = torch.tensor(tok.apply_chat_template([{"role": "user", "content": "Return this as JSON: order 7 is paid"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False))
+    with torch.no_grad():
+        features = target(ids[None], output_hidden_states=True).hidden_states[-1][0]
+        mask = causal_mask(len(ids) - 1, 0, ids.device)
+        hidden = head._entries(features[None, :-1], ids[None, 1:], 0, mask)
+        logits = head.shared.logits(hidden)[0]
+    inputs = tmp_path / "inputs.safetensors"
+    save_file({"ids": ids, "features": features.contiguous()}, str(inputs))
+    return inputs, hidden[0], logits
+
+
+def _vllm(export_dir: Path, inputs: Path, out: Path) -> tuple[str, dict]:
+    """tests/train/vllm_worker.py on the export: the architecture vLLM resolved and its outputs."""
+    import subprocess
+    import sys
+
+    from train.export import target_directory
+
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_worker.py")), str(VENV / "vllm"),
+                           str(target_directory(TARGET)), str(export_dir), str(inputs), str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split("architecture: ")[-1].strip(), load_file(str(out))
+
+
+def test_vllm_loads_the_eagle1_export_and_computes_the_heads_logits(eagle1_run, tmp_path):
+    """vLLM 0.33's config, registry, loader and EAGLE-1 model on the export (tests/train/vllm_worker.py says
+    what of it runs here): its outputs and logits are draftsmith's head's on the same features and tokens,
+    within 1e-5 (fp32, the same operations; vLLM fuses q/k/v and gate/up into one matrix each)."""
+    if not (VENV / "vllm" / ".installed").exists():
+        pytest.skip(f"vllm is not installed in {VENV / 'vllm'}: run `make install`")
+    written = export(eagle1_run, tmp_path / "out", ExportSettings(formats=["vllm"]))
+    inputs, hidden, logits = _eagle1_inputs(eagle1_run, tmp_path)
+    architecture, theirs = _vllm(written["vllm"], inputs, tmp_path / "vllm.safetensors")
+    assert architecture == "EagleLlamaForCausalLM"
+    torch.testing.assert_close(theirs["hidden"], hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(theirs["logits"], logits, rtol=1e-5, atol=1e-5)
+    # The check has teeth: the same weights under another RoPE base give other logits.
+    _edit_json(written["vllm"] / "config.json", lambda c: c.__setitem__("rope_theta", 500.0))
+    _, other = _vllm(written["vllm"], inputs, tmp_path / "other.safetensors")
+    assert not torch.allclose(other["logits"], logits, rtol=1e-3, atol=1e-3)
+
+
+def _old_eagle1(run: Path) -> None:
+    """The head as draftsmith saved it before the layer lost its input norm."""
+    _edit_json(run / "best" / "config.json", lambda c: c.pop("input_norm"))
+    _edit_weights(run, lambda s: s.__setitem__("layer.input_layernorm.weight", torch.ones(64)))
+
+
+EAGLE1_FAULTS = {
+    "input_norm": (_old_eagle1, "norm before its layer's attention"),
+    "layer": (lambda run: _edit_json(run / "best" / "config.json", lambda c: c.__setitem__("feature_layers", [3])),
+              r"reads layers \[3\].*\[4\]"),
+    "no_fc": (lambda run: _edit_weights(run, lambda s: s.pop("fc.weight")), r"\['fc.weight'\] are missing"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(EAGLE1_FAULTS))
+def test_the_collapse_guard_refuses_an_eagle1_head_vllm_would_misread(eagle1_run, tmp_path, fault):
+    plant, message = EAGLE1_FAULTS[fault]
+    run = _planted(eagle1_run, tmp_path, fault)
+    plant(run)
+    with pytest.raises(ExportRefused, match=message):
+        export(run, tmp_path / "out", ExportSettings(formats=["vllm"], force=True))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_eagle1_head_at_chance_is_refused_unless_forced(eagle1_run, tmp_path):
+    run = _planted(eagle1_run, tmp_path, "chance")
+    _edit_json(run / "best" / "best.json", lambda b: b.__setitem__("top1", 0.005))  # 1.6 x 1/320
+    with pytest.raises(ExportRefused, match="at chance.*force=true"):
+        export(run, tmp_path / "out", ExportSettings(formats=["vllm"]))
+    assert (export(run, tmp_path / "out", ExportSettings(formats=["vllm"], force=True))["vllm"] / "config.json").exists()

@@ -113,3 +113,13 @@ def test_a_draft_lm_card_serves_it_as_a_draft_model(draft_run, hub, tmp_path):
     assert '"method": "draft_model", "model": "acme/draft", "num_speculative_tokens": 6' in card
     assert "--speculative-algorithm STANDALONE" in card and "--spec-type draft-simple --spec-draft-n-max 6" in card
     assert (written["hub"] / "config.json").exists() and (written["hub"] / "gguf" / "draft.gguf").exists()
+
+
+def test_an_eagle1_card_serves_it_with_vllm_only(eagle1_run, hub, tmp_path):
+    written = export(eagle1_run, tmp_path / "out", ExportSettings(formats=["vllm"], num_speculative_tokens=3,
+                                                                  hub=HubSettings(repo_id="acme/eagle1", dry_run=True)))
+    card = (written["hub"] / "README.md").read_text()
+    assert "- eagle\n" in card and "library_name: vllm" in card and "An EAGLE-1 draft head" in card
+    assert '"method": "eagle", "model": "acme/eagle1", "num_speculative_tokens": 3' in card
+    assert "sglang" not in card and "llama-server" not in card and "GGUF" not in card
+    assert json.loads((written["hub"] / "config.json").read_text())["architectures"] == ["EagleLlamaForCausalLM"]

@@ -1,0 +1,88 @@
+"""vLLM's own code on the `vllm` EAGLE-1 export, on this CPU: run in a process of its own by
+tests/train/test_export.py (vLLM sets process-wide state: platform, distributed groups, custom ops).
+
+    python tests/train/vllm_worker.py VLLM_DIR TARGET_DIR EXPORT_DIR INPUTS OUT
+
+VLLM_DIR is where `make install` put vLLM 0.33.0 without its CUDA dependencies. What runs is vLLM's:
+`SpeculativeConfig` resolves the export's architecture for `"method": "eagle"`, the model registry builds
+the draft model and the target, the default loader reads both checkpoints, the EAGLE proposer shares the
+target's embedding and output head with the draft (the export carries neither), and the draft's forward
+and `compute_logits` run on the export's inputs. Two things are this CPU's and not a GPU server's: the
+platform is vLLM's CPU platform with its custom ops in their native PyTorch form (`custom_ops=["none"]`;
+the CPU kernels live in the CPU build of vLLM), and the attention kernel, which needs a GPU or that build,
+is PyTorch's causal scaled-dot-product attention on the q, k, v that vLLM's layer computes.
+
+INPUTS (safetensors): `ids` (T,) and `features` (T, d), the target's final-normed states. OUT: `hidden`
+(T-1, d) and `logits` (T-1, vocab) of the draft's entries for tokens 1..T-1 on features 0..T-2, and
+`architecture`, printed.
+"""
+
+import sys
+
+
+def main(vllm_dir: str, target_dir: str, export_dir: str, inputs: str, out: str) -> None:
+    sys.path.append(vllm_dir)  # after the project's venv: its own packages win
+    import torch
+    import torch.nn.functional as F
+    from safetensors.torch import load_file, save_file
+
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms.current_platform = CpuPlatform()
+    # The loader frees the accelerator's cache after loading; torch 2.13 raises without an accelerator.
+    torch.accelerator.empty_cache = lambda: None
+    from vllm.config import (CompilationConfig, DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig,
+                             VllmConfig, set_current_vllm_config)
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    model_config = ModelConfig(model=target_dir, dtype="float32", max_model_len=256, enforce_eager=True,
+                               skip_tokenizer_init=True)
+    parallel = ParallelConfig()
+    spec = SpeculativeConfig(model=export_dir, method="eagle", num_speculative_tokens=3,
+                             target_model_config=model_config, target_parallel_config=parallel)
+    architecture = spec.draft_model_config.hf_config.architectures[0]
+    config = VllmConfig(model_config=model_config, speculative_config=spec, parallel_config=parallel,
+                        device_config=DeviceConfig(device="cpu"),
+                        compilation_config=CompilationConfig(custom_ops=["none"]))
+
+    class CausalSDPA(torch.nn.Module):
+        """The attention kernel on vLLM's q, k, v (one sequence, all positions)."""
+
+        def __init__(self, attn) -> None:
+            super().__init__()
+            self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_size
+
+        def forward(self, q, k, v, *args, **kwargs):
+            T = q.shape[0]
+            q, k, v = (x.view(T, h, self.head_dim).transpose(0, 1)[None]
+                       for x, h in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads)))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0]
+            return o.transpose(0, 1).reshape(T, self.heads * self.head_dim)
+
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method="tcp://127.0.0.1:0")
+        initialize_model_parallel(1, 1)
+        target = get_model(vllm_config=config)
+        draft = get_model(vllm_config=config, model_config=spec.draft_model_config)
+        proposer = EagleProposer.__new__(EagleProposer)  # only its sharing of the target's weights is used
+        proposer.model, proposer.vllm_config = draft, config
+        proposer.use_local_argmax_reduction = spec.use_local_argmax_reduction
+        proposer._maybe_share_embeddings(target)
+        proposer._maybe_share_lm_head(target)
+        for layer in draft.model.layers:
+            layer.self_attn.attn = CausalSDPA(layer.self_attn.attn)
+        x = load_file(inputs)
+        ids, features = x["ids"], x["features"]
+        with torch.no_grad():
+            hidden, _ = draft(ids[1:], torch.arange(len(ids) - 1), features[:-1])
+            logits = draft.compute_logits(hidden)
+    save_file({"hidden": hidden.contiguous(), "logits": logits.contiguous()}, out)
+    print(f"architecture: {architecture}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
