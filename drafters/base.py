@@ -18,6 +18,12 @@ position exactly once. Nothing else crosses: a drafter owns its state entirely, 
 knowledge of what kind of drafter it drives. Proposals are chains; nothing here rules out a tree
 drafter later (it would return a tree with its proposal and the loop would verify it with a mask).
 
+Batches (eval/batching.py): `drafter.batched()` gives the same drafter for B rows at once, a
+`BatchDrafter`: `start` takes a list of prompts (and per-row features), `propose` returns one Proposal
+per row, `commit` takes each row's accepted count and next token, and `keep(rows)` drops the rows that
+finished. Its caches are ragged (one length per row), so rows that keep different numbers of guesses
+never recompute a prefix.
+
 Confidence stop (`stop_below`, every model drafter; off by default): a round ends early at the first
 guess the drafter itself gives a probability below the threshold. That guess is still proposed; the
 ones after it are not drafted, so an unsure round costs fewer draft steps and a narrower verification.
@@ -82,3 +88,23 @@ class Drafter(Protocol):
 
     def commit(self, n_accepted: int, next_token: int) -> None:
         """Keep the first n_accepted guesses plus next_token; roll back the rest."""
+
+
+@runtime_checkable
+class BatchDrafter(Protocol):
+    """A drafter for B rows at once (module docstring; eval/batching.py drives it)."""
+
+    name: str
+
+    def start(self, prompts: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
+        """Reset state and read each row's prompt (and, for a head, the features of all but its last position)."""
+
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
+        """Up to k guesses per row."""
+
+    def commit(self, accepted: list[int], next_tokens: list[int],
+               features: list[torch.Tensor] | None = None) -> None:
+        """Row b keeps accepted[b] guesses plus next_tokens[b]; each rolls back the rest."""
+
+    def keep(self, rows: list[int]) -> None:
+        """Only `rows` (indices into the current batch, in order) continue."""

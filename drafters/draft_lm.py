@@ -5,6 +5,9 @@ sequence plus whatever guesses it has fed itself; tokens committed but not yet i
 target's correction, or the last guess when all k were kept) are fed at the start of the next
 proposal, so a round costs exactly k draft forwards and the prefix is never recomputed.
 
+At batch > 1 (`batched()`, eval/batching.py) every draft step is one forward for all rows, on a ragged
+KV cache (a length per row): rows keep different numbers of guesses and none recomputes its prefix.
+
 Llama-family drafts (Llama, Mistral, Qwen2) run on `drafters.llama_decode.LeanLlama`, the same weights
 and arithmetic without the Hugging Face forward's per-call overhead, which is most of a small draft's
 cost; other models, and `lean=False`, draft through the Hugging Face forward and `DynamicCache`.
@@ -156,3 +159,69 @@ class DraftLM:
         self._fed = valid
         self.ids.extend(kept)
         self.ids.append(next_token)
+
+    def batched(self) -> "DraftLMBatch":
+        return DraftLMBatch(self)
+
+
+class DraftLMBatch:
+    """The draft LM for B rows at once (drafters/base.py `BatchDrafter`): a draft step is one forward of
+    the whole batch; each row feeds its own pending committed tokens (1 or 2) in the first step of a
+    round, then its last guess. A row whose confidence stop fires keeps drafting with the others (its
+    extra guesses are cropped like rejected ones), and the round ends early once every row has stopped."""
+
+    def __init__(self, drafter: DraftLM) -> None:
+        self.model, self.name, self.stop_below = drafter.model, drafter.name, drafter.stop_below
+        self.device = drafter.device
+
+    def start(self, prompts: list[torch.Tensor], features=None) -> None:
+        from eval.batching import RaggedCache, RaggedRows
+
+        self.rows = RaggedRows(len(prompts), self.device)
+        self.cache = RaggedCache(self.model, self.rows)
+        self.ids = [p.tolist() for p in prompts]
+        self.fed = [0] * len(prompts)  # how many of each row's ids and pending guesses its cache holds
+        self.guesses: list[list[int]] = [[] for _ in prompts]
+
+    @torch.inference_mode()
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
+        from eval.batching import forward_rows
+
+        B = len(self.ids)
+        feed = [ids[fed:] for ids, fed in zip(self.ids, self.fed)]
+        tokens: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        dists: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        stopped = [False] * B
+        steps = 0
+        for _ in range(k):
+            logits, _, _ = forward_rows(self.model, feed, self.cache, logits_for="last")  # (B, V)
+            steps += 1
+            drawn = [draw(row, sampling, generator) for row in logits]
+            for b, (token, q) in enumerate(drawn):
+                if stopped[b]:
+                    continue
+                tokens[b].append(token)
+                if q is not None:
+                    dists[b].append(q)
+                if self.stop_below and confidence(logits[b], q, token) < self.stop_below:
+                    stopped[b] = True
+            if all(stopped):
+                break
+            feed = [[t] for t in torch.stack([token for token, _ in drawn]).tolist()]
+        # Each row's cache holds its ids plus the first steps - 1 guesses it drew (the last was never fed).
+        self.fed = [len(ids) + steps - 1 for ids in self.ids]
+        proposals = [Proposal(torch.stack(t), torch.stack(d) if d else None) for t, d in zip(tokens, dists)]
+        self.guesses = [p.tokens.tolist() for p in proposals]
+        return proposals
+
+    def commit(self, accepted: list[int], next_tokens: list[int], features=None) -> None:
+        valid = [min(len(ids) + a, fed) for ids, a, fed in zip(self.ids, accepted, self.fed)]
+        self.rows.crop(valid)
+        self.fed = valid
+        for ids, guesses, a, token in zip(self.ids, self.guesses, accepted, next_tokens):
+            ids.extend(guesses[:a])
+            ids.append(token)
+
+    def keep(self, rows: list[int]) -> None:
+        self.rows.select(rows)
+        self.ids, self.fed, self.guesses = ([xs[r] for r in rows] for xs in (self.ids, self.fed, self.guesses))

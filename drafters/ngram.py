@@ -48,3 +48,30 @@ class NgramDrafter:
     def commit(self, n_accepted: int, next_token: int) -> None:
         self.ids.extend(self._guesses[:n_accepted])
         self.ids.append(next_token)
+
+    def batched(self) -> "NgramBatch":
+        return NgramBatch(self.max_ngram, self.min_ngram, self.name)
+
+
+class NgramBatch:
+    """n-gram drafting for a batch (drafters/base.py `BatchDrafter`): the lookup is a host-side search in
+    each row's own sequence, row by row, as serving engines run it; there is no model to batch."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram") -> None:
+        self.settings, self.name = (max_ngram, min_ngram, name), name
+        self.rows: list[NgramDrafter] = []
+
+    def start(self, prompts: list[torch.Tensor], features=None) -> None:
+        self.rows = [NgramDrafter(*self.settings) for _ in prompts]
+        for row, prompt in zip(self.rows, prompts):
+            row.start(prompt)
+
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
+        return [row.propose(k, sampling, generator) for row in self.rows]
+
+    def commit(self, accepted: list[int], next_tokens: list[int], features=None) -> None:
+        for row, a, token in zip(self.rows, accepted, next_tokens):
+            row.commit(a, token)
+
+    def keep(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]

@@ -1,0 +1,421 @@
+"""Speculative and plain decoding of B prompts at once, each row accepting its own number of guesses.
+
+Every production engine serves batches, and speculation that pays at batch 1 can lose at batch 32:
+verifying k+1 positions per row stops being nearly free once a forward is no longer memory-bound. This
+module runs the loop of eval/speculative.py on B rows together, so the cost is measured where it is paid.
+
+**Ragged KV caches.** After a round, row b has kept a_b guesses and row c another number, so the rows'
+committed lengths differ. Each cache here keeps, per row, its own length in one preallocated buffer
+(B, kv_heads, capacity, head_dim) that grows by doubling:
+
+- a forward feeds every row the same number q of entries (shorter rows padded at the end) and writes
+  row b's entries at positions len_b .. len_b + q - 1 of its own row of the buffer;
+- row b's queries see its keys 0 .. len_b + i (a mask built per row; key index = position, since rows
+  never have holes), so padded entries and stale keys beyond a row's length are never attended;
+- after the forward each row's length advances by its real entries only, and a rollback sets a row's
+  length back: a rejected guess costs no copy and no prefix is ever recomputed;
+- a row that finishes leaves the batch (its row is dropped from every buffer), as a request leaves a
+  serving engine's batch; the others continue at the smaller batch.
+
+`RaggedCache` gives a Hugging Face target (or draft LM) this layout through transformers' cache
+interface, with explicit per-row `position_ids` and a 4-D mask (boolean for SDPA, additive for eager
+attention; per attention type for families with sliding-window layers). `RaggedRows` holds the
+lengths; drafters/layers.py's `KVCache` takes a `RaggedRows` for the heads and the lean draft LM.
+
+**Equality with batch 1.** Each row computes what it computes alone, but a batched matmul may sum in
+another order than a single row's, so logits can differ from batch 1's in the last bits (fp32 on this
+CPU: within 1e-5, tests/eval/test_batching.py). A greedy choice flips only on an exact near-tie; the
+tests check every row's greedy output against that prompt's plain output at batch 1, token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from drafters.heads import features_of
+from eval.sampling import Sampling, choose, probs_from_logits
+from eval.speculative import Generation, Round, _finish, _sync, accept_sampled, cache_keyword
+
+
+class RaggedRows:
+    """The committed length of each row of a batch, shared by every layer of a cache (and by a drafter's
+    caches). Lengths are kept on the host (the loop's bookkeeping) and on the device (the masks)."""
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        self.lengths = [0] * batch
+        self.device = device
+        self._on_device: torch.Tensor | None = None
+        self.selections: list[list[int]] = []  # every `select` so far, for buffers to follow in order
+
+    @property
+    def generation(self) -> int:
+        return len(self.selections)
+
+    def since(self, generation: int) -> list[int] | None:
+        """The rows of the batch as it was at `generation` that are still in it, in order (None: all)."""
+        if generation == len(self.selections):
+            return None
+        rows = self.selections[generation]
+        for later in self.selections[generation + 1:]:
+            rows = [rows[r] for r in later]
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def lengths_tensor(self) -> torch.Tensor:
+        if self._on_device is None:
+            self._on_device = torch.tensor(self.lengths, device=self.device)
+        return self._on_device
+
+    def positions(self, q: int) -> torch.Tensor:
+        """(B, q): the positions a call of q entries per row writes, row by row."""
+        return self.lengths_tensor()[:, None] + torch.arange(q, device=self.device)
+
+    def end(self, q: int) -> int:
+        """How many key slots a call of q entries per row reads (the longest row's)."""
+        return max(self.lengths) + q
+
+    def mask(self, q: int, window: int | None = None) -> torch.Tensor:
+        """(B, 1, q, end) bool: query i of row b (at position len_b + i) sees keys 0 .. len_b + i, and
+        with `window`, only the last `window` of them (sliding-window attention)."""
+        query = self.positions(q)[:, None, :, None]  # (B, 1, q, 1)
+        key = torch.arange(self.end(q), device=self.device)  # (end,)
+        allowed = key <= query
+        if window is not None:
+            allowed = allowed & (query - key < window)
+        return allowed
+
+    def advance(self, counts: list[int]) -> None:
+        """After a call: row b holds counts[b] more real entries."""
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        self._on_device = None
+
+    def crop(self, keep: list[int]) -> None:
+        """Roll row b back to its first keep[b] positions."""
+        self.lengths = [min(n, m) for n, m in zip(self.lengths, keep)]
+        self._on_device = None
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only `rows` (indices into the current batch, in order)."""
+        self.lengths = [self.lengths[r] for r in rows]
+        self._on_device = None
+        self.selections.append(list(rows))
+
+
+def follow(buffer: torch.Tensor | None, rows: RaggedRows, generation: int) -> torch.Tensor | None:
+    """`buffer` (B, ...) with only the rows still in the batch since `generation`."""
+    kept = rows.since(generation)
+    if kept is None or buffer is None:
+        return buffer
+    return buffer[torch.tensor(kept, device=buffer.device)]
+
+
+def ragged_write(buffer: torch.Tensor | None, new: torch.Tensor, rows: RaggedRows) -> torch.Tensor:
+    """Write `new` (B, heads, q, head_dim) at each row's own length into `buffer` (B, heads, capacity,
+    head_dim), grown by doubling as needed; returns the buffer (possibly a new one)."""
+    B, H, q, D = new.shape
+    end = rows.end(q)
+    if buffer is None or end > buffer.shape[2] or buffer.dtype != new.dtype or buffer.device != new.device:
+        size = max(end, 2 * (0 if buffer is None else buffer.shape[2]), 256)
+        grown = new.new_zeros((B, H, size, D))
+        if buffer is not None:
+            used = min(buffer.shape[2], size)
+            grown[:, :, :used] = buffer[:, :, :used]
+        buffer = grown
+    index = rows.positions(q)  # (B, q)
+    batch = torch.arange(B, device=new.device)[:, None]
+    buffer[batch, :, index] = new.transpose(1, 2)  # (B, q, H, D) at [b, :, len_b + i]
+    return buffer
+
+
+class RaggedLayer(CacheLayerMixin):
+    """One attention layer of a `RaggedCache`: keys and values at per-row offsets (module docstring)."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, rows: RaggedRows) -> None:
+        super().__init__()
+        self.rows = rows
+        self._generation = rows.generation
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def _follow(self) -> None:
+        """Drop the rows the batch dropped since the last call."""
+        self.keys = follow(self.keys, self.rows, self._generation)
+        self.values = follow(self.values, self.rows, self._generation)
+        self._generation = self.rows.generation
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._follow()
+        self.keys = ragged_write(self.keys, key_states, self.rows)
+        self.values = ragged_write(self.values, value_states, self.rows)
+        end = self.rows.end(key_states.shape[2])
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.rows.end(query_length), 0
+
+    def get_seq_length(self) -> int:
+        return max(self.rows.lengths, default=0)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RaggedCache(Cache):
+    """A Hugging Face KV cache with a length per row (module docstring), one `RaggedLayer` per layer."""
+
+    def __init__(self, model: PreTrainedModel, rows: RaggedRows) -> None:
+        config = model.config.get_text_config()
+        super().__init__(layers=[RaggedLayer(rows) for _ in range(config.num_hidden_layers)])
+        self.rows = rows
+
+
+def attention_mask(model: PreTrainedModel, rows: RaggedRows, q: int) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The 4-D mask(s) a batched call of q entries per row passes to `model`, in the form its attention
+    implementation reads (bool for SDPA, additive for eager), per attention type for families whose
+    layers differ (Gemma-2/3's sliding-window layers)."""
+    config = model.config.get_text_config()
+    implementation = config._attn_implementation
+    if implementation not in ("sdpa", "eager"):
+        raise ValueError(f"batched decoding passes its own per-row masks, which the {implementation!r} attention "
+                         "does not take: load the target with attn_implementation='sdpa' or 'eager'")
+    dtype = model.dtype
+
+    def form(allowed: torch.Tensor) -> torch.Tensor:
+        if implementation == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+
+    window = getattr(config, "sliding_window", None)
+    types = set(getattr(config, "layer_types", None) or [])
+    if types:
+        return {kind: form(rows.mask(q, window if kind == "sliding_attention" else None)) for kind in types}
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return form(rows.mask(q, window))
+    return form(rows.mask(q))
+
+
+def pad_rows(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, list[int]]:
+    """(B, q) ids, each row padded at the end with `pad` to the longest, and each row's real count."""
+    q = max(len(s) for s in sequences)
+    return torch.tensor([s + [pad] * (q - len(s)) for s in sequences]), [len(s) for s in sequences]
+
+
+def forward_rows(model: PreTrainedModel, sequences: list[list[int]], cache: RaggedCache, *, logits_for: str = "all",
+                 layers: list[int] | None = None):
+    """Feed row b its own entries `sequences[b]` on top of its cached prefix; advance the rows.
+
+    logits_for: "all" -> (B, q, V) logits of every fed position (verification), "last" -> (B, V) of each
+    row's last real entry (a prefill). With `layers`, also the hidden states there, (B, q, len(layers), d)."""
+    rows = cache.rows
+    device = rows.device
+    ids, counts = pad_rows(sequences, pad=sequences[0][-1])
+    ids = ids.to(device)
+    q = ids.shape[1]
+    keep: int | torch.Tensor = 0
+    last = None
+    if logits_for == "last":  # the distinct last positions only, not a (B, q, V) matrix
+        unique, last = torch.tensor(counts).sub(1).unique(return_inverse=True)
+        keep = unique.to(device)
+    out = model(input_ids=ids, attention_mask=attention_mask(model, rows, q), position_ids=rows.positions(q),
+                **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=keep,
+                output_hidden_states=bool(layers))
+    rows.advance(counts)
+    logits = out.logits
+    if last is not None:
+        logits = logits[torch.arange(len(counts)), last.to(device)]
+    features = features_of(out.hidden_states, layers) if layers else None
+    return logits, features, counts
+
+
+# --- the loops ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchRound:
+    """One round over the rows still generating: how many, and what each half cost (shared by them)."""
+
+    rows: int
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class BatchGeneration:
+    """Per-row generations (tokens, rounds with each row's own acceptance) and the batch's timings."""
+
+    rows: list[Generation]
+    seconds: float
+    target_forwards: int
+    rounds: list[BatchRound] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)  # plain decoding: one entry per batched 1-token step
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(g.tokens) for g in self.rows)
+
+
+def _check_prompts(prompts: list[torch.Tensor]) -> None:
+    if not prompts:
+        raise ValueError("no prompts to decode")
+    if any(p.numel() == 0 for p in prompts):
+        raise ValueError("a prompt is empty: decoding needs at least one token to start from")
+
+
+def _choose_rows(logits: torch.Tensor, sampling: Sampling, generator) -> list[int]:
+    """One token per row from (B, V) logits."""
+    if sampling.greedy:
+        return logits.argmax(-1).tolist()
+    return [int(choose(row, sampling, generator).item()) for row in logits]
+
+
+@torch.inference_mode()
+def autoregressive_generate_batch(target: PreTrainedModel, prompts: list[torch.Tensor], *, sampling: Sampling,
+                                  max_new_tokens: int, eos_token_id: int | None = None,
+                                  generator: torch.Generator | None = None, timed: bool = False) -> BatchGeneration:
+    """Plain decoding of the prompts as one batch, one token per row per forward; rows leave when done."""
+    _check_prompts(prompts)
+    device = prompts[0].device
+    clock = time.perf_counter
+    t_start = clock()
+    rows = RaggedRows(len(prompts), device)
+    cache = RaggedCache(target, rows)
+    logits, _, _ = forward_rows(target, [p.tolist() for p in prompts], cache, logits_for="last")
+    new: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))  # the prompt index of each row of the batch
+    forwards, steps = 1, []
+    while True:
+        tokens = _choose_rows(logits, sampling, generator)
+        still = []
+        for row, (index, token) in enumerate(zip(live, tokens)):
+            new[index].append(token)
+            if len(new[index]) < max_new_tokens and token != eos_token_id:
+                still.append(row)
+        if not still:
+            break
+        if len(still) < len(live):
+            rows.select(still)
+            live, tokens = [live[r] for r in still], [tokens[r] for r in still]
+        t0 = clock()
+        logits, _, _ = forward_rows(target, [[t] for t in tokens], cache, logits_for="all")
+        logits = logits[:, -1]
+        if timed:
+            _sync(device)
+            steps.append(clock() - t0)
+        forwards += 1
+    _sync(device)
+    seconds = clock() - t_start
+    return BatchGeneration([Generation(tokens, seconds, forwards) for tokens in new], seconds, forwards, step_s=steps)
+
+
+@torch.inference_mode()
+def speculative_generate_batch(target: PreTrainedModel, drafter, prompts: list[torch.Tensor], *, k: int,
+                               sampling: Sampling, max_new_tokens: int, eos_token_id: int | None = None,
+                               generator: torch.Generator | None = None, timed: bool = False) -> BatchGeneration:
+    """eval/speculative.py's loop on the prompts as one batch: every round the drafter proposes up to k
+    guesses per row (`drafters.base.BatchDrafter`), the target verifies all rows in ONE forward of
+    max(n_b) + 1 positions per row, and each row keeps its own accepted prefix plus one target token."""
+    if k < 1:
+        raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
+    _check_prompts(prompts)
+    device = prompts[0].device
+    clock = time.perf_counter
+    t_start = clock()
+    layers = getattr(drafter, "feature_layers", None)
+    rows = RaggedRows(len(prompts), device)
+    cache = RaggedCache(target, rows)
+    logits, features, counts = forward_rows(target, [p.tolist() for p in prompts], cache, logits_for="last",
+                                            layers=layers)
+    firsts = _choose_rows(logits, sampling, generator)
+    forwards = 1
+    new: list[list[int]] = [[] for _ in prompts]
+    row_rounds: list[list[Round]] = [[] for _ in prompts]
+    live, lasts, start = [], [], []
+    for index, first in enumerate(firsts):
+        new[index], done = _finish([first], max_new_tokens, eos_token_id)
+        if not done:
+            live.append(index)
+            lasts.append(first)
+            start.append(index)
+    batch_rounds: list[BatchRound] = []
+    if live:
+        if len(live) < len(prompts):
+            rows.select(start)
+        committed = [torch.cat([prompts[i], prompts[i].new_tensor([new[i][0]])]) for i in live]
+        # A head reads the features of every prompt position but the last, per row.
+        drafter.start(committed, [features[i, : counts[i] - 1] for i in live] if layers else None)
+    while live:
+        if timed:
+            _sync(device)
+        t0 = clock()
+        proposals = drafter.propose(k, sampling, generator)
+        if any(len(p) > k for p in proposals):
+            raise RuntimeError(f"drafter {drafter.name!r} proposed more than k={k} tokens")
+        if timed:
+            _sync(device)
+        t1 = clock()
+        guesses = [p.tokens.tolist() for p in proposals]
+        logits, features, _ = forward_rows(target, [[last, *g] for last, g in zip(lasts, guesses)], cache,
+                                           logits_for="all", layers=layers)
+        forwards += 1
+        accepted, nexts = _accept_rows(proposals, guesses, logits, sampling, generator)
+        t2 = clock()
+        batch_rounds.append(BatchRound(len(live), t1 - t0, t2 - t1))
+        still = []
+        for row, index in enumerate(live):
+            a, g = accepted[row], guesses[row]
+            kept = g.index(eos_token_id) + 1 if eos_token_id is not None and eos_token_id in g[:a] else a
+            row_rounds[index].append(Round(len(g), min(kept, max_new_tokens - len(new[index])), t1 - t0, t2 - t1))
+            new[index], done = _finish(new[index] + g[:a] + [nexts[row]], max_new_tokens, eos_token_id)
+            if not done:
+                still.append(row)
+        # The target's rows hold the previous length plus all n_b + 1 fed entries; keep last + accepted.
+        rows.crop([length - (len(g) + 1) + a + 1 for length, g, a in zip(rows.lengths, guesses, accepted)])
+        drafter.commit(accepted, nexts, [features[r, : a + 1] for r, a in enumerate(accepted)] if layers else None)
+        if len(still) < len(live):
+            if still:
+                rows.select(still)
+                drafter.keep(still)
+            live = [live[r] for r in still]
+            nexts = [nexts[r] for r in still]
+        lasts = nexts
+    _sync(device)
+    seconds = clock() - t_start
+    return BatchGeneration([Generation(tokens, seconds, len(r) + 1, r) for tokens, r in zip(new, row_rounds)],
+                           seconds, forwards, batch_rounds)
+
+
+def _accept_rows(proposals, guesses, logits, sampling: Sampling, generator) -> tuple[list[int], list[int]]:
+    """Each row's accepted count and next token from the batch's verification logits (B, q, V)."""
+    if sampling.greedy:
+        choice = logits.argmax(-1)  # (B, q)
+        q = choice.shape[1]
+        drafted = torch.full_like(choice, -1)
+        for row, g in enumerate(guesses):
+            if g:
+                drafted[row, : len(g)] = proposals[row].tokens
+        accepted = (drafted[:, : q - 1] == choice[:, : q - 1]).int().cumprod(1).sum(1)  # padding never matches
+        nexts = choice.gather(1, accepted[:, None])[:, 0]
+        both = torch.stack([accepted, nexts]).tolist()  # one host sync for the batch
+        return both[0], both[1]
+    accepted, nexts = [], []
+    for row, (proposal, g) in enumerate(zip(proposals, guesses)):
+        target_probs = probs_from_logits(logits[row, : len(g) + 1], sampling)
+        a, t = accept_sampled(proposal.tokens, proposal.probs, target_probs, generator)
+        accepted.append(a)
+        nexts.append(t)
+    return accepted, nexts

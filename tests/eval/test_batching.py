@@ -1,0 +1,172 @@
+"""Batched decoding (eval/batching.py) is lossless at every batch size: each row's greedy output equals that
+prompt's plain greedy output at batch 1, and sampled rows follow the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters.draft_lm import DraftLM
+from drafters.ngram import NgramDrafter
+from eval.batching import (RaggedCache, RaggedRows, autoregressive_generate_batch, forward_rows,
+                           speculative_generate_batch)
+from eval.sampling import Sampling
+from eval.speculative import accept_sampled, autoregressive_generate
+from helpers import FAMILIES, chi2_pvalue, exact_joint, tiny, tiny_llama
+
+VOCAB = 64
+GREEDY = Sampling()
+SAMPLED = Sampling(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(VOCAB, seed=0, logit_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    """The target with a noisy output head: right often enough that rows keep different numbers of guesses."""
+    model = tiny_llama(VOCAB, seed=0, logit_scale=4.0)
+    with torch.no_grad():
+        weight = model.lm_head.weight
+        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * weight.std())
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    repetitive = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in (1, 4, 11, 7, 2)] + [repetitive]
+
+
+def reference(target, prompt, n, eos=None):
+    return autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=n, eos_token_id=eos).tokens
+
+
+def test_ragged_forwards_give_each_rows_logits_alone(target, prompts):
+    """Rows of different lengths, fed different numbers of entries, then cropped by different amounts:
+    every row's logits are the ones a batch-1 forward of its own sequence gives."""
+    rows = RaggedRows(3, torch.device("cpu"))
+    cache = RaggedCache(target, rows)
+    seqs = [prompts[i].tolist() for i in (1, 2, 4)]
+    forward_rows(target, seqs, cache, logits_for="last")
+    extra = [[3, 9, 12], [4], [7, 7]]
+    logits, _, _ = forward_rows(target, extra, cache, logits_for="all")
+    rows.crop([len(s) + len(e) - drop for s, e, drop in zip(seqs, extra, (2, 0, 1))])  # roll back 2, 0 and 1
+    kept = [s + e[: len(e) - drop] for s, e, drop in zip(seqs, extra, (2, 0, 1))]
+    more = [[30], [31, 32], [33]]
+    after, _, _ = forward_rows(target, more, cache, logits_for="all")
+    with torch.no_grad():
+        for b in range(3):
+            alone = target(torch.tensor([seqs[b] + extra[b]])).logits[0, len(seqs[b]):]
+            torch.testing.assert_close(logits[b, : len(extra[b])], alone, rtol=1e-5, atol=1e-5)
+            alone = target(torch.tensor([kept[b] + more[b]])).logits[0, len(kept[b]):]
+            torch.testing.assert_close(after[b, : len(more[b])], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 6])
+def test_plain_batched_decoding_equals_batch_1(target, prompts, batch):
+    chosen = prompts[:batch]
+    out = autoregressive_generate_batch(target, chosen, sampling=GREEDY, max_new_tokens=20)
+    assert [g.tokens for g in out.rows] == [reference(target, p, 20) for p in chosen]
+
+
+def _drafters(draft):
+    return {"draft_lm": lambda: DraftLM(draft).batched(), "draft_lm_hf_forward": lambda: DraftLM(draft, lean=False).batched(),
+            "ngram": lambda: NgramDrafter().batched()}
+
+
+@pytest.mark.parametrize("which", ["draft_lm", "draft_lm_hf_forward", "ngram"])
+@pytest.mark.parametrize("batch", [1, 2, 6])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_rows_equal_their_plain_output_at_batch_1(target, draft, prompts, which, batch, k):
+    chosen = prompts[:batch]
+    out = speculative_generate_batch(target, _drafters(draft)[which](), chosen, k=k, sampling=GREEDY,
+                                     max_new_tokens=24)
+    assert [g.tokens for g in out.rows] == [reference(target, p, 24) for p in chosen]
+    # Rows keep their own numbers of guesses: acceptance differs between rows somewhere.
+    if batch > 1 and k > 1:
+        assert len({tuple(r.accepted for r in g.rounds) for g in out.rows}) > 1
+
+
+def test_rows_that_end_leave_the_batch_and_the_rest_go_on(target, draft, prompts):
+    """An end token that only some rows produce early: those rows stop there, the others run to the budget."""
+    refs = [reference(target, p, 30) for p in prompts]
+    eos = refs[2][3]  # the fourth token of row 2: row 2 ends early, others where (if) they produce it
+    out = speculative_generate_batch(target, DraftLM(draft).batched(), prompts, k=3, sampling=GREEDY,
+                                     max_new_tokens=30, eos_token_id=eos)
+    assert [g.tokens for g in out.rows] == [reference(target, p, 30, eos) for p in prompts]
+    assert len(out.rows[2].tokens) <= 4 and max(len(g.tokens) for g in out.rows) == 30
+    assert out.rounds[-1].rows < len(prompts)  # the batch shrank
+    plain = autoregressive_generate_batch(target, prompts, sampling=GREEDY, max_new_tokens=30, eos_token_id=eos)
+    assert [g.tokens for g in plain.rows] == [g.tokens for g in out.rows]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_batches_losslessly(family):
+    target, draft = tiny(family), tiny(family)
+    with torch.no_grad():  # the target with a noisy output head: accepted sometimes, row by row
+        weight = draft.get_output_embeddings().weight
+        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * weight.std())
+    g = torch.Generator().manual_seed(2)
+    chosen = [torch.randint(2, 48, (n,), generator=g) for n in (3, 9, 5)]
+    refs = [reference(target, p, 16) for p in chosen]
+    assert [r.tokens for r in autoregressive_generate_batch(target, chosen, sampling=GREEDY,
+                                                            max_new_tokens=16).rows] == refs
+    for drafter in (DraftLM(draft).batched(), NgramDrafter().batched()):
+        out = speculative_generate_batch(target, drafter, chosen, k=3, sampling=GREEDY, max_new_tokens=16)
+        assert [r.tokens for r in out.rows] == refs
+
+
+# --- sampled rows follow the target's distribution ------------------------------------------------------
+
+SMALL_V = 6
+N_SAMPLES = 3000
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    target = tiny_llama(SMALL_V, hidden=16, layers=1, seed=10, logit_scale=12.0)
+    draft = tiny_llama(SMALL_V, hidden=16, layers=1, seed=11, logit_scale=12.0)
+    return target, draft
+
+
+def _pvalues(target, make, seed=7):
+    """Batches of 4 rows: two copies of each of two prompts of different lengths; every row's first three
+    tokens, pooled per prompt over the batches, against the target's exact joint (chi-squared p-values)."""
+    prompts = [torch.tensor([1, 4, 2]), torch.tensor([3, 0, 5, 1, 1])]
+    g = torch.Generator().manual_seed(seed)
+    counts = [torch.zeros(SMALL_V ** 3) for _ in prompts]
+    for _ in range(N_SAMPLES // 2):
+        out = speculative_generate_batch(target, make(), [prompts[0], prompts[1], prompts[0], prompts[1]], k=2,
+                                         sampling=SAMPLED, max_new_tokens=3, generator=g)
+        for row, gen in enumerate(out.rows):
+            t = gen.tokens
+            counts[row % 2][t[0] * SMALL_V ** 2 + t[1] * SMALL_V + t[2]] += 1
+    return [chi2_pvalue(c, exact_joint(target, prompt, SAMPLED, SMALL_V)) for prompt, c in zip(prompts, counts)]
+
+
+@pytest.mark.parametrize("which", ["draft_lm", "draft_lm_hf_forward", "ngram"])
+def test_sampled_rows_follow_the_target_distribution(small_pair, which):
+    target, draft = small_pair
+    make = {"draft_lm": lambda: DraftLM(draft).batched(), "draft_lm_hf_forward": lambda: DraftLM(draft, lean=False).batched(),
+            "ngram": lambda: NgramDrafter(max_ngram=1).batched()}[which]
+    assert min(_pvalues(target, make)) > 1e-3
+
+
+def test_the_batched_distribution_test_catches_a_wrong_residual(small_pair, monkeypatch):
+    """On rejection, resampling from p instead of normalize(max(0, p - q)) is caught at batch 4."""
+    import eval.batching
+
+    target, draft = small_pair
+
+    def wrong(draft_tokens, draft_probs, target_probs, generator=None):
+        accepted, token = accept_sampled(draft_tokens, draft_probs, target_probs, generator)
+        if accepted < draft_tokens.numel():
+            token = int(torch.multinomial(target_probs[accepted], 1, generator=generator).item())
+        return accepted, token
+
+    monkeypatch.setattr(eval.batching, "accept_sampled", wrong)
+    assert min(_pvalues(target, lambda: DraftLM(draft).batched())) < 1e-3
