@@ -172,13 +172,16 @@ class DraftLMBatch:
 
     def __init__(self, drafter: DraftLM) -> None:
         self.model, self.name, self.stop_below = drafter.model, drafter.name, drafter.stop_below
-        self.device = drafter.device
+        self.device, self.lean = drafter.device, drafter.lean  # the lean path when the drafter has it
 
     def start(self, prompts: list[torch.Tensor], features=None) -> None:
         from eval.batching import RaggedCache, RaggedRows
 
         self.rows = RaggedRows(len(prompts), self.device)
-        self.cache = RaggedCache(self.model, self.rows)
+        if self.lean is not None:
+            self.lean.start_rows(self.rows)
+        else:
+            self.cache = RaggedCache(self.model, self.rows)
         self.ids = [p.tolist() for p in prompts]
         self.fed = [0] * len(prompts)  # how many of each row's ids and pending guesses its cache holds
         self.guesses: list[list[int]] = [[] for _ in prompts]
@@ -194,7 +197,10 @@ class DraftLMBatch:
         stopped = [False] * B
         steps = 0
         for _ in range(k):
-            logits, _, _ = forward_rows(self.model, feed, self.cache, logits_for="last")  # (B, V)
+            if self.lean is not None:
+                logits = self.lean.forward_rows(feed)  # (B, V)
+            else:
+                logits, _, _ = forward_rows(self.model, feed, self.cache, logits_for="last")
             steps += 1
             drawn = [draw(row, sampling, generator) for row in logits]
             for b, (token, q) in enumerate(drawn):

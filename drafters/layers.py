@@ -1,7 +1,8 @@
 """Pieces the feature-reading heads (EAGLE-3, EAGLE-1, MTP) share.
 
 - `KVCache`: a key/value cache for drafting (a head's own, and the lean draft LM's), in preallocated
-  buffers; rollback is an integer.
+  buffers; rollback is an integer. With `RaggedRows`, a batch's cache with a length per row
+  (eval/batching.py explains the layout).
 - `Attention`: Llama attention (RoPE, grouped-query) whose input width may differ from the hidden size
   (EAGLE-3 feeds [embedding; feature], 2d wide), used three ways: over a whole training sequence, one
   drafting step on top of a `KVCache`, and in EAGLE-3's training-time test, where each position also
@@ -80,6 +81,15 @@ class Rotary(nn.Module):
         cos, sin = self._lookup(x, start + length)[2:]
         return cos[:, :, start:start + length], sin[:, :, start:start + length]
 
+    def decode_rows(self, x: torch.Tensor, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode` for a batch whose rows sit at different positions: positions (B, q), all below `end`
+        -> (cos, signed sin), each (B, 1, q, head_dim)."""
+        if not self.static:
+            cos, sin = self.rope(x, positions)
+            return cos[:, None], signed_sin(sin)[:, None]
+        cos, sin = self._lookup(x, end)[2:]
+        return cos[0, 0][positions][:, None], sin[0, 0][positions][:, None]
+
     def _lookup(self, x: torch.Tensor, end: int) -> tuple:
         key = (x.device, x.dtype)
         table = self._table.get(key)
@@ -114,16 +124,28 @@ class KVCache:
     in place instead of copying the whole cache, and a rollback is an integer. The heads and the draft
     LM's lean path (drafters/llama_decode.py) both keep one per attention layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: "RaggedRows | None" = None) -> None:
         self.k: torch.Tensor | None = None  # the buffers; positions 0..length-1 are valid
         self.v: torch.Tensor | None = None
         self.length = 0
+        # A batch with a length per row (eval/batching.py): appends land at each row's own length, and
+        # the caller masks each row's keys and advances, crops and selects rows through `rows`.
+        self.rows = rows
+        self._generation = rows.generation if rows is not None else 0
 
     def __len__(self) -> int:
         return self.length
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add k, v (batch, kv_heads, T, head_dim) after the valid positions; return all valid keys and values."""
+        """Add k, v (batch, kv_heads, T, head_dim) after the valid positions; return all valid keys and values.
+        Ragged (`rows`): after each row's own length; returns keys and values up to the longest row's end."""
+        if self.rows is not None:
+            self.k = follow(self.k, self.rows, self._generation)
+            self.v = follow(self.v, self.rows, self._generation)
+            self._generation = self.rows.generation
+            self.k, self.v = ragged_write(self.k, k, self.rows), ragged_write(self.v, v, self.rows)
+            end = self.rows.end(k.shape[2])
+            return self.k[:, :, :end], self.v[:, :, :end]
         start, end = self.length, self.length + k.shape[2]
         if self.k is None or end > self.k.shape[2] or self.k.dtype != k.dtype or self.k.device != k.device:
             size = max(end, 2 * (0 if self.k is None else self.k.shape[2]), 256)
@@ -140,6 +162,98 @@ class KVCache:
     def crop(self, keep: int) -> None:
         """Roll back to the first `keep` positions."""
         self.length = min(self.length, keep)
+
+
+class RaggedRows:
+    """The committed length of each row of a batch, shared by every layer of a cache (and by a drafter's
+    caches). Lengths are kept on the host (the loop's bookkeeping) and on the device (the masks)."""
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        self.lengths = [0] * batch
+        self.device = device
+        self._on_device: torch.Tensor | None = None
+        self.selections: list[list[int]] = []  # every `select` so far, for buffers to follow in order
+
+    @property
+    def generation(self) -> int:
+        return len(self.selections)
+
+    def since(self, generation: int) -> list[int] | None:
+        """The rows of the batch as it was at `generation` that are still in it, in order (None: all)."""
+        if generation == len(self.selections):
+            return None
+        rows = self.selections[generation]
+        for later in self.selections[generation + 1:]:
+            rows = [rows[r] for r in later]
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def lengths_tensor(self) -> torch.Tensor:
+        if self._on_device is None:
+            self._on_device = torch.tensor(self.lengths, device=self.device)
+        return self._on_device
+
+    def positions(self, q: int) -> torch.Tensor:
+        """(B, q): the positions a call of q entries per row writes, row by row."""
+        return self.lengths_tensor()[:, None] + torch.arange(q, device=self.device)
+
+    def end(self, q: int) -> int:
+        """How many key slots a call of q entries per row reads (the longest row's)."""
+        return max(self.lengths) + q
+
+    def mask(self, q: int, window: int | None = None) -> torch.Tensor:
+        """(B, 1, q, end) bool: query i of row b (at position len_b + i) sees keys 0 .. len_b + i, and
+        with `window`, only the last `window` of them (sliding-window attention)."""
+        query = self.positions(q)[:, None, :, None]  # (B, 1, q, 1)
+        key = torch.arange(self.end(q), device=self.device)  # (end,)
+        allowed = key <= query
+        if window is not None:
+            allowed = allowed & (query - key < window)
+        return allowed
+
+    def advance(self, counts: list[int]) -> None:
+        """After a call: row b holds counts[b] more real entries."""
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        self._on_device = None
+
+    def crop(self, keep: list[int]) -> None:
+        """Roll row b back to its first keep[b] positions."""
+        self.lengths = [min(n, m) for n, m in zip(self.lengths, keep)]
+        self._on_device = None
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only `rows` (indices into the current batch, in order)."""
+        self.lengths = [self.lengths[r] for r in rows]
+        self._on_device = None
+        self.selections.append(list(rows))
+
+
+def follow(buffer: torch.Tensor | None, rows: RaggedRows, generation: int) -> torch.Tensor | None:
+    """`buffer` (B, ...) with only the rows still in the batch since `generation`."""
+    kept = rows.since(generation)
+    if kept is None or buffer is None:
+        return buffer
+    return buffer[torch.tensor(kept, device=buffer.device)]
+
+
+def ragged_write(buffer: torch.Tensor | None, new: torch.Tensor, rows: RaggedRows) -> torch.Tensor:
+    """Write `new` (B, heads, q, head_dim) at each row's own length into `buffer` (B, heads, capacity,
+    head_dim), grown by doubling as needed; returns the buffer (possibly a new one)."""
+    B, H, q, D = new.shape
+    end = rows.end(q)
+    if buffer is None or end > buffer.shape[2] or buffer.dtype != new.dtype or buffer.device != new.device:
+        size = max(end, 2 * (0 if buffer is None else buffer.shape[2]), 256)
+        grown = new.new_zeros((B, H, size, D))
+        if buffer is not None:
+            used = min(buffer.shape[2], size)
+            grown[:, :, :used] = buffer[:, :, :used]
+        buffer = grown
+    index = rows.positions(q)  # (B, q)
+    batch = torch.arange(B, device=new.device)[:, None]
+    buffer[batch, :, index] = new.transpose(1, 2)  # (B, q, H, D) at [b, :, len_b + i]
+    return buffer
 
 
 class Fused:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from drafters.layers import Fused, KVCache, Rotary, causal_mask, rms_norm, rope
+from drafters.layers import Fused, KVCache, RaggedRows, Rotary, causal_mask, rms_norm, rope
 
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
 _MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -142,3 +142,42 @@ class LeanLlama:
             gate, up = gate_up(rms_norm(x, ln2, eps2)).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, *down)
         return F.linear(rms_norm(x[0, -1], self.norm, self.norm_eps), *self.head)
+
+    def start_rows(self, rows: RaggedRows) -> None:
+        """Decode a batch from here on (`forward_rows`), with a ragged cache per layer over `rows`."""
+        self.rows = rows
+        self.row_caches = [KVCache(rows) for _ in self.layers]
+
+    @torch.inference_mode()
+    def forward_rows(self, sequences: list[list[int]]) -> torch.Tensor:
+        """`forward` for a batch (`start_rows`): row b feeds `sequences[b]` at its own next positions.
+        Returns (B, V), the logits after each row's last entry; the rows advance by their entries."""
+        rows, device = self.rows, self.embed.device
+        q = max(len(s) for s in sequences)
+        counts = [len(s) for s in sequences]
+        ids = torch.tensor([s + [s[-1]] * (q - len(s)) for s in sequences], device=device)
+        x = F.embedding(ids, self.embed)  # (B, q, d)
+        B = x.shape[0]
+        end = rows.end(q)
+        cos, sin = self.rotary.decode_rows(x, rows.positions(q), end)
+        mask = rows.mask(q)  # (B, 1, q, end)
+        last_index = torch.tensor(counts, device=device) - 1
+        H, Hkv = self.heads, self.kv_heads
+        last = len(self.layers) - 1
+        for i, (ln1, eps1, qkv_p, o_p, ln2, eps2, gate_up, down) in enumerate(self.layers):
+            qkv = qkv_p(rms_norm(x, ln1, eps1)).view(B, q, H + 2 * Hkv, self.head_dim).transpose(1, 2)
+            qk = rope(qkv[:, : H + Hkv], cos, sin)
+            keys, values = self.row_caches[i].append(qk[:, H:], qkv[:, H + Hkv:])
+            qs, m, T = qk[:, :H], mask, q
+            if i == last:  # each row's last real entry alone (every entry's keys and values are cached)
+                pick = last_index[:, None, None, None]
+                qs = qs.gather(2, pick.expand(B, H, 1, self.head_dim))
+                m = mask.gather(2, pick.expand(B, 1, 1, mask.shape[-1]))
+                x = x.gather(1, last_index[:, None, None].expand(B, 1, x.shape[-1]))
+                T = 1
+            out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=m, enable_gqa=self.gqa)
+            x = x + F.linear(out.transpose(1, 2).reshape(B, T, -1), *o_p)
+            gate, up_ = gate_up(rms_norm(x, ln2, eps2)).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up_, *down)
+        rows.advance(counts)
+        return F.linear(rms_norm(x[:, -1], self.norm, self.norm_eps), *self.head)

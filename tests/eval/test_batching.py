@@ -66,6 +66,28 @@ def test_ragged_forwards_give_each_rows_logits_alone(target, prompts):
             torch.testing.assert_close(after[b, : len(more[b])], alone, rtol=1e-5, atol=1e-5)
 
 
+def test_the_lean_draft_path_batches_with_each_rows_logits_alone(draft, prompts):
+    """The draft LM's lean decoder on a ragged batch (drafters/llama_decode.py `forward_rows`): after feeds of
+    different lengths and different rollbacks, each row's last logits are its own batch-1 forward's."""
+    lean = DraftLM(draft).lean
+    assert lean is not None
+    rows = RaggedRows(3, torch.device("cpu"))
+    lean.start_rows(rows)
+    seqs = [prompts[i].tolist() for i in (1, 2, 4)]
+    first = lean.forward_rows(seqs)
+    extra = [[3, 9, 12], [4], [7, 7]]
+    lean.forward_rows(extra)
+    rows.crop([len(s) + len(e) - drop for s, e, drop in zip(seqs, extra, (2, 0, 1))])
+    kept = [s + e[: len(e) - drop] for s, e, drop in zip(seqs, extra, (2, 0, 1))]
+    more = [[30], [31, 32], [33]]
+    after = lean.forward_rows(more)
+    with torch.no_grad():
+        for b in range(3):
+            torch.testing.assert_close(first[b], draft(torch.tensor([seqs[b]])).logits[0, -1], rtol=1e-5, atol=1e-5)
+            alone = draft(torch.tensor([kept[b] + more[b]])).logits[0, -1]
+            torch.testing.assert_close(after[b], alone, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("batch", [1, 2, 3, 6])
 def test_plain_batched_decoding_equals_batch_1(target, prompts, batch):
     chosen = prompts[:batch]
