@@ -26,9 +26,9 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from drafters.base import Proposal, confidence
-from drafters.heads import FeatureDrafter
-from drafters.layers import (Attention, KVCache, RMSNorm, Rotary, SharedTarget, causal_mask, mlp_decode, norm,
-                             soft_cross_entropy, step_stats)
+from drafters.heads import ChainBatch, FeatureDrafter
+from drafters.layers import (Attention, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
+                             last_entries, mlp_decode, norm, soft_cross_entropy, step_stats)
 from eval.sampling import Sampling, draw
 
 
@@ -112,7 +112,7 @@ class Eagle3Layer(nn.Module):
         """`forward(...)[0]` on top of `cache` for drafting (inference only), on the fused ops. `last`:
         the last entry's output only, every entry's keys and values cached (`Attention.decode`)."""
         x = torch.cat([norm(embeds, self.input_layernorm), norm(hidden, self.hidden_norm)], dim=-1)
-        h = (hidden[:, -1:] if last else hidden) + self.self_attn.decode(x, cos, sin, mask, cache, last)
+        h = last_entries(hidden, last) + self.self_attn.decode(x, cos, sin, mask, cache, last)
         return h + mlp_decode(self.mlp, norm(h, self.post_attention_layernorm))
 
 
@@ -181,6 +181,16 @@ class Eagle3(nn.Module):
         embeds = self.shared.embed_tokens(tokens[None], hidden.dtype)
         return self.midlayer.decode(embeds, hidden, cos, sin, mask, cache, last)
 
+    def step_rows(self, hidden: torch.Tensor, tokens: torch.Tensor, rows: RaggedRows, cache: KVCache,
+                  last: torch.Tensor | None = None) -> torch.Tensor:
+        """`step` for a ragged batch (eval/batching.py): row b's entries at its own next positions on top
+        of `cache` (over `rows`; the caller advances them). hidden (B, q, d), tokens (B, q); with `last`
+        (B,), row b's entry last[b] alone, (B, 1, d)."""
+        q = hidden.shape[1]
+        cos, sin = self.rotary.decode_rows(hidden, rows.positions(q), rows.end(q))
+        embeds = self.shared.embed_tokens(tokens, hidden.dtype)
+        return self.midlayer.decode(embeds, hidden, cos, sin, rows.mask(q), cache, False if last is None else last)
+
     def unroll(self, features, input_ids, attention_mask) -> list[torch.Tensor]:
         """Training-time test over whole sequences: draft-vocabulary logits (B, T-1, N) of each step.
 
@@ -234,6 +244,9 @@ class Eagle3(nn.Module):
     def drafter(self, name: str = "eagle", stop_below: float = 0.0) -> "Eagle3Drafter":
         return Eagle3Drafter(self, name, stop_below)
 
+    def batch_drafter(self, name: str = "eagle", stop_below: float = 0.0) -> "Eagle3Batch":
+        return Eagle3Batch(self, name, stop_below)
+
 
 class Eagle3Drafter(FeatureDrafter):
     """Drafts a chain of k tokens with an EAGLE-3 head, with its own KV cache rolled back on commit."""
@@ -271,6 +284,27 @@ class Eagle3Drafter(FeatureDrafter):
     def commit(self, n_accepted: int, next_token: int, features=None) -> None:
         self.cache.crop(self.fed)  # draft entries were built on the head's own outputs: drop them
         super().commit(n_accepted, next_token, features)
+
+
+class Eagle3Batch(ChainBatch):
+    """EAGLE-3 drafting for a batch (drafters/heads.py `ChainBatch`): its ragged cache holds, per row, the
+    entries built from the target's features; each round's drafted entries are dropped at commit."""
+
+    def start(self, prompts, features=None) -> None:
+        super().start(prompts, features)
+        self.target_ids = self.head.target_ids() if self.head.reduced else None
+
+    def first(self, hidden, tokens, last):
+        return self.head.step_rows(self.head.fc(hidden), tokens, self.rows, self.cache, last)
+
+    def next(self, h, tokens):
+        return self.head.step_rows(h, tokens, self.rows, self.cache)
+
+    def logits(self, h):
+        return self.head.draft_logits(h, self.head._draft_rows() if self.target_ids is not None else None)[:, -1]
+
+    def pick(self, logits, sampling, generator):
+        return _pick(logits, sampling, generator, self.target_ids, self.head.config.vocab_size)
 
 
 def _pick(logits, sampling, generator, target_ids, vocab_size):

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Proposal, confidence
-from drafters.heads import FeatureDrafter
-from drafters.layers import DecoderLayer, KVCache, Rotary, SharedTarget, causal_mask, soft_cross_entropy, step_stats
+from drafters.heads import ChainBatch, FeatureDrafter
+from drafters.layers import DecoderLayer, KVCache, RaggedRows, Rotary, SharedTarget, causal_mask, soft_cross_entropy, step_stats
 from eval.sampling import Sampling, draw
 
 
@@ -62,6 +62,16 @@ class Eagle1(nn.Module):
         mask = causal_mask(q, len(cache), hidden.device) if q > 1 and not last else None
         return self._entries(hidden, tokens[None], start, mask, cache, last)
 
+    def step_rows(self, hidden: torch.Tensor, tokens: torch.Tensor, rows: RaggedRows, cache: KVCache,
+                  last: torch.Tensor | None = None) -> torch.Tensor:
+        """`step` for a ragged batch (eval/batching.py): hidden (B, q, d), tokens (B, q) at each row's own
+        next positions on top of `cache` (over `rows`; the caller advances them); with `last` (B,), row b's
+        entry last[b] alone."""
+        q = hidden.shape[1]
+        x = self.fc(torch.cat([self.shared.embed_tokens(tokens, hidden.dtype), hidden], dim=-1))
+        cos, sin = self.rotary.decode_rows(hidden, rows.positions(q), rows.end(q))
+        return self.layer.decode(x, cos, sin, rows.mask(q), cache, False if last is None else last)
+
     def forward(self, features, input_ids, attention_mask, loss_mask, target_probs):
         """Training loss (teacher forced): feature regression + token loss. Shapes as in drafters/eagle.py."""
         B, T = input_ids.shape
@@ -82,6 +92,9 @@ class Eagle1(nn.Module):
 
     def drafter(self, name: str = "eagle1", stop_below: float = 0.0) -> "Eagle1Drafter":
         return Eagle1Drafter(self, name, stop_below)
+
+    def batch_drafter(self, name: str = "eagle1", stop_below: float = 0.0) -> "Eagle1Batch":
+        return Eagle1Batch(self, name, stop_below)
 
 
 class Eagle1Drafter(FeatureDrafter):
@@ -119,6 +132,22 @@ class Eagle1Drafter(FeatureDrafter):
     def commit(self, n_accepted: int, next_token: int, features=None) -> None:
         self.cache.crop(self.fed)
         super().commit(n_accepted, next_token, features)
+
+
+class Eagle1Batch(ChainBatch):
+    """EAGLE-1 drafting for a batch (drafters/heads.py `ChainBatch`)."""
+
+    def first(self, hidden, tokens, last):
+        return self.head.step_rows(hidden, tokens, self.rows, self.cache, last)
+
+    def next(self, h, tokens):
+        return self.head.step_rows(h, tokens, self.rows, self.cache)
+
+    def logits(self, h):
+        return self.head.shared.logits(h)[:, -1]
+
+    def pick(self, logits, sampling, generator):
+        return draw(logits, sampling, generator)
 
 
 def load_engine_eagle1(path, raw: dict, target, dtype: torch.dtype | None = None) -> Eagle1:

@@ -26,7 +26,9 @@ from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 from transformers import LlamaConfig
 
-from drafters.base import check_stop_below
+from drafters.base import Proposal, check_stop_below, confidence
+from drafters.layers import KVCache, RaggedRows
+from eval.sampling import Sampling
 
 # config.json architectures of EAGLE-3 and EAGLE-1 checkpoints in the engines' formats, which load_head reads too.
 ENGINE_EAGLE3 = ("LlamaForCausalLMEagle3", "Eagle3Speculator")
@@ -179,3 +181,82 @@ class FeatureDrafter:
         if features.shape[0] != expected:
             raise ValueError(f"drafter {self.name!r} expected features for {expected} positions, got {features.shape[0]}")
         return features.flatten(1).to(self.dtype)
+
+
+class FeatureBatch(FeatureDrafter):
+    """`FeatureDrafter`'s state for a batch (drafters/base.py `BatchDrafter`): per row, the committed ids,
+    the features not yet read and the last proposal."""
+
+    def start(self, prompts: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
+        if features is None:
+            raise ValueError(f"drafter {self.name!r} reads the target's hidden states, but the loop passed none")
+        self.ids = [p.tolist() for p in prompts]
+        self.pending = [self._flat(f, len(ids) - 1) for f, ids in zip(features, self.ids)]
+        self.guesses: list[list[int]] = [[] for _ in prompts]
+
+    def commit(self, accepted: list[int], next_tokens: list[int], features: list[torch.Tensor] | None = None) -> None:
+        for b, (a, token) in enumerate(zip(accepted, next_tokens)):
+            self.pending[b] = torch.cat([self.pending[b], self._flat(features[b], a + 1)])
+            self.ids[b].extend(self.guesses[b][:a])
+            self.ids[b].append(token)
+
+    def keep(self, rows: list[int]) -> None:
+        self.ids, self.pending, self.guesses = ([xs[r] for r in rows] for xs in (self.ids, self.pending, self.guesses))
+
+
+class ChainBatch(FeatureBatch):
+    """A head that drafts a chain on its own KV cache (EAGLE-3, EAGLE-1) for a ragged batch: the round's
+    first step feeds each row its unread features (as many as it committed last round) and drafts from
+    each row's last entry; later steps feed every row its last guess. The cache (one length per row) keeps
+    the entries built from the target's features; drafted entries are dropped at commit. Subclasses give
+    `first`, `next`, `logits` and `pick`."""
+
+    def start(self, prompts, features=None) -> None:
+        super().start(prompts, features)
+        self.rows = RaggedRows(len(prompts), self.device)
+        self.cache = KVCache(self.rows)
+        self.fed = [0] * len(prompts)  # per row: cache entries built from the target's real features
+
+    @torch.inference_mode()
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
+        B = len(self.ids)
+        counts = [p.shape[0] for p in self.pending]
+        q = max(counts)
+        hidden = torch.stack([torch.cat([p, p[-1:].expand(q - len(p), -1)]) for p in self.pending])
+        # Feature i of a row pairs with the token after it: a row's last len(pending) committed ids.
+        tokens = torch.tensor([ids[len(ids) - n:] + [ids[-1]] * (q - n) for ids, n in zip(self.ids, counts)],
+                              device=self.device)
+        h = self.first(hidden, tokens, torch.tensor(counts, device=self.device) - 1)
+        self.rows.advance(counts)
+        self.fed = [len(ids) - 1 for ids in self.ids]
+        self.pending = [p[:0] for p in self.pending]
+        guesses: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        dists: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        stopped = [False] * B
+        for s in range(k):
+            logits = self.logits(h)  # (B, V)
+            picks = [self.pick(row, sampling, generator) for row in logits]
+            for b, (token, dist) in enumerate(picks):
+                if stopped[b]:
+                    continue
+                guesses[b].append(token)
+                if dist is not None:
+                    dists[b].append(dist)
+                if self.stop_below and confidence(logits[b], dist, token) < self.stop_below:
+                    stopped[b] = True
+            if all(stopped) or s == k - 1:
+                break
+            h = self.next(h, torch.stack([token for token, _ in picks])[:, None])
+            self.rows.advance([1] * B)
+        proposals = [Proposal(torch.stack(g), torch.stack(d) if d else None) for g, d in zip(guesses, dists)]
+        self.guesses = [p.tokens.tolist() for p in proposals]
+        return proposals
+
+    def commit(self, accepted, next_tokens, features=None) -> None:
+        self.rows.crop(self.fed)
+        super().commit(accepted, next_tokens, features)
+
+    def keep(self, rows: list[int]) -> None:
+        self.rows.select(rows)
+        self.fed = [self.fed[r] for r in rows]
+        super().keep(rows)

@@ -295,6 +295,23 @@ def mlp_decode(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
     return _linear(act * up, mlp.down_proj)
 
 
+def take_last(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """x (B, ...) with only entry index[b] of dimension `dim` kept in row b (the dimension keeps size 1)."""
+    shape = [x.shape[0]] + [1] * (x.dim() - 1)
+    shape[dim] = 1
+    expanded = list(x.shape)
+    expanded[dim] = 1
+    return x.gather(dim, index.view(shape).expand(expanded))
+
+
+def last_entries(x: torch.Tensor, last) -> torch.Tensor:
+    """x (B, T, d) as a decode step with `last` returns it: every entry (False), the last one (True), or
+    row b's entry last[b] (a tensor: a ragged batch)."""
+    if isinstance(last, torch.Tensor):
+        return take_last(x, last, dim=1)
+    return x[:, -1:] if last else x
+
+
 def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """module(x) without the module call (a few microseconds each, per drafted token)."""
     params = module._parameters
@@ -377,7 +394,9 @@ class Attention(nn.Module):
         qk = rope(qkv[:, : H + Hkv], cos, sin)
         keys, values = cache.append(qk[:, H:], qkv[:, H + Hkv:])
         q = qk[:, :H]
-        if last and T > 1:
+        if isinstance(last, torch.Tensor):  # a ragged batch: each row's own last entry (and its mask row)
+            q, mask, T = take_last(q, last, dim=2), take_last(mask, last, dim=2), 1
+        elif last and T > 1:
             q, mask, T = q[:, :, -1:], None, 1
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=Hkv != H)
         return _linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)
@@ -417,7 +436,7 @@ class DecoderLayer(nn.Module):
         position's output only, every position's keys and values cached (`Attention.decode`)."""
         h = self.self_attn.decode(x if self.input_layernorm is None else norm(x, self.input_layernorm),
                                   cos, sin, mask, cache, last)
-        x = (x[:, -1:] if last else x) + h
+        x = last_entries(x, last) + h
         return x + mlp_decode(self.mlp, norm(x, self.post_attention_layernorm))
 
 

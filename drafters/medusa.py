@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Proposal, confidence
-from drafters.heads import FeatureDrafter
+from drafters.heads import FeatureBatch, FeatureDrafter
 from drafters.layers import SharedTarget, soft_cross_entropy, step_stats
 from eval.sampling import Sampling, draw
 
@@ -71,6 +71,9 @@ class Medusa(nn.Module):
     def drafter(self, name: str = "medusa", stop_below: float = 0.0) -> "MedusaDrafter":
         return MedusaDrafter(self, name, stop_below)
 
+    def batch_drafter(self, name: str = "medusa", stop_below: float = 0.0) -> "MedusaBatch":
+        return MedusaBatch(self, name, stop_below)
+
 
 class MedusaDrafter(FeatureDrafter):
     """Drafts min(k, K) tokens from the last committed feature; no cache, so nothing to roll back."""
@@ -101,6 +104,33 @@ class MedusaDrafter(FeatureDrafter):
                     break
         self.guesses = tokens.tolist()
         return Proposal(tokens, probs)
+
+
+class MedusaBatch(FeatureBatch):
+    """Medusa for a batch: every row's newest feature through the heads at once; no cache."""
+
+    def start(self, prompts, features=None) -> None:
+        super().start(prompts, features)
+        self.pending = [p[-1:] for p in self.pending]
+
+    def commit(self, accepted, next_tokens, features=None) -> None:
+        super().commit(accepted, next_tokens, features)
+        self.pending = [p[-1:] for p in self.pending]
+
+    @torch.inference_mode()
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
+        logits = self.head.logits(torch.stack([p[-1] for p in self.pending]), n=k)  # (n, B, V)
+        proposals = []
+        for b in range(logits.shape[1]):
+            tokens, probs = draw(logits[:, b], sampling, generator)
+            if self.stop_below:
+                for i in range(tokens.shape[0]):
+                    if confidence(logits[i, b], None if probs is None else probs[i], tokens[i]) < self.stop_below:
+                        tokens, probs = tokens[: i + 1], None if probs is None else probs[: i + 1]
+                        break
+            proposals.append(Proposal(tokens, probs))
+        self.guesses = [p.tokens.tolist() for p in proposals]
+        return proposals
 
 
 HEAD = Medusa

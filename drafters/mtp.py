@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from drafters.base import Proposal, confidence
-from drafters.heads import FeatureDrafter
-from drafters.layers import (DecoderLayer, KVCache, RMSNorm, Rotary, SharedTarget, causal_mask, soft_cross_entropy,
-                             step_stats)
+from drafters.heads import FeatureBatch, FeatureDrafter
+from drafters.layers import (DecoderLayer, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
+                             soft_cross_entropy, step_stats)
 from eval.sampling import Sampling, draw
 
 
@@ -99,6 +99,16 @@ class MTP(nn.Module):
     def drafter(self, name: str = "mtp", stop_below: float = 0.0) -> "MTPDrafter":
         return MTPDrafter(self, name, stop_below)
 
+    def batch_drafter(self, name: str = "mtp", stop_below: float = 0.0) -> "MTPBatch":
+        return MTPBatch(self, name, stop_below)
+
+    def run_rows(self, k: int, hidden, tokens, rows: RaggedRows, cache: KVCache) -> torch.Tensor:
+        """`run` for a ragged batch (eval/batching.py): row b's entries at its own next positions on top of
+        `cache` (over `rows`; the caller advances them)."""
+        q = hidden.shape[1]
+        cos, sin = self.rotary.decode_rows(hidden, rows.positions(q), rows.end(q))
+        return self.layers[k](hidden, self.shared.embed_tokens(tokens, hidden.dtype), cos, sin, rows.mask(q), cache)
+
 
 class MTPDrafter(FeatureDrafter):
     """Drafts min(k, depth) tokens; module caches hold stable entries only (see the module docstring).
@@ -172,6 +182,101 @@ class MTPDrafter(FeatureDrafter):
                 self.outputs[j], self.base[j] = self.outputs[j][drop:], self.base[j] + drop
         self.guesses = [int(t) for t in guesses]
         return Proposal(torch.stack(guesses), torch.stack(dists) if dists else None)
+
+
+class MTPBatch(FeatureBatch):
+    """`MTPDrafter` for a batch: module j keeps one ragged cache over its own `RaggedRows` (each row's
+    stable entries); every module step is one call for all rows, each feeding its own number of stable
+    entries (rows with none feed padding that is never attended), then its tentative entries, which are
+    cropped again per row."""
+
+    def start(self, prompts, features=None) -> None:
+        super().start(prompts, features)
+        depth, B = self.head.config.depth, len(prompts)
+        self.rows = [RaggedRows(B, self.device) for _ in range(depth)]
+        self.caches = [KVCache(rows) for rows in self.rows]
+        self.outputs = [[p[:0] for p in self.pending] for _ in range(depth)]  # [module][row]: stable outputs
+        self.base = [[0] * B for _ in range(depth)]  # [module][row]: position of outputs[module][row][0]
+
+    def _call(self, j: int, hidden: list[torch.Tensor], tokens: list[list[int]]) -> torch.Tensor:
+        """Module j on row b's entries (hidden[b] (n_b, d), tokens[b]) at its cache's next positions; returns
+        (B, q, d); the rows advance by n_b."""
+        counts = [h.shape[0] for h in hidden]
+        q = max(counts)
+        width = hidden[0].shape[-1]
+        padded = torch.stack([torch.cat([h, h.new_zeros(q - h.shape[0], width)]) for h in hidden])
+        ids = torch.tensor([t + [0] * (q - len(t)) for t in tokens], device=self.device)
+        out = self.head.run_rows(j, padded, ids, self.rows[j], self.caches[j])
+        self.rows[j].advance(counts)
+        return out
+
+    def _stable(self, j: int, b: int, lo: int, hi: int) -> torch.Tensor:
+        return self.outputs[j][b][lo - self.base[j][b]: hi - self.base[j][b]]
+
+    @torch.inference_mode()
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
+        head, depth, B = self.head, self.head.config.depth, len(self.ids)
+        m = [len(ids) - 1 for ids in self.ids]
+        ids = [list(x) for x in self.ids]  # committed tokens, then each row's guesses as they are made
+        guesses: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        dists: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        stopped = [False] * B
+        tentative = [p[:0] for p in self.pending]
+        for j in range(min(k, depth)):
+            # Stable entries not cached yet, per row: positions c..m-j-1, every input committed.
+            c = self.rows[j].lengths
+            end = [mb - j for mb in m]
+            hidden = [self.pending[b] if j == 0 else self._stable(j - 1, b, c[b], max(end[b], c[b]))
+                      for b in range(B)]
+            if any(h.shape[0] for h in hidden):
+                out = self._call(j, hidden, [ids[b][c[b] + j + 1: end[b] + j + 1] for b in range(B)])
+                if j < depth - 1:  # the last module's outputs feed nobody
+                    for b, h in enumerate(hidden):
+                        self.outputs[j][b] = torch.cat([self.outputs[j][b], out[b, : h.shape[0]]])
+            if j == 0:
+                # Module 0's entry m-1 is stable, the last it just cached for every row.
+                last = torch.stack([out[b, h.shape[0] - 1] for b, h in enumerate(hidden)])
+                self.pending = [p[:0] for p in self.pending]
+            else:
+                # Tentative entries max(m-j, 0)..m-1 per row: module j-1's outputs there (stable, then its
+                # own tentative ones) and tokens that include guesses. Computed, read, then cropped.
+                lo = [max(mb - j, 0) for mb in m]
+                hidden = [torch.cat([self._stable(j - 1, b, lo[b], max(m[b] - j + 1, 0)), tentative[b]])
+                          for b in range(B)]
+                keep = list(self.rows[j].lengths)
+                out = self._call(j, hidden, [ids[b][lo[b] + j + 1: m[b] + j + 1] for b in range(B)])
+                self.rows[j].crop(keep)
+                tentative = [out[b, : h.shape[0]] for b, h in enumerate(hidden)]
+                last = torch.stack([t[-1] for t in tentative])
+            logits = head.logits(j, last)  # (B, V)
+            for b in range(B):
+                token, q = draw(logits[b], sampling, generator)
+                ids[b].append(int(token))
+                if stopped[b]:
+                    continue
+                guesses[b].append(token)
+                if q is not None:
+                    dists[b].append(q)
+                if self.stop_below and confidence(logits[b], q, token) < self.stop_below:
+                    stopped[b] = True
+            if all(stopped):
+                break  # later modules catch up on their stable entries in a later round
+        # Forget stable outputs the next module has cached (it never reads below its cache length).
+        for j in range(depth - 1):
+            for b in range(B):
+                drop = self.rows[j + 1].lengths[b] - self.base[j][b]
+                if drop > 0:
+                    self.outputs[j][b], self.base[j][b] = self.outputs[j][b][drop:], self.base[j][b] + drop
+        proposals = [Proposal(torch.stack(g), torch.stack(d) if d else None) for g, d in zip(guesses, dists)]
+        self.guesses = [p.tokens.tolist() for p in proposals]
+        return proposals
+
+    def keep(self, rows: list[int]) -> None:
+        for r in self.rows:
+            r.select(rows)
+        self.outputs = [[per_row[r] for r in rows] for per_row in self.outputs]
+        self.base = [[per_row[r] for r in rows] for per_row in self.base]
+        super().keep(rows)
 
 
 HEAD = MTP

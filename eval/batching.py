@@ -265,8 +265,8 @@ def speculative_generate_batch(target: PreTrainedModel, drafter, prompts: list[t
         if len(live) < len(prompts):
             rows.select(start)
         committed = [torch.cat([prompts[i], prompts[i].new_tensor([new[i][0]])]) for i in live]
-        # A head reads the features of every prompt position but the last, per row.
-        drafter.start(committed, [features[i, : counts[i] - 1] for i in live] if layers else None)
+        # A head reads the features of every prompt position (all committed positions but the first new token's).
+        drafter.start(committed, [features[i, : counts[i]] for i in live] if layers else None)
     while live:
         if timed:
             _sync(device)

@@ -12,6 +12,7 @@ import torch
 from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_coverage, vocabulary_size_for
 from drafters.heads import build_head, load_head, save_head
 from eval.sampling import Sampling
+from eval.batching import speculative_generate_batch
 from eval.speculative import autoregressive_generate, speculative_generate
 from helpers import Recording, chi2_pvalue, empirical_joint, exact_joint, stop_point, tiny_llama
 from train.hidden_states import capture, default_layers
@@ -149,12 +150,77 @@ def test_greedy_equals_target_greedy_with_every_head(target, prompts, k):
             assert accepted > 0, name
 
 
+BATCHED = KINDS + ["eagle_reduced"]
+
+
+@pytest.mark.parametrize("batch", [2, 5])
+def test_batched_rows_equal_their_plain_greedy_output_with_every_head(target, prompts, batch):
+    """eval/batching.py with each head's batch drafter: every row's greedy output is its prompt's plain
+    output at batch 1, and every row keeps, round by round, the guesses the head keeps drafting that prompt
+    alone (its ragged cache, rolled back per row, drafts what the batch-1 cache drafts)."""
+    g = torch.Generator().manual_seed(4)
+    chosen = ([torch.randint(0, VOCAB, (n,), generator=g) for n in (12, 5)] + prompts[::-1])[:batch]
+    refs = [autoregressive_generate(target, p, sampling=GREEDY, max_new_tokens=30).tokens for p in chosen]
+    for name, head in _heads(target):
+        if name not in BATCHED:
+            continue
+        head = _trained_to_self(target, head)
+        out = speculative_generate_batch(target, head.batch_drafter(name), chosen, k=3, sampling=GREEDY,
+                                         max_new_tokens=30)
+        assert [r.tokens for r in out.rows] == refs, name
+        alone = [speculative_generate(target, head.drafter(name), p, k=3, sampling=GREEDY, max_new_tokens=30)
+                 for p in chosen]
+        assert [[r.accepted for r in gen.rounds] for gen in out.rows] == [[r.accepted for r in a.rounds]
+                                                                         for a in alone], name
+        assert sum(r.accepted for gen in out.rows for r in gen.rounds) > 0, name
+
+
+def test_batched_confidence_stop_cuts_each_row_where_the_head_alone_cuts_it(target, prompts):
+    """With a confidence stop, each row proposes, round by round, as many guesses as the head drafting its
+    prompt alone (rows stop at different steps; the batch's round ends when every row has stopped)."""
+    g = torch.Generator().manual_seed(4)
+    chosen = [torch.randint(0, VOCAB, (n,), generator=g) for n in (12, 5)] + prompts[::-1]
+    for name, head in _heads(target):
+        head = _trained_to_self(target, head)
+        out = speculative_generate_batch(target, head.batch_drafter(name, stop_below=0.5), chosen, k=4,
+                                         sampling=GREEDY, max_new_tokens=24)
+        alone = [speculative_generate(target, head.drafter(name, stop_below=0.5), p, k=4, sampling=GREEDY,
+                                      max_new_tokens=24) for p in chosen]
+        assert [[(r.proposed, r.accepted) for r in gen.rounds] for gen in out.rows] == \
+            [[(r.proposed, r.accepted) for r in a.rounds] for a in alone], name
+        assert any(r.proposed < 4 for gen in out.rows for r in gen.rounds), name  # the stop fired somewhere
+
+
 SMALL_V = 6
 
 
 @pytest.fixture(scope="module")
 def small_target():
     return tiny_llama(SMALL_V, hidden=16, layers=4, seed=10, logit_scale=12.0)
+
+
+@pytest.mark.parametrize("kind", BATCHED)
+def test_batched_sampled_rows_follow_target_distribution(small_target, kind):
+    """Batches of 4 rows (two prompts of different lengths, twice each): each prompt's first three tokens,
+    pooled over its rows, follow the target's exact joint."""
+    torch.manual_seed(3)
+    if kind == "eagle_reduced":
+        head = make_head("eagle", small_target, draft_vocab_size=4)
+        head.set_vocabulary(*draft_vocabulary(torch.tensor([5.0, 1, 4, 3, 0, 2]), 4))
+    else:
+        head = make_head(kind, small_target)
+    chosen = [torch.tensor([1, 4, 2]), torch.tensor([3, 0, 5, 1, 1])]
+    sampling = Sampling(temperature=1.0)
+    g = torch.Generator().manual_seed(7)
+    counts = [torch.zeros(SMALL_V ** 3) for _ in chosen]
+    for _ in range(1000):
+        out = speculative_generate_batch(small_target, head.batch_drafter(kind), chosen * 2, k=2, sampling=sampling,
+                                         max_new_tokens=3, generator=g)
+        for row, gen in enumerate(out.rows):
+            t = gen.tokens
+            counts[row % 2][t[0] * SMALL_V ** 2 + t[1] * SMALL_V + t[2]] += 1
+    for prompt, c in zip(chosen, counts):
+        assert chi2_pvalue(c, exact_joint(small_target, prompt, sampling, SMALL_V)) > 1e-3
 
 
 @pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])

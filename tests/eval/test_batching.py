@@ -113,6 +113,23 @@ def test_greedy_rows_equal_their_plain_output_at_batch_1(target, draft, prompts,
         assert len({tuple(r.accepted for r in g.rounds) for g in out.rows}) > 1
 
 
+@pytest.mark.parametrize("lean", [True, False])
+def test_each_row_drafts_round_by_round_as_the_draft_lm_alone(target, draft, prompts, lean):
+    """The batch's draft LM (ragged cache, per-row rollback, per-row confidence stop) proposes and keeps,
+    round by round, what it proposes and keeps drafting each prompt alone."""
+    from eval.speculative import speculative_generate
+
+    for stop in (0.0, 0.6):
+        out = speculative_generate_batch(target, DraftLM(draft, lean=lean, stop_below=stop).batched(), prompts,
+                                         k=4, sampling=GREEDY, max_new_tokens=24)
+        alone = [speculative_generate(target, DraftLM(draft, lean=lean, stop_below=stop), p, k=4, sampling=GREEDY,
+                                      max_new_tokens=24) for p in prompts]
+        assert [[(r.proposed, r.accepted) for r in g.rounds] for g in out.rows] == \
+            [[(r.proposed, r.accepted) for r in a.rounds] for a in alone]
+        if stop:
+            assert any(r.proposed < 4 for g in out.rows for r in g.rounds)
+
+
 def test_rows_that_end_leave_the_batch_and_the_rest_go_on(target, draft, prompts):
     """An end token that only some rows produce early: those rows stop there, the others run to the budget."""
     refs = [reference(target, p, 30) for p in prompts]
