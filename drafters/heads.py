@@ -164,6 +164,10 @@ class FeatureDrafter:
         self.device = next(head.parameters()).device
         self.dtype = next(head.parameters()).dtype
 
+    def batched(self):
+        """This drafter for a batch (drafters/base.py `BatchDrafter`): the head's batch drafter."""
+        return self.head.batch_drafter(self.name, self.stop_below)
+
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
         self.ids: list[int] = prompt_ids.tolist()
         self.pending = self._flat(features, len(self.ids) - 1)

@@ -226,6 +226,7 @@ class FinalEvalConfig:
 
     enabled: bool = True
     ks: list[int] = field(default_factory=lambda: [4])
+    batch_sizes: list[int] = field(default_factory=lambda: [1])  # rows decoded at once (eval/batching.py)
     max_new_tokens: int = 64
     repeats: int = 3
     prompts_per_category: int = 8

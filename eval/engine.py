@@ -85,6 +85,8 @@ def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | N
         raise ValueError("engine_costs.beta is not set: a prediction needs β, the verification overhead measured "
                          "in your engine (one forward of k+1 positions over one decoding step, minus 1)")
     for r in rows:
+        if r.get("batch_size", 1) != 1:  # c and β are a team's batch-1 measurements
+            continue
         c = drafter_c.get(r["drafter"])
         c = costs.c if c is None else c
         figures = dict.fromkeys(FIELDS)
@@ -288,6 +290,8 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
     notes = {s.name: s.note for s in served if s.gguf is None}
     costs = {key: (rc.c(step_ms), rc.beta(step_ms)) for key, rc in measured["costs"].items()}
     for r in rows:
+        if r.get("batch_size", 1) != 1:  # the engine serves one request at a time here: batch-1 rows only
+            continue
         figures = dict.fromkeys(FIELDS)
         figures["engine"] = ENGINES["llamacpp"]
         if r["temperature"] != 0:

@@ -27,6 +27,7 @@ from drafters.base import Drafter
 from eval.compare import Comparison, Timings, compare
 from eval.metrics import acceptance_stats, cost_model, expected_acceptance_length
 from eval.sampling import Sampling
+from eval.batching import autoregressive_generate_batch, speculative_generate_batch
 from eval.speculative import Generation, autoregressive_generate, speculative_generate
 
 ALL = "all"  # the aggregate over every category; reserved, no category may use the name
@@ -39,9 +40,12 @@ class EvalPlan:
     ks: draft lengths to sweep. temperatures: 0 = greedy. top_k / top_p apply to every non-greedy run.
     repeats: timed passes over all prompts (medians over them). warmup: untimed prompts run first.
     pays_off_at: the measured speed-up a configuration must reach to be called worth turning on.
+    batch_sizes: decode B prompts of one category at once (eval/batching.py); each category's prompts are
+    taken B at a time, cycling through them when the last batch would be short, so every batch has B rows.
     """
 
     ks: list[int] = field(default_factory=lambda: [2, 4])
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     top_k: int = 0
     top_p: float = 1.0
@@ -61,6 +65,8 @@ class EvalPlan:
                              f"speculation drafts the ones after it), got {self.max_new_tokens}")
         for t in self.temperatures:
             Sampling(t, self.top_k, self.top_p)  # validates
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"every batch size must be >= 1, got batch_sizes={list(self.batch_sizes)}")
 
 
 @dataclass
@@ -98,22 +104,51 @@ def evaluate(
         raise ValueError(f"category name {ALL!r} is reserved for the aggregate over all categories")
     if not any(prompts.values()):
         raise ValueError("no prompts to evaluate")
+    rows: list[dict] = []
+    for batch in plan.batch_sizes:
+        rows += _evaluate_batch(target, drafters, prompts, plan, batch, eos_token_id=eos_token_id, progress=progress)
+    _best_k_and_verdict(rows, plan.pays_off_at)
+    return rows
+
+
+def batches_of(prompts: list[torch.Tensor], batch: int) -> list[list[torch.Tensor]]:
+    """A category's prompts taken `batch` at a time; the last batch is filled by cycling from the start."""
+    count = -(-len(prompts) // batch)
+    return [[prompts[(j * batch + r) % len(prompts)] for r in range(batch)] for j in range(count)]
+
+
+def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eos_token_id, progress) -> list[dict]:
+    """`evaluate` at one batch size: an item is one prompt (batch 1) or one batch of a category's prompts,
+    decoded as one (eval/batching.py); its Generation holds the rows' tokens end to end, the batch's time,
+    every row's rounds and the batch's plain steps."""
+    names = [d.name for d in drafters]
     device = next(target.parameters()).device
-    items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
+    if batch == 1:
+        items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
+    else:
+        items = [(c, j, b) for c, ps in prompts.items() for j, b in enumerate(batches_of(ps, batch))]
+        batched = {d.name: d.batched() for d in drafters}
     rows: list[dict] = []
     total = len(plan.temperatures) * plan.repeats * len(items) * (1 + len(drafters) * len(plan.ks))
-    bar = tqdm(total=total, desc="eval", unit="gen", disable=not progress)
+    bar = tqdm(total=total, desc=f"eval (batch {batch})" if batch > 1 else "eval", unit="gen", disable=not progress)
     for temperature in plan.temperatures:
         sampling = Sampling(temperature, plan.top_k, plan.top_p)
         generator = torch.Generator(device=device)
 
-        def run(drafter: Drafter | None, k: int, prompt: torch.Tensor, seed: int) -> Generation:
+        def run(drafter: Drafter | None, k: int, prompt, seed: int) -> Generation:
             generator.manual_seed(seed)
             common = dict(sampling=sampling, max_new_tokens=plan.max_new_tokens, eos_token_id=eos_token_id,
                           generator=generator, timed=True)
+            if batch == 1:
+                if drafter is None:
+                    return autoregressive_generate(target, prompt, **common)
+                return speculative_generate(target, drafter, prompt, k=k, **common)
             if drafter is None:
-                return autoregressive_generate(target, prompt, **common)
-            return speculative_generate(target, drafter, prompt, k=k, **common)
+                out = autoregressive_generate_batch(target, prompt, **common)
+            else:
+                out = speculative_generate_batch(target, batched[drafter.name], prompt, k=k, **common)
+            return Generation([t for row in out.rows for t in row.tokens], out.seconds, out.target_forwards,
+                              [r for row in out.rows for r in row.rounds], out.step_s)
 
         for _, _, prompt in items[: plan.warmup]:
             run(None, 0, prompt, 0)
@@ -142,11 +177,10 @@ def evaluate(
             for k in plan.ks:
                 timings = {d.name: _timings(spec[d.name, k], keys, plan.repeats) for d in drafters}
                 group = [_row(name, k, sampling, category, plain, spec[name, k], t, plain_t,
-                              compare(t, plain_t, strata, seed=seed)) for name, t in timings.items()]
+                              compare(t, plain_t, strata, seed=seed), batch) for name, t in timings.items()]
                 _compare_drafters(group, timings, strata, baseline=names[0], seed=seed)
                 rows += group
     bar.close()
-    _best_k_and_verdict(rows, plan.pays_off_at)
     return rows
 
 
@@ -158,7 +192,7 @@ def _timings(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
 
 
 def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, spec_t: Timings,
-         plain_t: Timings, vs_plain: Comparison) -> dict:
+         plain_t: Timings, vs_plain: Comparison, batch: int = 1) -> dict:
     gens = spec.select(category)
     rounds = [r for g in gens for r in g.rounds]
     if not rounds:
@@ -177,7 +211,8 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "k": k,
         "temperature": sampling.temperature,
         "category": category,
-        "prompts": len({key[1:] for key in spec.by_key if category in (ALL, key[1])}),
+        "batch_size": batch,  # rows decoded at once; tokens/s counts every row's tokens
+        "prompts": len({key[1:] for key in spec.by_key if category in (ALL, key[1])}) * batch,
         **stats.to_dict(),
         # What tau would be if each proposed guess were kept independently at the measured rate.
         "acceptance_length_iid": expected_acceptance_length(stats.acceptance_rate, stats.mean_proposed),
@@ -211,7 +246,7 @@ def _compare_drafters(group: list[dict], timings: dict[str, Timings], strata: li
 def _best_k_and_verdict(rows: list[dict], pays_off_at: float) -> None:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["drafter"], r["temperature"], r["category"]), []).append(r)
+        groups.setdefault((r["drafter"], r["temperature"], r["category"], r.get("batch_size", 1)), []).append(r)
     for group in groups.values():
         best = max(group, key=lambda r: r["speedup"])
         for r in group:

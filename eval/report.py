@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from eval.evaluate import EvalPlan
+
 SCHEMA = "draftsmith.eval/1"
 
 
@@ -61,6 +63,7 @@ SUMMARY_COLUMNS = [
     ("category", "category"),
     ("drafter", "drafter"),
     ("k", "k"),
+    ("B", "batch_size"),
     ("T", "temperature"),
     ("prop", "mean_proposed"),
     ("τ", "acceptance_length"),
@@ -95,7 +98,9 @@ def table(rows: list[dict], columns=SUMMARY_COLUMNS) -> str:
 
 def _sorted(rows: list[dict]) -> list[dict]:
     cats = list(dict.fromkeys(r["category"] for r in rows))
-    return sorted(rows, key=lambda r: (cats.index(r["category"]), r["temperature"], r["drafter"], r["k"]))
+    rows = [{"batch_size": 1, **r} for r in rows]  # rows from before batch sizes were measured: batch 1
+    return sorted(rows, key=lambda r: (cats.index(r["category"]), r["batch_size"], r["temperature"],
+                                       r["drafter"], r["k"]))
 
 
 def markdown(report: dict) -> str:
@@ -122,7 +127,8 @@ def markdown(report: dict) -> str:
         "",
         "## Throughput",
         "",
-        table(rows, [("category", "category"), ("drafter", "drafter"), ("k", "k"), ("T", "temperature"),
+        table(rows, [("category", "category"), ("drafter", "drafter"), ("k", "k"), ("B", "batch_size"),
+                     ("T", "temperature"),
                      ("prompts", "prompts"), ("rounds", "rounds"), ("plain tok/s", "ar_tokens_per_s"),
                      ("spec tok/s", "sd_tokens_per_s"), ("speed-up ×", "speedup"), ("95 % interval", "speedup_ci"),
                      ("× vs base", "speedup_vs_baseline"), ("95 % interval", "speedup_vs_baseline_ci"),
@@ -152,8 +158,15 @@ def markdown(report: dict) -> str:
         if r["k"] == r["best_k"]:
             engine = (f"; in {r['engine']}: {_fmt(r.get('engine_speedup') or r.get('engine_predicted_speedup'))}× → "
                       f"{r['engine_verdict']}") if r.get("engine_verdict") else ""
-            out.append(f"- **{r['category']}**, {r['drafter']}, T={_fmt(r['temperature'])}: best k={r['k']}, "
+            batch = f", batch {r['batch_size']}" if len(batch_sizes(rows)) > 1 else ""
+            out.append(f"- **{r['category']}**, {r['drafter']}, T={_fmt(r['temperature'])}{batch}: best k={r['k']}, "
                        f"speed-up {_fmt(r['speedup'])}× → {r['verdict']}{engine}")
+    if len(batch_sizes(rows)) > 1:
+        out += ["", "## Speed-up against batch size", "",
+                "Each drafter at its best k per batch size (B prompts of a category decoded at once; tokens/s counts"
+                " every row). Speculation pays while the curve stays above the verdict's line; c and β, measured at"
+                " each batch size in the same run, are in the summary.", "",
+                *_pays_up_to(rows), "", *(f"![{p}]({p})" for p in report.get("plots", []))]
     out += engine_section(rows)
     return "\n".join(out) + "\n"
 
@@ -230,13 +243,15 @@ def _fastest_lines(rows: list[dict]) -> list[str]:
     """One line per (category, k, temperature): the fastest drafter, then every other one against it."""
     lines = []
     groups: dict[tuple, list[dict]] = {}
+    several = len(batch_sizes(rows)) > 1
     for r in rows:
-        groups.setdefault((r["category"], r["k"], r["temperature"]), []).append(r)
-    for (category, k, temperature), group in groups.items():
+        groups.setdefault((r["category"], r["k"], r["temperature"], r.get("batch_size", 1)), []).append(r)
+    for (category, k, temperature, batch), group in groups.items():
         others = sorted((r for r in group if r["vs_fastest"] != "fastest"), key=lambda r: -r["speedup_vs_fastest"])
         against = "; ".join(f"{r['drafter']} {r['speedup_vs_fastest']:.2f}× ({_interval(r['speedup_vs_fastest_ci'])}) "
                             f"{r['vs_fastest']}" for r in others)
-        lines.append(f"- {category}, k={k}, T={_fmt(temperature)}: fastest {group[0]['fastest']}"
+        lines.append(f"- {category}, k={k}, T={_fmt(temperature)}{f', batch {batch}' if several else ''}: "
+                     f"fastest {group[0]['fastest']}"
                      + (f"; against it: {against}" if against else ""))
     return lines
 
@@ -245,17 +260,21 @@ def console_summary(report: dict) -> str:
     """A short fixed-width summary for the terminal."""
     rows = _sorted(report["results"])
     traffic = traffic_lines(report["settings"])
-    head = f"{'category':<14}{'drafter':<18}{'k':>3}{'T':>5}{'tau':>7}{'zero':>7}{'x':>7}{'pred':>7}{'vs base':>9}  verdict"
+    head = (f"{'category':<14}{'drafter':<18}{'k':>3}{'B':>4}{'T':>5}{'tau':>7}{'zero':>7}{'x':>7}{'pred':>7}"
+            f"{'vs base':>9}  verdict")
     lines = [*traffic, *([""] if traffic else []), head, "-" * len(head)]
     for r in rows:
         pred = r["predicted_speedup"]
         lines.append(
-            f"{r['category'][:13]:<14}{r['drafter'][:17]:<18}{r['k']:>3}{r['temperature']:>5.1f}"
+            f"{r['category'][:13]:<14}{r['drafter'][:17]:<18}{r['k']:>3}{r.get('batch_size', 1):>4}{r['temperature']:>5.1f}"
             f"{r['acceptance_length']:>7.2f}{r['zero_accept_rate']:>7.2f}{r['speedup']:>7.2f}"
             f"{(pred if pred is not None else float('nan')):>7.2f}{r['speedup_vs_baseline']:>9.2f}  {r['verdict']}"
         )
     lines += ["", "Which drafter is fastest (speed over the fastest's, 95 % interval over prompts):",
               *_fastest_lines(rows)]
+    if len(batch_sizes(rows)) > 1:
+        lines += ["", "Up to which batch size speculation pays (each drafter at its best k per batch size):",
+                  *_pays_up_to(rows)]
     engine = [r for r in rows if r.get("engine_verdict")]
     if engine:
         measured = any(r.get("engine_speedup") is not None for r in engine)
@@ -276,6 +295,8 @@ def plot_histograms(report: dict, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     rows = report["results"]
+    smallest = min(batch_sizes(rows))  # acceptance is the batch's business only through timing: one batch size
+    rows = [r for r in rows if r.get("batch_size", 1) == smallest]
     paths = []
     for category in dict.fromkeys(r["category"] for r in rows):
         cat_rows = [r for r in rows if r["category"] == category]
@@ -302,6 +323,76 @@ def plot_histograms(report: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def batch_sizes(rows: list[dict]) -> list[int]:
+    return sorted({r.get("batch_size", 1) for r in rows})
+
+
+def _best_per_batch(rows: list[dict]) -> dict[tuple, dict[int, dict]]:
+    """(category, temperature, drafter) -> batch size -> the row of the best k there."""
+    best: dict[tuple, dict[int, dict]] = {}
+    for r in rows:
+        if r["k"] == r["best_k"]:
+            best.setdefault((r["category"], r["temperature"], r["drafter"]), {})[r.get("batch_size", 1)] = r
+    return best
+
+
+def _pays_up_to(rows: list[dict]) -> list[str]:
+    """Per category, temperature and drafter: the speed-up at each batch size (best k) and the largest batch
+    size up to which every measured one pays."""
+    lines = []
+    for (category, temperature, drafter), by_batch in _best_per_batch(rows).items():
+        curve = ", ".join(f"B={b}: {by_batch[b]['speedup']:.2f}× (k={by_batch[b]['k']})" for b in sorted(by_batch))
+        paying = 0
+        for b in sorted(by_batch):
+            if by_batch[b]["verdict"] != "pays off":
+                break
+            paying = b
+        where = f"pays up to batch {paying}" if paying else "does not pay at any batch size measured"
+        lines.append(f"- {category}, T={_fmt(temperature)}, {drafter}: {where} ({curve})")
+    return lines
+
+
+def plot_batch_curves(report: dict, out_dir: Path) -> list[Path]:
+    """With several batch sizes, one PNG per category: speed-up over plain decoding (each drafter at its best
+    k per batch size, with its 95 % interval) against batch size: the cliff, drawn."""
+    rows = report["results"]
+    if len(batch_sizes(rows)) < 2:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    best = _best_per_batch(rows)
+    pays_off_at = report["settings"].get("pays_off_at", EvalPlan.pays_off_at)
+    for category in dict.fromkeys(r["category"] for r in rows):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for (cat, temperature, drafter), by_batch in best.items():
+            if cat != category:
+                continue
+            xs = sorted(by_batch)
+            ys = [by_batch[b]["speedup"] for b in xs]
+            line, = ax.plot(xs, ys, marker="o", label=f"{drafter}, T={temperature:g}")
+            cis = [by_batch[b].get("speedup_ci") for b in xs]
+            if all(cis):
+                ax.fill_between(xs, [c[0] for c in cis], [c[1] for c in cis], color=line.get_color(), alpha=0.15)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(pays_off_at, color="grey", lw=0.8, ls="--", label=f"pays off at {pays_off_at:g}×")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batch_sizes(rows), [str(b) for b in batch_sizes(rows)])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speed-up over plain decoding (best k)")
+        ax.set_title(f"{category}: speed-up against batch size")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"batch_curve_{_safe(category)}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
 
@@ -319,6 +410,10 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "report.json", "md": out_dir / "report.md"}
+    for p in plot_batch_curves(report, out_dir):  # first: report.md links them
+        paths[p.stem] = p
+    report = {**report, "plots": sorted(p for p in paths if p.startswith("batch_curve_"))}
+    report["plots"] = [f"{name}.png" for name in report["plots"]]
     # Write to a temporary name and rename, so a reader never sees a half-written report.
     for key, text in (("json", json.dumps(report, indent=2) + "\n"), ("md", markdown(report))):
         tmp = paths[key].with_suffix(".tmp")

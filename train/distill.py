@@ -506,7 +506,8 @@ class DistillRecipe:
                                    max_prompt_tokens=cfg.data.max_prompt_tokens)
         specs = self._final_specs()
         drafters = [build_drafter(spec, target=self.target, tokenizer=self.tokenizer) for spec in specs]
-        plan = EvalPlan(ks=list(e.ks), max_new_tokens=e.max_new_tokens, repeats=e.repeats, seed=cfg.trainer.seed)
+        plan = EvalPlan(ks=list(e.ks), batch_sizes=list(e.batch_sizes), max_new_tokens=e.max_new_tokens,
+                        repeats=e.repeats, seed=cfg.trainer.seed)
         rows = evaluate(self.target, drafters, prompts, plan, eos_token_id=self.tokenizer.eos_token_id,
                         progress=cfg.progress)
         in_engine = engine.add_figures(rows, specs, self.target, cfg.target.name_or_path, prompts, plan, engine=e.engine,
@@ -514,8 +515,9 @@ class DistillRecipe:
                                        work=self.out / "engine", progress=cfg.progress)
         report = build_report(rows, target=cfg.target.name_or_path, baseline=drafters[0].name,
                               settings={"data": traffic.describe(prompts), "trained_on": self.trained_on,
-                                        "ks": list(e.ks), "max_new_tokens": e.max_new_tokens, "repeats": e.repeats,
-                                        "engine": in_engine})
+                                        "ks": list(e.ks), "batch_sizes": list(e.batch_sizes),
+                                        "max_new_tokens": e.max_new_tokens, "repeats": e.repeats,
+                                        "pays_off_at": plan.pays_off_at, "engine": in_engine})
         paths = write_report(report, self.out)
         print(console_summary(report))
         print(f"\nreport: {paths['md']}")

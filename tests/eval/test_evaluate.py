@@ -87,3 +87,25 @@ def test_reserved_category_and_empty_prompts_are_errors(setup):
 def test_bad_plans_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EvalPlan(**kwargs)
+
+
+def test_batch_sizes_give_rows_per_batch_size_with_their_own_verdicts(setup):
+    """batch_sizes=[1, 3]: every configuration is measured at both; a batch-3 row decodes a category's prompts
+    three at a time (cycling: category "b" has one prompt, decoded three times over), losslessly, with its own
+    best k and verdict."""
+    target, drafters, prompts = setup
+    plan = EvalPlan(ks=[1, 3], max_new_tokens=12, repeats=1, warmup=0, batch_sizes=[1, 3])
+    rows = evaluate(target, drafters, prompts, plan, progress=False)
+    assert len(rows) == 3 * 2 * 3 * 2  # drafters x ks x (2 categories + all) x batch sizes
+    assert {r["batch_size"] for r in rows} == {1, 3}
+    for r in rows:
+        assert r["lossless"] is True and r["rounds"] > 0
+        same = [x for x in rows if (x["drafter"], x["category"], x["batch_size"]) ==
+                (r["drafter"], r["category"], r["batch_size"])]
+        assert r["best_k"] == max(same, key=lambda x: x["speedup"])["k"]
+    by = {(r["drafter"], r["k"], r["category"], r["batch_size"]): r for r in rows}
+    assert by["base", 3, "b", 3]["prompts"] == 3 and by["base", 3, "a", 3]["prompts"] == 3
+    # Greedy acceptance does not depend on the batch: the same prompts keep the same guesses.
+    assert by["self", 3, "a", 3]["acceptance_length"] == by["self", 3, "a", 1]["acceptance_length"]
+    with pytest.raises(ValueError, match="batch size must be >= 1"):
+        EvalPlan(batch_sizes=[0])

@@ -27,9 +27,10 @@ def test_report_files(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["accept_hist_all.png", "accept_hist_code.png"]
     assert not list((tmp_path / "out").glob("*.tmp"))
     md = markdown(report)
-    assert "| code | base | 2 | 0.00 | 2.00 | 2.00 |" in md  # k, T, proposed per round, τ
+    assert "| code | base | 2 | 1 | 0.00 | 2.00 | 2.00 |" in md  # k, batch size (rows without one: 1), T, prop, τ
     assert "**code**, base, T=0.00: best k=2, speed-up 1.30× → pays off" in md
-    assert "| code | base | 2 | 0.00 | 2 | 4 | 100.00 | 130.00 | 1.30 | 1.20–1.40 | 1.00 | – | 2 |" in md
+    assert "| code | base | 2 | 1 | 0.00 | 2 | 4 | 100.00 | 130.00 | 1.30 | 1.20–1.40 | 1.00 | – | 2 |" in md
+    assert "batch" not in md.split("## Summary")[1]  # one batch size: no batch curves or batch labels
     assert "- code, k=2, T=0.00: fastest base; against it: ngram 0.69× (0.60–0.80) slower" in md
     console = console_summary(report)
     assert "turn it off" in console and "fastest base; against it: ngram 0.69× (0.60–0.80) slower" in console
@@ -40,3 +41,18 @@ def test_each_evaluation_gets_the_next_report_directory(tmp_path):
     for name in ("report-1", "report-3", "report-final"):
         (tmp_path / name).mkdir()
     assert next_report_dir(tmp_path) == tmp_path / "report-4"
+
+
+def test_several_batch_sizes_draw_the_cliff_and_say_where_speculation_stops_paying(tmp_path):
+    speedups = {1: 1.6, 4: 1.2, 16: 0.9}
+    rows = [{**row("base", 2, category, x, 2.0), "batch_size": b} for b, x in speedups.items()
+            for category in ("code", "all")]
+    report = build_report(rows, target="t", baseline="base", settings={"ks": [2], "pays_off_at": 1.05})
+    paths = write_report(report, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").glob("batch_curve_*.png")) == ["batch_curve_all.png",
+                                                                                     "batch_curve_code.png"]
+    md = paths["md"].read_text()
+    assert "## Speed-up against batch size" in md and "![batch_curve_code.png](batch_curve_code.png)" in md
+    line = "- code, T=0.00, base: pays up to batch 4 (B=1: 1.60× (k=2), B=4: 1.20× (k=2), B=16: 0.90× (k=2))"
+    assert line in md and line in console_summary(report)
+    assert "**code**, base, T=0.00, batch 16: best k=2, speed-up 0.90× → turn it off" in md
