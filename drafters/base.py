@@ -74,6 +74,42 @@ def confidence(logits: torch.Tensor, q: torch.Tensor | None, token: torch.Tensor
     return float(torch.softmax(logits.float(), dim=-1).max())
 
 
+def row_confidences(logits: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """`confidence` for a batch, one host-free op: logits (B, V'), q (B, V) or None, tokens (B,) -> (B,)."""
+    if q is not None:
+        return q.gather(-1, tokens[..., None])[..., 0]
+    return torch.softmax(logits.float(), dim=-1).amax(-1)
+
+
+class Chains:
+    """A batch's proposals built one draft step at a time: the step's tokens (B,) and distributions (B, V)
+    or None for the whole batch at once, each row's chain cut after its first unsure guess (`stop_below`)."""
+
+    def __init__(self, batch: int, stop_below: float = 0.0) -> None:
+        self.tokens: list[torch.Tensor] = []
+        self.dists: list[torch.Tensor] = []
+        self.stop_below = stop_below
+        self.lengths: list[int | None] = [None] * batch  # None: still drafting
+
+    def add(self, logits: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | None) -> bool:
+        """Record a step; True when every row has stopped (the round may end)."""
+        self.tokens.append(tokens)
+        if q is not None:
+            self.dists.append(q)
+        if self.stop_below:
+            unsure = (row_confidences(logits, q, tokens) < self.stop_below).tolist()
+            step = len(self.tokens)
+            self.lengths = [n if n is not None or not u else step for n, u in zip(self.lengths, unsure)]
+            return all(n is not None for n in self.lengths)
+        return False
+
+    def proposals(self) -> list[Proposal]:
+        tokens = torch.stack(self.tokens, dim=1)  # (B, steps)
+        dists = torch.stack(self.dists, dim=1) if self.dists else None  # (B, steps, V)
+        cut = [tokens.shape[1] if n is None else n for n in self.lengths]
+        return [Proposal(tokens[b, :n], None if dists is None else dists[b, :n]) for b, n in enumerate(cut)]
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """What the speculative loop needs from a drafter (see the module docstring)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from drafters.base import Proposal, check_stop_below, confidence
+from drafters.base import Chains, Proposal, check_stop_below, confidence
 from drafters.llama_decode import LeanLlama
 from eval.sampling import Sampling, draw
 from eval.speculative import cache_keyword
@@ -190,33 +190,20 @@ class DraftLMBatch:
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
         from eval.batching import forward_rows
 
-        B = len(self.ids)
         feed = [ids[fed:] for ids, fed in zip(self.ids, self.fed)]
-        tokens: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        dists: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        stopped = [False] * B
-        steps = 0
-        for _ in range(k):
+        chains = Chains(len(self.ids), self.stop_below)
+        for step in range(1, k + 1):
             if self.lean is not None:
                 logits = self.lean.forward_rows(feed)  # (B, V)
             else:
                 logits, _, _ = forward_rows(self.model, feed, self.cache, logits_for="last")
-            steps += 1
-            drawn = [draw(row, sampling, generator) for row in logits]
-            for b, (token, q) in enumerate(drawn):
-                if stopped[b]:
-                    continue
-                tokens[b].append(token)
-                if q is not None:
-                    dists[b].append(q)
-                if self.stop_below and confidence(logits[b], q, token) < self.stop_below:
-                    stopped[b] = True
-            if all(stopped):
+            tokens, q = draw(logits, sampling, generator)  # every row at once
+            if chains.add(logits, tokens, q) or step == k:
                 break
-            feed = [[t] for t in torch.stack([token for token, _ in drawn]).tolist()]
-        # Each row's cache holds its ids plus the first steps - 1 guesses it drew (the last was never fed).
-        self.fed = [len(ids) + steps - 1 for ids in self.ids]
-        proposals = [Proposal(torch.stack(t), torch.stack(d) if d else None) for t, d in zip(tokens, dists)]
+            feed = [[t] for t in tokens.tolist()]
+        # Each row's cache holds its ids plus the first step - 1 guesses it drew (the last was never fed).
+        self.fed = [len(ids) + step - 1 for ids in self.ids]
+        proposals = chains.proposals()
         self.guesses = [p.tokens.tolist() for p in proposals]
         return proposals
 

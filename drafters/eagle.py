@@ -312,7 +312,7 @@ def _pick(logits, sampling, generator, target_ids, vocab_size):
     d, q = draw(logits, sampling, generator)
     if target_ids is None:
         return d, q
-    return target_ids[d], (None if q is None else q.new_zeros(vocab_size).index_copy_(0, target_ids, q))
+    return target_ids[d], (None if q is None else q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(-1, target_ids, q))
 
 
 def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None) -> Eagle3:

@@ -26,7 +26,7 @@ from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 from transformers import LlamaConfig
 
-from drafters.base import Proposal, check_stop_below, confidence
+from drafters.base import Chains, Proposal, check_stop_below
 from drafters.layers import KVCache, RaggedRows
 from eval.sampling import Sampling
 
@@ -234,25 +234,15 @@ class ChainBatch(FeatureBatch):
         self.rows.advance(counts)
         self.fed = [len(ids) - 1 for ids in self.ids]
         self.pending = [p[:0] for p in self.pending]
-        guesses: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        dists: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        stopped = [False] * B
-        for s in range(k):
+        chains = Chains(B, self.stop_below)
+        for step in range(1, k + 1):
             logits = self.logits(h)  # (B, V)
-            picks = [self.pick(row, sampling, generator) for row in logits]
-            for b, (token, dist) in enumerate(picks):
-                if stopped[b]:
-                    continue
-                guesses[b].append(token)
-                if dist is not None:
-                    dists[b].append(dist)
-                if self.stop_below and confidence(logits[b], dist, token) < self.stop_below:
-                    stopped[b] = True
-            if all(stopped) or s == k - 1:
+            tokens, q = self.pick(logits, sampling, generator)  # every row at once
+            if chains.add(logits, tokens, q) or step == k:
                 break
-            h = self.next(h, torch.stack([token for token, _ in picks])[:, None])
+            h = self.next(h, tokens[:, None])
             self.rows.advance([1] * B)
-        proposals = [Proposal(torch.stack(g), torch.stack(d) if d else None) for g, d in zip(guesses, dists)]
+        proposals = chains.proposals()
         self.guesses = [p.tokens.tolist() for p in proposals]
         return proposals
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import Proposal, confidence
+from drafters.base import Proposal, confidence, row_confidences
 from drafters.heads import FeatureBatch, FeatureDrafter
 from drafters.layers import SharedTarget, soft_cross_entropy, step_stats
 from eval.sampling import Sampling, draw
@@ -119,16 +119,13 @@ class MedusaBatch(FeatureBatch):
 
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
-        logits = self.head.logits(torch.stack([p[-1] for p in self.pending]), n=k)  # (n, B, V)
-        proposals = []
-        for b in range(logits.shape[1]):
-            tokens, probs = draw(logits[:, b], sampling, generator)
-            if self.stop_below:
-                for i in range(tokens.shape[0]):
-                    if confidence(logits[i, b], None if probs is None else probs[i], tokens[i]) < self.stop_below:
-                        tokens, probs = tokens[: i + 1], None if probs is None else probs[: i + 1]
-                        break
-            proposals.append(Proposal(tokens, probs))
+        logits = self.head.logits(torch.stack([p[-1] for p in self.pending]), n=k).transpose(0, 1)  # (B, n, V)
+        tokens, probs = draw(logits, sampling, generator)  # (B, n), every row and head at once
+        cut = [tokens.shape[1]] * tokens.shape[0]
+        if self.stop_below:  # each row keeps its guesses through its first unsure one
+            unsure = (row_confidences(logits, probs, tokens) < self.stop_below).tolist()
+            cut = [next((i + 1 for i, u in enumerate(row) if u), len(row)) for row in unsure]
+        proposals = [Proposal(tokens[b, :n], None if probs is None else probs[b, :n]) for b, n in enumerate(cut)]
         self.guesses = [p.tokens.tolist() for p in proposals]
         return proposals
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from drafters.base import Proposal, confidence
+from drafters.base import Chains, Proposal, confidence
 from drafters.heads import FeatureBatch, FeatureDrafter
 from drafters.layers import (DecoderLayer, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
                              soft_cross_entropy, step_stats)
@@ -218,9 +218,7 @@ class MTPBatch(FeatureBatch):
         head, depth, B = self.head, self.head.config.depth, len(self.ids)
         m = [len(ids) - 1 for ids in self.ids]
         ids = [list(x) for x in self.ids]  # committed tokens, then each row's guesses as they are made
-        guesses: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        dists: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        stopped = [False] * B
+        chains = Chains(B, self.stop_below)
         tentative = [p[:0] for p in self.pending]
         for j in range(min(k, depth)):
             # Stable entries not cached yet, per row: positions c..m-j-1, every input committed.
@@ -249,17 +247,10 @@ class MTPBatch(FeatureBatch):
                 tentative = [out[b, : h.shape[0]] for b, h in enumerate(hidden)]
                 last = torch.stack([t[-1] for t in tentative])
             logits = head.logits(j, last)  # (B, V)
-            for b in range(B):
-                token, q = draw(logits[b], sampling, generator)
-                ids[b].append(int(token))
-                if stopped[b]:
-                    continue
-                guesses[b].append(token)
-                if q is not None:
-                    dists[b].append(q)
-                if self.stop_below and confidence(logits[b], q, token) < self.stop_below:
-                    stopped[b] = True
-            if all(stopped):
+            tokens, q = draw(logits, sampling, generator)  # every row at once
+            for row, token in zip(ids, tokens.tolist()):
+                row.append(token)
+            if chains.add(logits, tokens, q):
                 break  # later modules catch up on their stable entries in a later round
         # Forget stable outputs the next module has cached (it never reads below its cache length).
         for j in range(depth - 1):
@@ -267,7 +258,7 @@ class MTPBatch(FeatureBatch):
                 drop = self.rows[j + 1].lengths[b] - self.base[j][b]
                 if drop > 0:
                     self.outputs[j][b], self.base[j][b] = self.outputs[j][b][drop:], self.base[j][b] + drop
-        proposals = [Proposal(torch.stack(g), torch.stack(d) if d else None) for g, d in zip(guesses, dists)]
+        proposals = chains.proposals()
         self.guesses = [p.tokens.tolist() for p in proposals]
         return proposals
 
