@@ -186,10 +186,8 @@ def _check_prompts(prompts: list[torch.Tensor]) -> None:
 
 
 def _choose_rows(logits: torch.Tensor, sampling: Sampling, generator) -> list[int]:
-    """One token per row from (B, V) logits."""
-    if sampling.greedy:
-        return logits.argmax(-1).tolist()
-    return [int(choose(row, sampling, generator).item()) for row in logits]
+    """One token per row from (B, V) logits, every row at once."""
+    return choose(logits, sampling, generator).tolist()
 
 
 @torch.inference_mode()
@@ -253,17 +251,16 @@ def speculative_generate_batch(target: PreTrainedModel, drafter, prompts: list[t
     forwards = 1
     new: list[list[int]] = [[] for _ in prompts]
     row_rounds: list[list[Round]] = [[] for _ in prompts]
-    live, lasts, start = [], [], []
+    live, lasts = [], []  # the prompt index of each row still generating, and its last token
     for index, first in enumerate(firsts):
         new[index], done = _finish([first], max_new_tokens, eos_token_id)
         if not done:
             live.append(index)
             lasts.append(first)
-            start.append(index)
     batch_rounds: list[BatchRound] = []
     if live:
         if len(live) < len(prompts):
-            rows.select(start)
+            rows.select(live)  # the prefill's rows are the prompts, in order
         committed = [torch.cat([prompts[i], prompts[i].new_tensor([new[i][0]])]) for i in live]
         # A head reads the features of every prompt position (all committed positions but the first new token's).
         drafter.start(committed, [features[i, : counts[i]] for i in live] if layers else None)
