@@ -9,6 +9,10 @@ Features: a drafter declares `feature_layers`, indices into Hugging Face `output
 and hands the drafter, through `start` and `commit`, the features of every committed position exactly
 once: `features_of` below is the one function that selects them, in training and in the loop alike.
 
+For batches (eval/batching.py) `FeatureBatch` keeps the same state per row, and `ChainBatch` drafts the
+EAGLE heads' chains for every row at once on a ragged cache (one length per row); each head's
+`batch_drafter` gives its own.
+
 Saved heads are a directory: `config.json` (a Llama config of the head's one layer, plus
 `draftsmith_kind`, `feature_layers`, `target_hidden_size`, `draft_vocab_size` and the kind's own
 settings) and `model.safetensors` (the head's own weights only: the target's embedding and output
