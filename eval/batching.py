@@ -172,10 +172,17 @@ class BatchGeneration:
     target_forwards: int
     rounds: list[BatchRound] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)  # plain decoding: one entry per batched 1-token step
+    step_rows: list[int] = field(default_factory=list)  # plain decoding: the rows each step decoded
 
     @property
     def tokens(self) -> int:
         return sum(len(g.tokens) for g in self.rows)
+
+    @property
+    def occupancy(self) -> float | None:
+        """The mean share of the batch's rows still running per round (plain decoding: per step)."""
+        running = [r.rows for r in self.rounds] or self.step_rows
+        return sum(running) / len(running) / len(self.rows) if running else None
 
 
 def _check_prompts(prompts: list[torch.Tensor]) -> None:
@@ -204,7 +211,7 @@ def autoregressive_generate_batch(target: PreTrainedModel, prompts: list[torch.T
     logits, _, _ = forward_rows(target, [p.tolist() for p in prompts], cache, logits_for="last")
     new: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # the prompt index of each row of the batch
-    forwards, steps = 1, []
+    forwards, steps, step_rows = 1, [], []
     while True:
         tokens = _choose_rows(logits, sampling, generator)
         still = []
@@ -217,6 +224,7 @@ def autoregressive_generate_batch(target: PreTrainedModel, prompts: list[torch.T
         if len(still) < len(live):
             rows.select(still)
             live, tokens = [live[r] for r in still], [tokens[r] for r in still]
+        step_rows.append(len(live))
         t0 = clock()
         logits, _, _ = forward_rows(target, [[t] for t in tokens], cache, logits_for="all")
         logits = logits[:, -1]
@@ -226,7 +234,8 @@ def autoregressive_generate_batch(target: PreTrainedModel, prompts: list[torch.T
         forwards += 1
     _sync(device)
     seconds = clock() - t_start
-    return BatchGeneration([Generation(tokens, seconds, forwards) for tokens in new], seconds, forwards, step_s=steps)
+    return BatchGeneration([Generation(tokens, seconds, forwards) for tokens in new], seconds, forwards, step_s=steps,
+                           step_rows=step_rows)
 
 
 @torch.inference_mode()

@@ -148,7 +148,7 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
             else:
                 out = speculative_generate_batch(target, batched[drafter.name], prompt, k=k, **common)
             return Generation([t for row in out.rows for t in row.tokens], out.seconds, out.target_forwards,
-                              [r for row in out.rows for r in row.rounds], out.step_s)
+                              [r for row in out.rows for r in row.rounds], out.step_s, out.occupancy)
 
         for _, _, prompt in items[: plan.warmup]:
             run(None, 0, prompt, 0)
@@ -224,7 +224,15 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "verify_overhead": costs.verify_overhead,
         "predicted_speedup": costs.predicted_speedup,
         "lossless": lossless,
+        # Batch > 1: the mean share of a batch's rows still running per round, and per plain decoding step.
+        "occupancy": _mean_occupancy(gens),
+        "ar_occupancy": _mean_occupancy(plain.select(category)),
     }
+
+
+def _mean_occupancy(gens: list[Generation]) -> float | None:
+    values = [g.occupancy for g in gens if g.occupancy is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _compare_drafters(group: list[dict], timings: dict[str, Timings], strata: list[str], *, baseline: str,

@@ -91,7 +91,7 @@ def table(rows: list[dict], columns=SUMMARY_COLUMNS) -> str:
     """A Markdown table of the given rows."""
     lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        lines.append("| " + " | ".join(_interval(r[key]) if key.endswith("_ci") else _fmt(r[key])
+        lines.append("| " + " | ".join(_interval(r.get(key)) if key.endswith("_ci") else _fmt(r.get(key))
                                        for _, key in columns) + " |")
     return "\n".join(lines)
 
@@ -166,11 +166,19 @@ def markdown(report: dict) -> str:
                 "Each drafter at its best k per batch size (B prompts of a category decoded at once; tokens/s counts"
                 " every row). Speculation pays while the curve stays above the verdict's line; c and β, measured at"
                 " each batch size in the same run, are in the summary.", "",
-                *_pays_up_to(rows), "", *(f"![{p}]({p})" for p in report.get("plots", []))]
+                *_pays_up_to(rows), "", *(f"![{p}]({p})" for p in report.get("plots", [])), "",
+                "Rows running = the mean share of a batch's rows still decoding per round (plain: per step); rows"
+                " that finish leave the batch, so a batch's last rounds run partly empty.", "",
+                table([r for r in rows if r["k"] == r["best_k"]], BATCH_COLUMNS)]
     out += engine_section(rows)
     return "\n".join(out) + "\n"
 
 
+BATCH_COLUMNS = [
+    ("category", "category"), ("drafter", "drafter"), ("B", "batch_size"), ("best k", "k"), ("T", "temperature"),
+    ("τ", "acceptance_length"), ("c", "cost_ratio"), ("β", "verify_overhead"), ("pred ×", "predicted_speedup"),
+    ("speed-up ×", "speedup"), ("rows running", "occupancy"), ("rows running, plain", "ar_occupancy"),
+]
 ENGINE_COLUMNS = [
     ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("τ", "acceptance_length"),
     ("τ engine", "engine_acceptance_length"), ("plain tok/s", "engine_ar_tokens_per_s"),

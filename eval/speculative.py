@@ -52,6 +52,9 @@ class Generation:
     target_forwards: int  # the prompt's forward included
     rounds: list[Round] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)  # plain decoding: one entry per 1-token target step
+    # Batched decoding (eval/batching.py): the mean share of the batch's rows still running per round (per
+    # step for plain decoding); rows that finish early leave the last rounds partly empty. None at batch 1.
+    occupancy: float | None = None
 
 
 def _sync(device: torch.device) -> None:

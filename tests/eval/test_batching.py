@@ -139,8 +139,10 @@ def test_rows_that_end_leave_the_batch_and_the_rest_go_on(target, draft, prompts
     assert [g.tokens for g in out.rows] == [reference(target, p, 30, eos) for p in prompts]
     assert len(out.rows[2].tokens) <= 4 and max(len(g.tokens) for g in out.rows) == 30
     assert out.rounds[-1].rows < len(prompts)  # the batch shrank
+    assert out.occupancy == sum(r.rows for r in out.rounds) / len(out.rounds) / len(prompts) < 1
     plain = autoregressive_generate_batch(target, prompts, sampling=GREEDY, max_new_tokens=30, eos_token_id=eos)
     assert [g.tokens for g in plain.rows] == [g.tokens for g in out.rows]
+    assert plain.step_rows[0] == len(prompts) > plain.step_rows[-1] and plain.occupancy < 1
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -105,6 +105,11 @@ def test_batch_sizes_give_rows_per_batch_size_with_their_own_verdicts(setup):
         assert r["best_k"] == max(same, key=lambda x: x["speedup"])["k"]
     by = {(r["drafter"], r["k"], r["category"], r["batch_size"]): r for r in rows}
     assert by["base", 3, "b", 3]["prompts"] == 3 and by["base", 3, "a", 3]["prompts"] == 3
+    for r in rows:  # batch > 1: the share of rows still running per round (plain: per step), in (0, 1]
+        if r["batch_size"] == 1:
+            assert r["occupancy"] is None and r["ar_occupancy"] is None
+        else:
+            assert 0 < r["occupancy"] <= 1 and 0 < r["ar_occupancy"] <= 1
     # Greedy acceptance does not depend on the batch: the same prompts keep the same guesses.
     assert by["self", 3, "a", 3]["acceptance_length"] == by["self", 3, "a", 1]["acceptance_length"]
     with pytest.raises(ValueError, match="batch size must be >= 1"):
