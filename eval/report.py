@@ -323,11 +323,7 @@ def plot_histograms(report: dict, out_dir: Path) -> list[Path]:
             ax.set_ylabel("share of rounds")
             ax.set_xticks(range(k + 1))
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"accept_hist_{_safe(category)}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, out_dir / f"accept_hist_{_safe(category)}.png"))
     return paths
 
 
@@ -393,12 +389,18 @@ def plot_batch_curves(report: dict, out_dir: Path) -> list[Path]:
         ax.set_ylabel("speed-up over plain decoding (best k)")
         ax.set_title(f"{category}: speed-up against batch size")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"batch_curve_{_safe(category)}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, out_dir / f"batch_curve_{_safe(category)}.png"))
     return paths
+
+
+def _save(fig, path: Path) -> Path:
+    """A finished figure written to `path` and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _safe(name: str) -> str:

@@ -150,15 +150,22 @@ def check_eagle3(state: dict[str, torch.Tensor], head_config: dict, target_confi
     expected_fc = (head_config["hidden_size"], len(layers) * head_config["target_hidden_size"])
     if tuple(state["fc.weight"].shape) != expected_fc:
         raise ExportRefused(f"{where}: fc.weight is {tuple(state['fc.weight'].shape)}, expected {expected_fc}")
-    if best is not None and best.get("top1") is not None:
-        chance = CHANCE_FACTOR / target_ids.numel()
-        if best["top1"] <= chance:
-            message = (f"{where}: held-out top-1 agreement {best['top1']:.4f} is at chance (<= {chance:.4f}, "
-                       f"{CHANCE_FACTOR:g}x a uniform guess over {target_ids.numel()} draft tokens)")
-            if not force:
-                raise ExportRefused(message + "; export it anyway with force=true")
-            log.warning("%s; exporting because force=true", message)
+    _refuse_at_chance(best, target_ids.numel(), "draft tokens", force=force, where=where)
     return target_ids
+
+
+def _refuse_at_chance(best: dict | None, vocabulary: int, what: str, *, force: bool, where: str) -> None:
+    """Refuse (unless forced) a head whose recorded held-out top-1 agreement is at most CHANCE_FACTOR times a
+    uniform guess over the `vocabulary` tokens it drafts from."""
+    if best is None or best.get("top1") is None:
+        return
+    chance = CHANCE_FACTOR / vocabulary
+    if best["top1"] <= chance:
+        message = (f"{where}: held-out top-1 agreement {best['top1']:.4f} is at chance (<= {chance:.4f}, "
+                   f"{CHANCE_FACTOR:g}x a uniform guess over {vocabulary} {what})")
+        if not force:
+            raise ExportRefused(message + "; export it anyway with force=true")
+        log.warning("%s; exporting because force=true", message)
 
 
 EAGLE1_OWN = ("fc.weight", "layer.post_attention_layernorm.weight",
@@ -182,14 +189,7 @@ def check_eagle1(state: dict[str, torch.Tensor], head_config: dict, target_confi
     d = target_config.hidden_size
     if head_config["hidden_size"] != d or tuple(state["fc.weight"].shape) != (d, 2 * d):
         raise ExportRefused(f"{where}: fc.weight is {tuple(state['fc.weight'].shape)}, vLLM's EAGLE-1 fc is ({d}, {2 * d})")
-    if best is not None and best.get("top1") is not None:
-        chance = CHANCE_FACTOR / target_config.vocab_size
-        if best["top1"] <= chance:
-            message = (f"{where}: held-out top-1 agreement {best['top1']:.4f} is at chance (<= {chance:.4f}, "
-                       f"{CHANCE_FACTOR:g}x a uniform guess over {target_config.vocab_size} tokens)")
-            if not force:
-                raise ExportRefused(message + "; export it anyway with force=true")
-            log.warning("%s; exporting because force=true", message)
+    _refuse_at_chance(best, target_config.vocab_size, "tokens", force=force, where=where)
 
 
 def vllm_eagle1(head_dir: Path, target, target_dir: Path, *, best: dict | None, force: bool, dtype: torch.dtype):

@@ -14,7 +14,7 @@ from drafters.heads import build_head, load_head, save_head
 from eval.sampling import Sampling
 from eval.batching import speculative_generate_batch
 from eval.speculative import autoregressive_generate, speculative_generate
-from helpers import Recording, chi2_pvalue, empirical_joint, exact_joint, stop_point, tiny_llama
+from helpers import Recording, batched_pvalues, chi2_pvalue, empirical_joint, exact_joint, stop_point, tiny_llama
 from train.hidden_states import capture, default_layers
 
 VOCAB = 64
@@ -199,38 +199,27 @@ def small_target():
     return tiny_llama(SMALL_V, hidden=16, layers=4, seed=10, logit_scale=12.0)
 
 
+def _small_head(kind, small_target):
+    torch.manual_seed(3)
+    if kind == "eagle_reduced":
+        head = make_head("eagle", small_target, draft_vocab_size=4)
+        head.set_vocabulary(*draft_vocabulary(torch.tensor([5.0, 1, 4, 3, 0, 2]), 4))
+        return head
+    return make_head(kind, small_target)
+
+
 @pytest.mark.parametrize("kind", BATCHED)
 def test_batched_sampled_rows_follow_target_distribution(small_target, kind):
     """Batches of 4 rows (two prompts of different lengths, twice each): each prompt's first three tokens,
     pooled over its rows, follow the target's exact joint."""
-    torch.manual_seed(3)
-    if kind == "eagle_reduced":
-        head = make_head("eagle", small_target, draft_vocab_size=4)
-        head.set_vocabulary(*draft_vocabulary(torch.tensor([5.0, 1, 4, 3, 0, 2]), 4))
-    else:
-        head = make_head(kind, small_target)
-    chosen = [torch.tensor([1, 4, 2]), torch.tensor([3, 0, 5, 1, 1])]
-    sampling = Sampling(temperature=1.0)
-    g = torch.Generator().manual_seed(7)
-    counts = [torch.zeros(SMALL_V ** 3) for _ in chosen]
-    for _ in range(1000):
-        out = speculative_generate_batch(small_target, head.batch_drafter(kind), chosen * 2, k=2, sampling=sampling,
-                                         max_new_tokens=3, generator=g)
-        for row, gen in enumerate(out.rows):
-            t = gen.tokens
-            counts[row % 2][t[0] * SMALL_V ** 2 + t[1] * SMALL_V + t[2]] += 1
-    for prompt, c in zip(chosen, counts):
-        assert chi2_pvalue(c, exact_joint(small_target, prompt, sampling, SMALL_V)) > 1e-3
+    head = _small_head(kind, small_target)
+    pvalues = batched_pvalues(small_target, lambda: head.batch_drafter(kind), Sampling(temperature=1.0), SMALL_V, 1000)
+    assert min(pvalues) > 1e-3
 
 
 @pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
 def test_sampled_output_follows_target_distribution(small_target, kind):
-    torch.manual_seed(3)
-    if kind == "eagle_reduced":
-        head = make_head("eagle", small_target, draft_vocab_size=4)
-        head.set_vocabulary(*draft_vocabulary(torch.tensor([5.0, 1, 4, 3, 0, 2]), 4))
-    else:
-        head = make_head(kind, small_target)
+    head = _small_head(kind, small_target)
     prompt = torch.tensor([1, 4, 2])
     sampling = Sampling(temperature=1.0)
     exact = exact_joint(small_target, prompt, sampling, SMALL_V)

@@ -12,7 +12,7 @@ from eval.batching import (RaggedCache, RaggedRows, autoregressive_generate_batc
                            speculative_generate_batch)
 from eval.sampling import Sampling
 from eval.speculative import accept_sampled, autoregressive_generate
-from helpers import FAMILIES, chi2_pvalue, exact_joint, tiny, tiny_llama
+from helpers import FAMILIES, batched_pvalues, tiny, tiny_llama
 
 VOCAB = 64
 GREEDY = Sampling()
@@ -174,19 +174,8 @@ def small_pair():
     return target, draft
 
 
-def _pvalues(target, make, seed=7):
-    """Batches of 4 rows: two copies of each of two prompts of different lengths; every row's first three
-    tokens, pooled per prompt over the batches, against the target's exact joint (chi-squared p-values)."""
-    prompts = [torch.tensor([1, 4, 2]), torch.tensor([3, 0, 5, 1, 1])]
-    g = torch.Generator().manual_seed(seed)
-    counts = [torch.zeros(SMALL_V ** 3) for _ in prompts]
-    for _ in range(N_SAMPLES // 2):
-        out = speculative_generate_batch(target, make(), [prompts[0], prompts[1], prompts[0], prompts[1]], k=2,
-                                         sampling=SAMPLED, max_new_tokens=3, generator=g)
-        for row, gen in enumerate(out.rows):
-            t = gen.tokens
-            counts[row % 2][t[0] * SMALL_V ** 2 + t[1] * SMALL_V + t[2]] += 1
-    return [chi2_pvalue(c, exact_joint(target, prompt, SAMPLED, SMALL_V)) for prompt, c in zip(prompts, counts)]
+def _pvalues(target, make):
+    return batched_pvalues(target, make, SAMPLED, SMALL_V, N_SAMPLES // 2)
 
 
 @pytest.mark.parametrize("which", ["draft_lm", "draft_lm_hf_forward", "ngram"])
