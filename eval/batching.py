@@ -156,11 +156,13 @@ def forward_rows(model: PreTrainedModel, sequences: list[list[int]], cache: Ragg
 
 @dataclass
 class BatchRound:
-    """One round over the rows still generating: how many, and what each half cost (shared by them)."""
+    """One round over the rows still generating: how many, and what it cost (shared by them): drafting,
+    verification, and the whole round (both, plus rollback and bookkeeping; None where not timed)."""
 
     rows: int
     draft_s: float
     verify_s: float
+    round_s: float | None = None
 
 
 @dataclass
@@ -171,8 +173,9 @@ class BatchGeneration:
     seconds: float
     target_forwards: int
     rounds: list[BatchRound] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)  # plain decoding: one entry per batched 1-token step
+    step_s: list[float] = field(default_factory=list)  # plain decoding: one entry per whole batched step
     step_rows: list[int] = field(default_factory=list)  # plain decoding: the rows each step decoded
+    prefill_s: float | None = None  # the start until the first step or round (None where not timed)
 
     @property
     def tokens(self) -> int:
@@ -212,7 +215,11 @@ def autoregressive_generate_batch(target: PreTrainedModel, prompts: list[torch.T
     new: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # the prompt index of each row of the batch
     forwards, steps, step_rows = 1, [], []
+    if timed:
+        _sync(device)
+    prefill_s = clock() - t_start if timed else None
     while True:
+        t0 = clock()  # a step: choose every row's token, then the forward that gives the next logits
         tokens = _choose_rows(logits, sampling, generator)
         still = []
         for row, (index, token) in enumerate(zip(live, tokens)):
@@ -225,7 +232,6 @@ def autoregressive_generate_batch(target: PreTrainedModel, prompts: list[torch.T
             rows.select(still)
             live, tokens = [live[r] for r in still], [tokens[r] for r in still]
         step_rows.append(len(live))
-        t0 = clock()
         logits, _, _ = forward_rows(target, [[t] for t in tokens], cache, logits_for="all")
         logits = logits[:, -1]
         if timed:
@@ -235,7 +241,7 @@ def autoregressive_generate_batch(target: PreTrainedModel, prompts: list[torch.T
     _sync(device)
     seconds = clock() - t_start
     return BatchGeneration([Generation(tokens, seconds, forwards) for tokens in new], seconds, forwards, step_s=steps,
-                           step_rows=step_rows)
+                           step_rows=step_rows, prefill_s=prefill_s)
 
 
 @torch.inference_mode()
@@ -273,6 +279,9 @@ def speculative_generate_batch(target: PreTrainedModel, drafter, prompts: list[t
         committed = [torch.cat([prompts[i], prompts[i].new_tensor([new[i][0]])]) for i in live]
         # A head reads the features of every prompt position (all committed positions but the first new token's).
         drafter.start(committed, [features[i, : counts[i]] for i in live] if layers else None)
+    if timed:
+        _sync(device)
+    prefill_s = clock() - t_start if timed else None
     while live:
         if timed:
             _sync(device)
@@ -289,29 +298,32 @@ def speculative_generate_batch(target: PreTrainedModel, drafter, prompts: list[t
         forwards += 1
         accepted, nexts = _accept_rows(proposals, guesses, logits, sampling, generator)
         t2 = clock()
-        batch_rounds.append(BatchRound(len(live), t1 - t0, t2 - t1))
-        still = []
+        still, ended = [], []
         for row, index in enumerate(live):
             a, g = accepted[row], guesses[row]
             kept = g.index(eos_token_id) + 1 if eos_token_id is not None and eos_token_id in g[:a] else a
-            row_rounds[index].append(Round(len(g), min(kept, max_new_tokens - len(new[index])), t1 - t0, t2 - t1))
+            ended.append(Round(len(g), min(kept, max_new_tokens - len(new[index])), t1 - t0, t2 - t1))
             new[index], done = _finish(new[index] + g[:a] + [nexts[row]], max_new_tokens, eos_token_id)
             if not done:
                 still.append(row)
         # The target's rows hold the previous length plus all n_b + 1 fed entries; keep last + accepted.
         rows.crop([length - (len(g) + 1) + a + 1 for length, g, a in zip(rows.lengths, guesses, accepted)])
         drafter.commit(accepted, nexts, [features[r, : a + 1] for r, a in enumerate(accepted)] if layers else None)
-        if len(still) < len(live):
-            if still:
-                rows.select(still)
-                drafter.keep(still)
-            live = [live[r] for r in still]
-            nexts = [nexts[r] for r in still]
-        lasts = nexts
+        if still and len(still) < len(live):  # finished rows leave the batch
+            rows.select(still)
+            drafter.keep(still)
+        if timed:
+            _sync(device)
+        round_s = clock() - t0 if timed else None
+        batch_rounds.append(BatchRound(len(live), t1 - t0, t2 - t1, round_s))
+        for index, r in zip(live, ended):
+            r.round_s = round_s
+            row_rounds[index].append(r)
+        live, lasts = [live[r] for r in still], [nexts[r] for r in still]
     _sync(device)
     seconds = clock() - t_start
     return BatchGeneration([Generation(tokens, seconds, len(r) + 1, r) for tokens, r in zip(new, row_rounds)],
-                           seconds, forwards, batch_rounds)
+                           seconds, forwards, batch_rounds, prefill_s=prefill_s)
 
 
 def _accept_rows(proposals, guesses, logits, sampling: Sampling, generator) -> tuple[list[int], list[int]]:

@@ -14,6 +14,7 @@ category): whether a lead is larger than the measurement can tell apart from not
 
 from __future__ import annotations
 
+import statistics
 import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -148,7 +149,7 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
             else:
                 out = speculative_generate_batch(target, batched[drafter.name], prompt, k=k, **common)
             return Generation([t for row in out.rows for t in row.tokens], out.seconds, out.target_forwards,
-                              [r for row in out.rows for r in row.rounds], out.step_s, out.occupancy)
+                              [r for row in out.rows for r in row.rounds], out.step_s, out.prefill_s, out.occupancy)
 
         for _, _, prompt in items[: plan.warmup]:
             run(None, 0, prompt, 0)
@@ -199,8 +200,11 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         raise ValueError(f"drafter {drafter!r}, {category}: every generation ended at its first token (EOS or the "
                          "budget), so no round was drafted; raise max_new_tokens")
     stats = acceptance_stats(rounds, k)
-    steps = [s for g in plain.select(category) for s in g.step_s]
-    costs = cost_model(rounds, steps, k, stats.acceptance_length)
+    plain_gens = plain.select(category)
+    costs = cost_model(rounds, [s for g in plain_gens for s in g.step_s], k, stats.acceptance_length,
+                       steps=statistics.fmean(g.target_forwards - 1 for g in plain_gens),
+                       prefill_s=[g.prefill_s for g in plain_gens if g.prefill_s is not None],
+                       spec_prefill_s=[g.prefill_s for g in gens if g.prefill_s is not None])
     lossless = None
     if sampling.greedy:
         # Greedy speculative decoding must reproduce plain greedy decoding token for token.
@@ -223,10 +227,13 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "cost_ratio": costs.cost_ratio,
         "verify_overhead": costs.verify_overhead,
         "predicted_speedup": costs.predicted_speedup,
+        # The prefill before the first step (plain) and the first round (speculative), in target steps.
+        "prefill_steps": costs.prefill,
+        "spec_prefill_steps": costs.spec_prefill,
         "lossless": lossless,
         # Batch > 1: the mean share of a batch's rows still running per round, and per plain decoding step.
         "occupancy": _mean_occupancy(gens),
-        "ar_occupancy": _mean_occupancy(plain.select(category)),
+        "ar_occupancy": _mean_occupancy(plain_gens),
     }
 
 

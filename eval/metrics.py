@@ -81,28 +81,37 @@ def acceptance_stats(rounds: Sequence[Round], k: int) -> AcceptanceStats:
 
 @dataclass
 class CostModel:
-    """Measured costs, in units of one 1-token target decoding step.
+    """Measured costs, in units of one target decoding step (plain decoding's whole step: choosing a token
+    and the target's 1-token forward).
 
-    cost_ratio c: one draft step (a full round's drafting time / k).
-    verify_overhead beta: a verification forward of k+1 positions, minus 1.
-    predicted_speedup: tau / (1 + n*c + beta) with n the mean guesses proposed per round (k when
-        every round drafts k), the speed-up these costs predict.
+    cost_ratio c: one draft step (a full round's drafting time / its n guesses).
+    verify_overhead beta: the rest of a full round (the target's forward of n+1 positions, the acceptance
+        test, the rollback and the bookkeeping), minus 1.
+    prefill, spec_prefill: the time before the first step (plain) or round (speculative: the target's
+        prefill, its first token and the drafter's start on the prompt), None where not timed.
+    predicted_speedup: the speed-up these costs predict with the measured tau (`predicted_speedup`).
     """
 
     cost_ratio: float
     verify_overhead: float | None
     predicted_speedup: float | None
+    prefill: float | None = None
+    spec_prefill: float | None = None
 
 
-def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, acceptance_length: float) -> CostModel:
+def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, acceptance_length: float, *,
+               steps: float | None = None, prefill_s: Sequence[float] = (),
+               spec_prefill_s: Sequence[float] = ()) -> CostModel:
     """Estimate c and beta from the timed rounds and the timed plain-decoding steps of the same prompts.
 
     Medians throughout: a noisy machine adds outliers, not a shift. A drafter's full proposal is n =
     the most it proposed in any round: k for draft models, fewer for heads with fewer steps than k
     (MTP depth, Medusa heads); a model-free drafter, or one with a confidence stop, proposes fewer in
     some rounds. c and beta come from the full rounds (n guesses drafted and verified): c is the cost of
-    one drafted token (a full round's draft time / n). The prediction charges each round its mean
-    proposal length.
+    one drafted token (a full round's draft time / n), beta the rest of the round. Rounds timed without
+    their whole (`round_s` None) take beta from the verification alone. The prediction charges each round
+    its mean proposal length; with `steps` (plain decoding's mean steps per generation) and both loops'
+    prefill times it predicts the end-to-end speed-up, prefill included.
     """
     if not target_step_s:
         raise ValueError("no timed target steps: cannot express costs in target steps")
@@ -112,15 +121,28 @@ def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, 
     c = statistics.median(r.draft_s for r in (full or rounds)) / n / step
     if not full:
         return CostModel(c, None, None)
-    beta = statistics.median(r.verify_s for r in full) / step - 1
+    rest = [r.verify_s if r.round_s is None else r.round_s - r.draft_s for r in full]
+    beta = statistics.median(rest) / step - 1
     mean_proposed = statistics.fmean(r.proposed for r in rounds)
-    return CostModel(c, beta, predicted_speedup(acceptance_length, mean_proposed, c, beta))
+    prefill = statistics.median(prefill_s) / step if prefill_s else None
+    spec_prefill = statistics.median(spec_prefill_s) / step if spec_prefill_s else None
+    if steps is None or prefill is None or spec_prefill is None:
+        return CostModel(c, beta, predicted_speedup(acceptance_length, mean_proposed, c, beta))
+    predicted = predicted_speedup(acceptance_length, mean_proposed, c, beta, steps=steps, prefill=prefill,
+                                  spec_prefill=spec_prefill)
+    return CostModel(c, beta, predicted, prefill, spec_prefill)
 
 
-def predicted_speedup(acceptance_length: float, proposed: float, c: float, beta: float) -> float:
-    """The cost model's speed-up: tau / (1 + n*c + beta), a round costing its n draft steps and one
-    verification of n+1 positions, in target steps (ANCHORS section 1)."""
-    return acceptance_length / (1 + proposed * c + beta)
+def predicted_speedup(acceptance_length: float, proposed: float, c: float, beta: float, *,
+                      steps: float | None = None, prefill: float = 0.0, spec_prefill: float = 0.0) -> float:
+    """The cost model's speed-up, in target steps (ANCHORS section 1). A round costs its n draft steps and
+    the rest of the round, 1 + n*c + beta, and yields tau tokens: in the steady state (an engine's decoding
+    phase) the speed-up is tau / (1 + n*c + beta). A whole generation of `steps` plain decoding steps also
+    pays its prefill once, in both loops: (prefill + steps) / (spec_prefill + steps / tau * (1 + n*c + beta))."""
+    round_cost = 1 + proposed * c + beta
+    if steps is None:
+        return acceptance_length / round_cost
+    return (prefill + steps) / (spec_prefill + steps / acceptance_length * round_cost)
 
 
 def expected_acceptance_length(alpha: float, k: float) -> float:

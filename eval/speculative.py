@@ -35,12 +35,15 @@ from eval.sampling import Sampling, choose, probs_from_logits
 
 @dataclass
 class Round:
-    """One draft-then-verify round: how many guesses were proposed and kept, and what each half cost."""
+    """One draft-then-verify round: how many guesses were proposed and kept, and what it cost: drafting,
+    verification (the target's forward and the acceptance test), and the whole round (both, plus the
+    rollback and the bookkeeping until the next round starts; None where not timed)."""
 
     proposed: int
     accepted: int
     draft_s: float
     verify_s: float
+    round_s: float | None = None
 
 
 @dataclass
@@ -51,7 +54,12 @@ class Generation:
     seconds: float
     target_forwards: int  # the prompt's forward included
     rounds: list[Round] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)  # plain decoding: one entry per 1-token target step
+    # Plain decoding: one entry per decoding step, the whole step (choosing the token, the target's 1-token
+    # forward and the bookkeeping); the first token comes from the prefill.
+    step_s: list[float] = field(default_factory=list)
+    # The time from the start to the first decoding step or round: the target's prefill, its first token,
+    # and (speculative decoding) the drafter's start on the prompt. None where not timed.
+    prefill_s: float | None = None
     # Batched decoding (eval/batching.py): the mean share of the batch's rows still running per round (per
     # step for plain decoding); rows that finish early leave the last rounds partly empty. None at batch 1.
     occupancy: float | None = None
@@ -202,6 +210,9 @@ def speculative_generate(
         drafter.start(committed)
     last, length = first, len(prompt) + 1  # the last committed token, and how many are committed
     rounds: list[Round] = []
+    if timed:
+        _sync(device)
+    prefill_s = clock() - t_start if timed else None
     while True:
         if timed:
             _sync(device)
@@ -230,7 +241,7 @@ def speculative_generate(
         kept = accepted
         if eos_token_id is not None and eos_token_id in guesses[:accepted]:
             kept = guesses.index(eos_token_id) + 1
-        rounds.append(Round(len(guesses), min(kept, max_new_tokens - len(new)), t1 - t0, t2 - t1))
+        kept = min(kept, max_new_tokens - len(new))
         # The cache now holds the committed tokens and all guesses; keep the committed and the accepted.
         rollback(cache, length + accepted)
         if layers:  # features of the committed positions: the last token and the kept guesses
@@ -239,11 +250,14 @@ def speculative_generate(
             drafter.commit(accepted, next_token)
         step = guesses[:accepted] + [next_token]
         new, done = _finish(new + step, max_new_tokens, eos_token_id)
+        if timed:
+            _sync(device)
+        rounds.append(Round(len(guesses), kept, t1 - t0, t2 - t1, clock() - t0 if timed else None))
         if done:
             break
         last, length = next_token, length + len(step)
     _sync(device)
-    return Generation(new, clock() - t_start, forwards, rounds)
+    return Generation(new, clock() - t_start, forwards, rounds, prefill_s=prefill_s)
 
 
 @torch.inference_mode()
@@ -268,16 +282,19 @@ def autoregressive_generate(
     new: list[int] = []
     steps: list[float] = []
     forwards = 1
+    if timed:
+        _sync(device)
+    prefill_s = clock() - t_start if timed else None
     while True:
+        t0 = clock()  # a step: choose the token, then the forward that gives the next one's logits
         token = int(choose(logits, sampling, generator).item())
         new.append(token)
         if len(new) >= max_new_tokens or token == eos_token_id:
             break
-        t0 = clock()
         logits = _forward(target, [token], cache, device, keep_logits=1)[-1]
         if timed:
             _sync(device)
             steps.append(clock() - t0)
         forwards += 1
     _sync(device)
-    return Generation(new, clock() - t_start, forwards, step_s=steps)
+    return Generation(new, clock() - t_start, forwards, step_s=steps, prefill_s=prefill_s)

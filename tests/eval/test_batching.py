@@ -11,7 +11,7 @@ from drafters.ngram import NgramDrafter
 from eval.batching import (RaggedCache, RaggedRows, autoregressive_generate_batch, forward_rows,
                            speculative_generate_batch)
 from eval.sampling import Sampling
-from eval.speculative import accept_sampled, autoregressive_generate
+from eval.speculative import accept_sampled, autoregressive_generate, speculative_generate
 from helpers import FAMILIES, batched_pvalues, tiny, tiny_llama
 
 VOCAB = 64
@@ -143,6 +143,28 @@ def test_rows_that_end_leave_the_batch_and_the_rest_go_on(target, draft, prompts
     plain = autoregressive_generate_batch(target, prompts, sampling=GREEDY, max_new_tokens=30, eos_token_id=eos)
     assert [g.tokens for g in plain.rows] == [g.tokens for g in out.rows]
     assert plain.step_rows[0] == len(prompts) > plain.step_rows[-1] and plain.occupancy < 1
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_timed_loops_time_whole_rounds_steps_and_the_prefill(target, draft, prompts, batch):
+    """What the cost model reads: a round's whole time holds its drafting and verification, a plain step is
+    timed per forward after the prefill, and untimed loops record none of it."""
+    rows = prompts[:batch]
+    kw = dict(sampling=GREEDY, max_new_tokens=12)
+    if batch == 1:
+        plain = autoregressive_generate(target, rows[0], **kw, timed=True)
+        spec = speculative_generate(target, DraftLM(draft), rows[0], k=3, **kw, timed=True)
+        rounds, steps = spec.rounds, plain.step_s
+    else:
+        plain = autoregressive_generate_batch(target, rows, **kw, timed=True)
+        spec = speculative_generate_batch(target, DraftLM(draft).batched(), rows, k=3, **kw, timed=True)
+        rounds = spec.rounds + [r for g in spec.rows for r in g.rounds]
+        steps = plain.step_s
+    assert rounds and all(r.round_s >= r.draft_s + r.verify_s > 0 for r in rounds)
+    assert len(steps) == plain.target_forwards - 1 and all(s > 0 for s in steps)
+    assert plain.prefill_s > 0 and spec.prefill_s > 0
+    untimed = speculative_generate_batch(target, DraftLM(draft).batched(), rows, k=3, **kw)
+    assert untimed.prefill_s is None and all(r.round_s is None for r in untimed.rounds)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -71,6 +71,24 @@ def test_cost_model_with_a_confidence_stop():
     assert acceptance_stats(stopped, k=4).mean_proposed == pytest.approx(11 / 4)
 
 
+def test_cost_model_charges_the_whole_round_and_the_prefill():
+    # Draft 4 ms, verify 12 ms, the whole round 18 ms: the 2 ms of rollback and bookkeeping belong to the
+    # round, so beta = (18 - 4) / 10 - 1 = 0.4, not the verification's 0.2.
+    timed = [Round(4, a, 0.004, 0.012, 0.018) for a in (1, 2, 3)]
+    steady = cost_model(timed, [0.01], k=4, acceptance_length=3.0)
+    assert steady.verify_overhead == pytest.approx(0.4) and steady.prefill is None
+    assert steady.predicted_speedup == pytest.approx(3.0 / (1 + 4 * 0.1 + 0.4))
+    # 30 plain steps after a 50 ms prefill (5 steps); the speculative prefill also starts the drafter (60 ms,
+    # 6 steps): (5 + 30) / (6 + 30 / 3 * 1.8) = 35 / 24, below the steady state's 3 / 1.8 = 1.667.
+    whole = cost_model(timed, [0.01], k=4, acceptance_length=3.0, steps=30, prefill_s=[0.05, 0.05, 0.07],
+                       spec_prefill_s=[0.06])
+    assert (whole.prefill, whole.spec_prefill) == pytest.approx((5.0, 6.0))
+    assert whole.predicted_speedup == pytest.approx(35 / 24)
+    # Without the prefill times the prediction stays the steady state's.
+    assert cost_model(timed, [0.01], k=4, acceptance_length=3.0, steps=30).predicted_speedup == \
+        pytest.approx(steady.predicted_speedup)
+
+
 
 def test_expected_acceptance_length_matches_the_closed_form():
     assert expected_acceptance_length(0.8, 5) == pytest.approx(3.69, abs=0.01)  # ANCHORS section 1
