@@ -1,4 +1,6 @@
-# make install: .venv with the CPU torch wheel first, then draftsmith in editable mode with test extras.
+# make install: .venv with the CPU torch wheel first, then draftsmith in editable mode with test extras, every
+#               dependency at the version in constraints.txt (what the tests passed with); pip's output goes to
+#               .venv/install.log and is shown only if a step fails.
 # make demo:    the main job end to end on the built-in toy world (built on first use): trains an EAGLE-3 head
 #               on its company traffic and prints the evaluation table against the off-the-shelf draft.
 # make test:    the test suite (what CI runs); builds llama.cpp first (make llama-cpp), which the engine
@@ -6,53 +8,77 @@
 # make llama-cpp: llama.cpp's llama-server from the llama-cpp-python sdist, built once into
 #               ~/.cache/draftsmith/llama.cpp/ (about 15 minutes on 2 cores; reused afterwards).
 # make bench:   the benchmarks behind BENCHMARKS.md sections 1, 3, 4 and 5 (about two hours; not run in CI).
+# make lock:    rewrite constraints.txt from the installed environment (after a dependency change and a green
+#               `make test`).
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test bench clean llama-cpp
+.PHONY: install demo test bench clean llama-cpp lock
+
+# pip runs quietly into a log; on failure the log's end is printed and make stops.
+LOG   := $(VENV)/install.log
+QUIET  = >>$(LOG) 2>&1 || { tail -n 40 $(LOG); echo "make install: a step failed; the whole log is in $(LOG)"; exit 1; }
 
 install: $(VENV)/.installed $(VENV)/speculators/.installed $(VENV)/specforge/.installed $(VENV)/vllm/.installed
 
 # torch is pinned before the project so pip never resolves an unpinned torch (several GB of CUDA wheels).
-$(VENV)/.installed: pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[test]"
-	touch $@
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "make install: torch 2.13.0 (CPU) and draftsmith's dependencies at the versions in constraints.txt"
+	@$(BIN)/python -m pip install -q --upgrade pip $(QUIET)
+	@$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0 $(QUIET)
+	@$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]" $(QUIET)
+	@touch $@
 
 # speculators (vLLM's drafter library) reads the `speculators` export in the tests. Its declared dependencies
 # pull CUDA torch, so it goes into a directory of its own without them, with the light ones it imports
 # (none of them already in the venv); the tests append that directory to sys.path.
 $(VENV)/speculators/.installed: $(VENV)/.installed
-	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/speculators speculators==0.9.0 hs-connectors==0.9.0 \
+	@echo "make install: speculators 0.9.0 (reads the speculators export in the tests)"
+	@$(BIN)/python -m pip install -q --no-deps --target $(VENV)/speculators speculators==0.9.0 hs-connectors==0.9.0 \
 		loguru==0.7.3 openai==3.57.0 pydantic-settings==2.16.3 python-dotenv==1.2.4 aiohttp==3.14.5 \
 		aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 jiter==0.19.0 multidict==7.2.1 \
-		propcache==0.5.4 yarl==1.25.1
-	touch $@
+		propcache==0.5.4 yarl==1.25.1 $(QUIET)
+	@touch $@
 
 # SpecForge (SGLang's trainer) reads the `sglang` export in the tests: its package alone, without its pinned CUDA
 # stack (torch 2.11, sglang); its EAGLE-3 draft model imports without them.
 $(VENV)/specforge/.installed: $(VENV)/.installed
-	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/specforge specforge==0.2.0
-	touch $@
+	@echo "make install: SpecForge 0.2.0 (reads the sglang export in the tests)"
+	@$(BIN)/python -m pip install -q --no-deps --target $(VENV)/specforge specforge==0.2.0 $(QUIET)
+	@touch $@
 
 # vLLM reads the `vllm` (EAGLE-1) export in the tests (tests/train/vllm_worker.py, on its CPU platform): the
 # PyPI wheel without its CUDA stack (torch 2.14, flashinfer, triton), plus the light packages its model
 # loading imports, none of them already in the venv (about 1 GB).
 $(VENV)/vllm/.installed: $(VENV)/.installed
-	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/vllm vllm==0.33.0 compressed-tensors==0.17.0 \
+	@echo "make install: vLLM 0.33.0 without its CUDA stack (reads the vllm export in the tests; about 1 GB)"
+	@$(BIN)/python -m pip install -q --no-deps --target $(VENV)/vllm vllm==0.33.0 compressed-tensors==0.17.0 \
 		apache-tvm-ffi==0.1.11 xgrammar==0.2.8 llguidance==1.9.1 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 \
 		aiosignal==1.4.0 attrs==26.1.0 cachetools==8.0.2 cbor2==6.3.0 cloudpickle==3.1.3 einops==0.8.2 \
 		fastapi==0.165.0 frozenlist==1.8.0 loguru==0.7.3 msgspec==0.22.0 multidict==7.2.1 openai==3.57.0 \
 		openai-harmony==0.0.8 partial-json-parser==0.2.1.1.post7 prometheus-client==0.26.0 propcache==0.5.4 \
-		py-cpuinfo==9.0.0 pybase64==1.5.1 pyzmq==27.3.0 starlette==1.10.0 uvloop==0.23.0 yarl==1.25.1
-	touch $@
+		py-cpuinfo==9.0.0 pybase64==1.5.1 pyzmq==27.3.0 starlette==1.10.0 uvloop==0.23.0 yarl==1.25.1 $(QUIET)
+	@touch $@
+
+# The demo's run directory, fixed once per `make demo` so the export and the closing lines can name it.
+DEMO := runs/demo/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 demo: install
-	$(BIN)/python -m train drafter=eagle data=company_logs
+	@echo "make demo: train an EAGLE-3 head for the toy world's target on its company traffic, evaluate it against"
+	@echo "  the off-the-shelf draft, export it for vLLM (speculators) and SGLang. On 2 cores (BENCHMARKS.md sections 3, 6):"
+	@echo "  the toy world, built on first use only: about 10.5 min (cached in ~/.cache/draftsmith);"
+	@echo "  the target's answers to the training prompts: about 40 s; 300 training steps: about 2 min;"
+	@echo "  the evaluation: about 15 s; the export: a few seconds."
+	$(BIN)/python -m train drafter=eagle data=company_logs hydra.run.dir=$(DEMO)
+	$(BIN)/python -m train.export run=$(DEMO) 'formats=[speculators,sglang]' out_dir=$(DEMO)/export
+	@echo ""
+	@echo "make demo: done."
+	@echo "  report:     $(DEMO)/report.md (plots beside it)"
+	@echo "  checkpoint: $(DEMO)/best"
+	@echo "  export:     $(DEMO)/export/speculators (vLLM), $(DEMO)/export/sglang (SGLang)"
 
 llama-cpp: install
 	PYTHON=$(BIN)/python scripts/build_llama_cpp.sh
@@ -67,6 +93,9 @@ bench: install
 	$(BIN)/python scripts/bench_heads.py --offline
 	$(BIN)/python scripts/bench_train.py --steps 300 --ks 3,4 --repeats 2 \
 		--variants sft,forward_kl,forward_kl+cached_top64,reverse_kl,jsd,tvd,forward_kl+on_policy
+
+lock: install
+	$(BIN)/python scripts/lock.py > constraints.txt
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache *.egg-info
