@@ -29,7 +29,7 @@ from drafters.base import Proposal, confidence
 from drafters.heads import ChainBatch, FeatureDrafter
 from drafters.layers import (Attention, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
                              last_entries, mlp_decode, norm, soft_cross_entropy, step_stats)
-from eval.sampling import Sampling, draw
+from drafters.sampling import Sampling, draw
 
 
 def draft_vocabulary(counts: torch.Tensor, size: int, always: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from torch import nn
 from drafters.base import Proposal, confidence
 from drafters.heads import ChainBatch, FeatureDrafter
 from drafters.layers import DecoderLayer, KVCache, RaggedRows, Rotary, SharedTarget, causal_mask, soft_cross_entropy, step_stats
-from eval.sampling import Sampling, draw
+from drafters.sampling import Sampling, draw
 
 
 class Eagle1(nn.Module):

@@ -32,7 +32,7 @@ from transformers import LlamaConfig
 
 from drafters.base import Chains, Proposal, check_stop_below
 from drafters.layers import KVCache, RaggedRows
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 
 # config.json architectures of EAGLE-3 and EAGLE-1 checkpoints in the engines' formats, which load_head reads too.
 ENGINE_EAGLE3 = ("LlamaForCausalLMEagle3", "Eagle3Speculator")

@@ -33,10 +33,11 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from drafters.draft_lm import DraftLM
 from drafters.heads import features_of, load_head
+from drafters.hf_cache import cache_keyword
 from drafters.layers import KVCache
 from drafters.llama_decode import LeanLlama
-from eval.sampling import Sampling
-from eval.speculative import cache_keyword, rollback
+from drafters.sampling import Sampling
+from eval.speculative import rollback
 from train import toyworld
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from drafters.sampling import Sampling
 from eval import llama_cpp
 from eval.engine import DraftCounters, DraftStats
 from eval.run import build_drafter, held_out_path, load_target, read_traffic, tokenize_prompts
-from eval.sampling import Sampling
 from eval.speculative import speculative_generate
 from train.export import ExportSettings, export, read_run, target_directory
 

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafters.base import Proposal
-from eval.sampling import Sampling, probs_from_logits
+from drafters.sampling import Sampling, probs_from_logits
 from eval.speculative import speculative_generate
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

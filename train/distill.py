@@ -131,7 +131,7 @@ class DistillRecipe:
         import datasets
 
         from eval.run import load_target, reading, resolve_data
-        from eval.sampling import Sampling
+        from drafters.sampling import Sampling
         from train.data import load_records
         from train.prepare import prepare
 

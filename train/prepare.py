@@ -20,8 +20,8 @@ import hydra
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from drafters.sampling import Sampling
 from eval.config import register
-from eval.sampling import Sampling
 from train.data import Example, Record, RecordError, tokenize_record
 from train.hidden_states import bytes_per_token, write_shards
 from train.regenerate import regenerate, summary, write_records

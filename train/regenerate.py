@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 from train.data import Record, render
 
 

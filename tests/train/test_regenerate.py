@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 from helpers import CHAT, TOOL_TEMPLATE, TOOLS
 from train.data import load_records
 from train.regenerate import regenerate, write_records
