@@ -40,7 +40,7 @@ class DataConfig:
     eval_path: Optional[str] = None
     split: str = "train"  # split name for hub datasets
     on_bad_record: str = "error"  # error | skip
-    format: Optional[str] = None  # chat | pair | sharegpt | questions | alpaca | prompt (train/formats.py); null: detected per file
+    format: Optional[str] = None  # chat | pair | sharegpt | questions | alpaca | prompt (traffic/formats.py); null: detected per file
     reasoning: str = "keep"  # keep | drop: assistant reasoning (reasoning_content or an inline <think> block)
     max_prompts_per_category: Optional[int] = None  # evaluation: first N prompts per category (None = all)
     max_records: Optional[int] = None  # training and preparation: first N records (None = all)

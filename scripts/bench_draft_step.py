@@ -38,7 +38,7 @@ from drafters.layers import KVCache
 from drafters.llama_decode import LeanLlama
 from drafters.sampling import Sampling
 from eval.speculative import rollback
-from train import toyworld
+from traffic import toyworld
 
 
 def hf_steps(model, context: torch.Tensor, n: int) -> list[float]:

@@ -108,7 +108,7 @@ def target_directory(name_or_path: str) -> Path:
     """A local directory holding the target's config and tokenizer (what llama.cpp's converter and
     speculators' loader read): toyworld:// and directories as they are, a hub id from the local cache or
     the Hub."""
-    from train import toyworld
+    from traffic import toyworld
 
     local = Path(toyworld.resolve(name_or_path))
     if local.is_dir():

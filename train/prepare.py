@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from drafters.sampling import Sampling
 from eval.config import register
-from train.data import Example, Record, RecordError, tokenize_record
+from traffic.records import Example, Record, RecordError, tokenize_record
 from train.hidden_states import bytes_per_token, write_shards
 from train.regenerate import regenerate, summary, write_records
 
