@@ -317,7 +317,7 @@ def _pick(logits, sampling, generator, target_ids, vocab_size):
 
 def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None) -> Eagle3:
     """An EAGLE-3 head from an engine-format export (SGLang's LlamaForCausalLMEagle3 or speculators'
-    Eagle3Speculator, as train/export.py writes them), attached to `target`.
+    Eagle3Speculator, as eval/engine_formats.py writes them), attached to `target`.
 
     A draftsmith head drafts through the target's output head; an export carries those rows as its
     `lm_head`. A checkpoint whose lm_head is not the target's rows (one trained elsewhere with its own
