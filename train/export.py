@@ -213,7 +213,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from eval.config import register  # the structured configs (eval.config imports this module)
+    from train.config import register  # the structured configs (train.config imports this module)
 
     register()
     main()

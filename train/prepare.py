@@ -21,8 +21,8 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from drafters.sampling import Sampling
-from eval.config import register
 from traffic.records import Example, Record, RecordError, tokenize_record
+from train.config import register
 from train.hidden_states import bytes_per_token, write_shards
 from train.regenerate import regenerate, summary, write_records
 
