@@ -39,7 +39,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 
 
 @dataclass

@@ -6,7 +6,8 @@ target's correction, or the last guess when all k were kept) are fed at the star
 proposal, so a round costs exactly k draft forwards and the prefix is never recomputed.
 
 At batch > 1 (`batched()`, eval/batching.py) every draft step is one forward for all rows, on a ragged
-KV cache (a length per row): rows keep different numbers of guesses and none recomputes its prefix.
+KV cache (a length per row; drafters/hf_cache.py): rows keep different numbers of guesses and none
+recomputes its prefix.
 
 Llama-family drafts (Llama, Mistral, Qwen2) run on `drafters.llama_decode.LeanLlama`, the same weights
 and arithmetic without the Hugging Face forward's per-call overhead, which is most of a small draft's
@@ -21,9 +22,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from drafters.base import Chains, Proposal, check_stop_below, confidence
+from drafters.hf_cache import RaggedCache, cache_keyword, forward_rows
+from drafters.layers import RaggedRows
 from drafters.llama_decode import LeanLlama
-from eval.sampling import Sampling, draw
-from eval.speculative import cache_keyword
+from drafters.sampling import Sampling, draw
 
 
 class TokenizerMismatchError(ValueError):
@@ -175,8 +177,6 @@ class DraftLMBatch:
         self.device, self.lean = drafter.device, drafter.lean  # the lean path when the drafter has it
 
     def start(self, prompts: list[torch.Tensor], features=None) -> None:
-        from eval.batching import RaggedCache, RaggedRows
-
         self.rows = RaggedRows(len(prompts), self.device)
         if self.lean is not None:
             self.lean.start_rows(self.rows)
@@ -188,8 +188,6 @@ class DraftLMBatch:
 
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
-        from eval.batching import forward_rows
-
         feed = [ids[fed:] for ids, fed in zip(self.ids, self.fed)]
         chains = Chains(len(self.ids), self.stop_below)
         for step in range(1, k + 1):

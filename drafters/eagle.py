@@ -29,7 +29,7 @@ from drafters.base import Proposal, confidence
 from drafters.heads import ChainBatch, FeatureDrafter
 from drafters.layers import (Attention, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
                              last_entries, mlp_decode, norm, soft_cross_entropy, step_stats)
-from eval.sampling import Sampling, draw
+from drafters.sampling import Sampling, draw
 
 
 def draft_vocabulary(counts: torch.Tensor, size: int, always: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,7 +317,7 @@ def _pick(logits, sampling, generator, target_ids, vocab_size):
 
 def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None) -> Eagle3:
     """An EAGLE-3 head from an engine-format export (SGLang's LlamaForCausalLMEagle3 or speculators'
-    Eagle3Speculator, as train/export.py writes them), attached to `target`.
+    Eagle3Speculator, as eval/engine_formats.py writes them), attached to `target`.
 
     A draftsmith head drafts through the target's output head; an export carries those rows as its
     `lm_head`. A checkpoint whose lm_head is not the target's rows (one trained elsewhere with its own

@@ -3,7 +3,7 @@ one decoder layer that extrapolates the target's last-layer feature.
 
 Entry e of the head's sequence is fc([embedding of token e+1; target feature at e]) (2d -> d), run
 through one Llama decoder layer without its input norm (attention reads fc's output itself, as in the
-paper's code and in vLLM's `EagleLlamaForCausalLM`, which loads the export: train/export.py); its output o_e is trained to be the target's feature at e+1
+paper's code and in vLLM's `EagleLlamaForCausalLM`, which loads the export: eval/engine_formats.py); its output o_e is trained to be the target's feature at e+1
 (smooth-L1 feature regression) and, through the target's own output head, to predict token e+2
 (cross-entropy against the target's distribution, weight `token_loss_weight`). Drafting continues on
 the head's own outputs: the next entry pairs o_e with the guessed token.
@@ -24,7 +24,7 @@ from torch import nn
 from drafters.base import Proposal, confidence
 from drafters.heads import ChainBatch, FeatureDrafter
 from drafters.layers import DecoderLayer, KVCache, RaggedRows, Rotary, SharedTarget, causal_mask, soft_cross_entropy, step_stats
-from eval.sampling import Sampling, draw
+from drafters.sampling import Sampling, draw
 
 
 class Eagle1(nn.Module):
@@ -151,8 +151,9 @@ class Eagle1Batch(ChainBatch):
 
 
 def load_engine_eagle1(path, raw: dict, target, dtype: torch.dtype | None = None) -> Eagle1:
-    """An EAGLE-1 head from its engine export (vLLM's `EagleLlamaForCausalLM` layout, as train/export.py
-    writes it: `fc`, `layers.0.*` without an input norm, no embedding or output head), attached to `target`."""
+    """An EAGLE-1 head from its engine export (vLLM's `EagleLlamaForCausalLM` layout, as
+    eval/engine_formats.py writes it: `fc`, `layers.0.*` without an input norm, no embedding or output head),
+    attached to `target`."""
     from pathlib import Path
 
     from safetensors.torch import load_file

@@ -32,7 +32,7 @@ from transformers import LlamaConfig
 
 from drafters.base import Chains, Proposal, check_stop_below
 from drafters.layers import KVCache, RaggedRows
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 
 # config.json architectures of EAGLE-3 and EAGLE-1 checkpoints in the engines' formats, which load_head reads too.
 ENGINE_EAGLE3 = ("LlamaForCausalLMEagle3", "Eagle3Speculator")
@@ -127,7 +127,7 @@ def load_head(path: str | Path, target, dtype: torch.dtype | None = None) -> nn.
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a saved head: no config.json")
     raw = json.loads((path / "config.json").read_text())
-    if set(raw.get("architectures") or []) & set(ENGINE_EAGLE3):  # an EAGLE-3 export (train/export.py)
+    if set(raw.get("architectures") or []) & set(ENGINE_EAGLE3):  # an EAGLE-3 export (eval/engine_formats.py)
         from drafters.eagle import load_engine_eagle3
 
         return load_engine_eagle3(path, raw, target, dtype)

@@ -2,7 +2,7 @@
 
 - `KVCache`: a key/value cache for drafting (a head's own, and the lean draft LM's), in preallocated
   buffers; rollback is an integer. With `RaggedRows`, a batch's cache with a length per row
-  (eval/batching.py explains the layout).
+  (drafters/hf_cache.py explains the layout).
 - `Attention`: Llama attention (RoPE, grouped-query) whose input width may differ from the hidden size
   (EAGLE-3 feeds [embedding; feature], 2d wide), used three ways: over a whole training sequence, one
   drafting step on top of a `KVCache`, and in EAGLE-3's training-time test, where each position also
@@ -128,7 +128,7 @@ class KVCache:
         self.k: torch.Tensor | None = None  # the buffers; positions 0..length-1 are valid
         self.v: torch.Tensor | None = None
         self.length = 0
-        # A batch with a length per row (eval/batching.py): appends land at each row's own length, and
+        # A batch with a length per row (drafters/hf_cache.py): appends land at each row's own length, and
         # the caller masks each row's keys and advances, crops and selects rows through `rows`.
         self.rows = rows
         self._generation = rows.generation if rows is not None else 0

@@ -19,7 +19,7 @@ from torch import nn
 from drafters.base import Proposal, confidence, row_confidences
 from drafters.heads import FeatureBatch, FeatureDrafter
 from drafters.layers import SharedTarget, soft_cross_entropy, step_stats
-from eval.sampling import Sampling, draw
+from drafters.sampling import Sampling, draw
 
 
 class ResBlock(nn.Module):

@@ -24,7 +24,7 @@ from drafters.base import Chains, Proposal, confidence
 from drafters.heads import FeatureBatch, FeatureDrafter
 from drafters.layers import (DecoderLayer, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
                              soft_cross_entropy, step_stats)
-from eval.sampling import Sampling, draw
+from drafters.sampling import Sampling, draw
 
 
 class MTPModule(nn.Module):

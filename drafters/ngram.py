@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from drafters.base import Proposal
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 
 
 class NgramDrafter:

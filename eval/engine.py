@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from eval import llama_cpp
 from eval.compare import Timings, compare
+from eval.engine_formats import eagle3_gguf, target_directory
 from eval.evaluate import ALL
 from eval.metrics import predicted_speedup
 
@@ -115,8 +116,6 @@ class Served:
 
 def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) -> Served:
     """The drafter of an eval spec ({name, kind, path}) converted for llama.cpp by its own converter."""
-    from train.export import eagle3_gguf, target_directory
-
     name, kind = spec["name"], spec["kind"]
     out = work / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.gguf"
     if kind == "draft_lm":
@@ -330,8 +329,6 @@ class Converted:
 def convert_for_llama_cpp(drafter_specs: list[dict], target, target_name_or_path: str, work: Path) -> Converted:
     """The target and the drafters through llama.cpp's converter, into `work`: done before anything is
     measured, so a model the converter cannot read fails at once."""
-    from train.export import target_directory
-
     work.mkdir(parents=True, exist_ok=True)
     llama_cpp.require()
     target_gguf = llama_cpp.convert_to_gguf(target_directory(target_name_or_path), work / "target.gguf")

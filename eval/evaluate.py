@@ -25,9 +25,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from drafters.base import Drafter
+from drafters.sampling import Sampling
 from eval.compare import Comparison, Timings, compare
 from eval.metrics import acceptance_stats, cost_model, expected_acceptance_length
-from eval.sampling import Sampling
 from eval.batching import autoregressive_generate_batch, speculative_generate_batch
 from eval.speculative import Generation, autoregressive_generate, speculative_generate
 

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from drafters.base import Drafter
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
-from train import toyworld
-from train.data import LoadSummary, Record, load_records, prompt_ids
+from traffic import toyworld
+from traffic.records import LoadSummary, Record, load_records, prompt_ids
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def read_traffic(path: str, *, split: str = "train", on_bad_record: str = "error
                  reasoning: str = "keep", last: int | None = None) -> Traffic:
     """Checked records of `path` (a file, a glob, a hub dataset id or `toyworld://`), before any model is
     loaded, so bad input fails at once; with `last`, only the last `last` records. `format` and
-    `reasoning`: train/formats.py."""
+    `reasoning`: traffic/formats.py."""
     records, summary = load_records(resolve_data(path), split=split, on_bad_record=on_bad_record, format=format,
                                     reasoning=reasoning)
     log.info("%s: %s", path, summary)

@@ -20,8 +20,6 @@ equality token for token and sampled outputs against the target's distribution).
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -30,7 +28,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from drafters.base import Drafter, Proposal
 from drafters.heads import features_of
-from eval.sampling import Sampling, choose, probs_from_logits
+from drafters.hf_cache import cache_keyword
+from drafters.sampling import Sampling, choose, probs_from_logits
 
 
 @dataclass
@@ -122,18 +121,6 @@ def accept_sampled(
 def rollback(cache: DynamicCache, keep: int) -> None:
     """Drop cached positions beyond the first `keep` (transformers 5: crop takes a negative count)."""
     cache.crop(keep - cache.get_seq_length())
-
-
-def cache_keyword(model: PreTrainedModel) -> str:
-    """The keyword a Hugging Face model's forward takes its KV cache under: `cache` in transformers 5.24
-    (which deprecates `past_key_values` with a FutureWarning, to be removed in 5.40), `past_key_values`
-    in earlier releases and in remote-code models that keep the old signature."""
-    return _cache_keyword(type(model))
-
-
-@functools.cache
-def _cache_keyword(model_class: type) -> str:
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def _forward(model: PreTrainedModel, ids: list[int], cache: DynamicCache, device: torch.device, keep_logits: int):

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from eval.run import load_target
-from train import toyworld
-from train.data import load_records
+from traffic import toyworld
+from traffic.records import load_records
 from train.hidden_states import default_layers, write_shards
 from train.prepare import tokenize_all
 from train.regenerate import regenerate

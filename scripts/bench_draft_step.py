@@ -33,11 +33,12 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from drafters.draft_lm import DraftLM
 from drafters.heads import features_of, load_head
+from drafters.hf_cache import cache_keyword
 from drafters.layers import KVCache
 from drafters.llama_decode import LeanLlama
-from eval.sampling import Sampling
-from eval.speculative import cache_keyword, rollback
-from train import toyworld
+from drafters.sampling import Sampling
+from eval.speculative import rollback
+from traffic import toyworld
 
 
 def hf_steps(model, context: torch.Tensor, n: int) -> list[float]:

@@ -31,10 +31,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from drafters.draft_lm import DraftLM
+from drafters.sampling import Sampling
 from eval.evaluate import ALL, EvalPlan, evaluate
 from eval.report import hardware
 from eval.run import load_prompts, load_target
-from eval.sampling import Sampling
 from eval.speculative import autoregressive_generate, speculative_generate
 
 

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
+from drafters.sampling import Sampling
 from eval import llama_cpp
 from eval.engine import DraftCounters, DraftStats
+from eval.engine_formats import target_directory
 from eval.run import build_drafter, held_out_path, load_target, read_traffic, tokenize_prompts
-from eval.sampling import Sampling
 from eval.speculative import speculative_generate
-from train.export import ExportSettings, export, read_run, target_directory
+from train.export import ExportSettings, export, read_run
 
 SPEC_TYPES = {"draft_lm": "draft-simple", "eagle": "draft-eagle3"}
 

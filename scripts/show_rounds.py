@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
+from drafters.sampling import Sampling
 from eval.run import build_drafter, load_prompts, load_target
-from eval.sampling import Sampling
 from eval.speculative import autoregressive_generate, speculative_generate
 
 

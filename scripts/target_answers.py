@@ -27,7 +27,7 @@ import statistics
 import torch
 
 from eval.run import load_prompts, load_target, resolve_data
-from train.data import load_records, prompt_ids
+from traffic.records import load_records, prompt_ids
 
 
 def reference_agreement(target, tok, data: str, per_category: int, max_new_tokens: int,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from train import toyworld
+from traffic import toyworld
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory):
     """The `tiny` toy world, built once per test session into a temporary DRAFTSMITH_HOME."""
-    from train import toyworld
+    from traffic import toyworld
 
     home = os.environ.get("DRAFTSMITH_TEST_HOME") or str(tmp_path_factory.mktemp("draftsmith_home"))
     old = os.environ.get("DRAFTSMITH_HOME")

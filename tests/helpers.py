@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafters.base import Proposal
-from eval.sampling import Sampling, probs_from_logits
+from drafters.sampling import Sampling, probs_from_logits
 from eval.speculative import speculative_generate
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -171,8 +171,8 @@ def train_tiny_deep(out, *overrides):
     """A `python -m train` run on the tiny_deep world (a 4-layer target), a few steps, no final evaluation."""
     from hydra import compose, initialize_config_dir
 
-    from eval.config import register
     from train.__main__ import train
+    from train.config import register
 
     register()
     conf = str(Path(__file__).resolve().parents[1] / "conf")

@@ -16,10 +16,13 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from eval.config import register
+from eval import config as eval_config
 from eval.run import held_out_path
+from train import config as train_config
 
-register()  # the structured configs the YAML files extend
+# The structured configs the YAML files extend.
+eval_config.register()
+train_config.register()
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -12,7 +12,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from eval.config import register
+from train.config import register
 
 register()
 

@@ -39,7 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from train import checkpoint
+from traffic import checkpoint
 from train.losses import DIVERGENCES, acceptance_estimate, divergence, divergence_topk, greedy_agreement, sft
 
 log = logging.getLogger(__name__)
@@ -131,8 +131,8 @@ class DistillRecipe:
         import datasets
 
         from eval.run import load_target, reading, resolve_data
-        from eval.sampling import Sampling
-        from train.data import load_records
+        from drafters.sampling import Sampling
+        from traffic.records import load_records
         from train.prepare import prepare
 
         cfg = self.cfg
@@ -201,7 +201,7 @@ class DistillRecipe:
 
     def _training_examples(self) -> list:
         """The training set as the steps see it: truncated to trainer.max_length."""
-        from train.data import Example
+        from traffic.records import Example
 
         limit = self.cfg.trainer.max_length
         return [Example(r["id"], r["category"], r["input_ids"][:limit], r["loss_mask"][:limit])
@@ -217,7 +217,7 @@ class DistillRecipe:
             raise ValueError(f"this recipe trains drafter.kind=draft_lm, got {d.kind!r}")
         if not d.init_from:
             raise ValueError("drafter.init_from is not set: the draft model to start from (hub id or directory)")
-        from train import toyworld
+        from traffic import toyworld
 
         self.init_path = toyworld.resolve(d.init_from)
         model = AutoModelForCausalLM.from_pretrained(self.init_path, dtype=torch.float32,

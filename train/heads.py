@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 
 from drafters.heads import KINDS, build_head, save_head
 from drafters.layers import finish_logits
-from train.checkpoint import full_model_state
+from traffic.checkpoint import full_model_state
 from train.distill import DistillRecipe, _records_batch
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
 from train.shards import complete

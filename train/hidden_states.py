@@ -26,7 +26,7 @@ import torch
 
 from drafters.heads import check_layers, features_of
 from eval.run import DTYPES
-from train.data import Example
+from traffic.records import Example
 from train.shards import ExampleShards, write_example_shards
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from train.data import Example
+from traffic.records import Example
 from train.shards import ExampleShards, write_example_shards
 
 

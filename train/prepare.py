@@ -20,9 +20,9 @@ import hydra
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from eval.config import register
-from eval.sampling import Sampling
-from train.data import Example, Record, RecordError, tokenize_record
+from drafters.sampling import Sampling
+from traffic.records import Example, Record, RecordError, tokenize_record
+from train.config import register
 from train.hidden_states import bytes_per_token, write_shards
 from train.regenerate import regenerate, summary, write_records
 

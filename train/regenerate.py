@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from eval.sampling import Sampling
-from train.data import Record, render
+from drafters.sampling import Sampling
+from traffic.records import Record, render
 
 
 @dataclass
@@ -157,7 +157,7 @@ def regenerate(
 
 
 def write_records(records: list[Record], path: str | Path) -> None:
-    """Write records as company-logs JSONL (the format `train.data` reads back)."""
+    """Write records as company-logs JSONL (the format `traffic.records` reads back)."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from train.data import Example
+from traffic.records import Example
 
 # compute(examples, input_ids (B, T), attention_mask (B, T)) -> one dict of tensors per example
 Compute = Callable[[list[Example], torch.Tensor, torch.Tensor], list[dict[str, torch.Tensor]]]

@@ -4,7 +4,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from drafters.draft_lm import DraftLM, TokenizerMismatchError
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 from helpers import tiny_llama
 
 VOCAB = 32

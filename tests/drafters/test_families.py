@@ -11,7 +11,7 @@ import torch
 from drafters.draft_lm import DraftLM
 from drafters.heads import build_head, load_head, save_head
 from drafters.layers import SharedTarget
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 from eval.speculative import autoregressive_generate, speculative_generate
 from helpers import FAMILIES, chi2_pvalue, empirical_joint, exact_joint, tiny
 from train.hidden_states import capture, default_layers

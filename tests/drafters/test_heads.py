@@ -11,7 +11,7 @@ import torch
 
 from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_coverage, vocabulary_size_for
 from drafters.heads import build_head, load_head, save_head
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 from eval.batching import speculative_generate_batch
 from eval.speculative import autoregressive_generate, speculative_generate
 from helpers import Recording, batched_pvalues, chi2_pvalue, empirical_joint, exact_joint, stop_point, tiny_llama

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from drafters.ngram import NgramDrafter
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 
 
 def test_proposes_continuation_of_latest_longest_match():

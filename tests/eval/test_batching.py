@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from drafters.draft_lm import DraftLM
+from drafters.layers import RaggedRows
 from drafters.ngram import NgramDrafter
-from eval.batching import (RaggedCache, RaggedRows, autoregressive_generate_batch, forward_rows,
-                           speculative_generate_batch)
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
+from eval.batching import autoregressive_generate_batch, speculative_generate_batch
 from eval.speculative import accept_sampled, autoregressive_generate, speculative_generate
 from helpers import FAMILIES, batched_pvalues, tiny, tiny_llama
 
@@ -43,27 +43,6 @@ def prompts():
 
 def reference(target, prompt, n, eos=None):
     return autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=n, eos_token_id=eos).tokens
-
-
-def test_ragged_forwards_give_each_rows_logits_alone(target, prompts):
-    """Rows of different lengths, fed different numbers of entries, then cropped by different amounts:
-    every row's logits are the ones a batch-1 forward of its own sequence gives."""
-    rows = RaggedRows(3, torch.device("cpu"))
-    cache = RaggedCache(target, rows)
-    seqs = [prompts[i].tolist() for i in (1, 2, 4)]
-    forward_rows(target, seqs, cache, logits_for="last")
-    extra = [[3, 9, 12], [4], [7, 7]]
-    logits, _, _ = forward_rows(target, extra, cache, logits_for="all")
-    rows.crop([len(s) + len(e) - drop for s, e, drop in zip(seqs, extra, (2, 0, 1))])  # roll back 2, 0 and 1
-    kept = [s + e[: len(e) - drop] for s, e, drop in zip(seqs, extra, (2, 0, 1))]
-    more = [[30], [31, 32], [33]]
-    after, _, _ = forward_rows(target, more, cache, logits_for="all")
-    with torch.no_grad():
-        for b in range(3):
-            alone = target(torch.tensor([seqs[b] + extra[b]])).logits[0, len(seqs[b]):]
-            torch.testing.assert_close(logits[b, : len(extra[b])], alone, rtol=1e-5, atol=1e-5)
-            alone = target(torch.tensor([kept[b] + more[b]])).logits[0, len(kept[b]):]
-            torch.testing.assert_close(after[b, : len(more[b])], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_the_lean_draft_path_batches_with_each_rows_logits_alone(draft, prompts):

@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafters.sampling import Sampling
 from eval import llama_cpp
 from eval.engine import DraftCounters
 from eval.run import build_drafter, load_target
-from eval.sampling import Sampling
 from eval.speculative import speculative_generate
-from train import toyworld
+from traffic import toyworld
 from train.export import ExportSettings, export
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not llama_cpp.available(), reason=(

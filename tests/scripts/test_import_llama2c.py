@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 from eval.speculative import speculative_generate
 from helpers import load_script
 

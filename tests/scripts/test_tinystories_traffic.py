@@ -1,7 +1,7 @@
 """scripts/tinystories_traffic.py: story paragraphs into prompt records draftsmith reads."""
 
 from helpers import load_script
-from train.data import load_records
+from traffic.records import load_records
 
 TEXT = """Once upon a time, there was a cat. The cat liked milk.
 

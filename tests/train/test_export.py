@@ -12,12 +12,15 @@ from safetensors.torch import load_file, save_file
 
 import eval.__main__ as eval_entry
 from helpers import train_tiny_deep
-from eval.config import register
+from eval import config as eval_config
+from eval.engine_formats import EAGLE3_OWN, ExportRefused, target_directory
 from eval.run import load_target
-from train.export import EAGLE3_OWN, ExportRefused, ExportSettings, export, formats_for
+from train import config as train_config
+from train.export import ExportSettings, export, formats_for
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
-register()
+eval_config.register()  # compose_cfg composes conf/eval.yaml and conf/export.yaml
+train_config.register()
 TARGET = "toyworld://tiny_deep/target"  # 4 layers: an EAGLE-3 head on layers 1..3, which engines capture
 
 
@@ -309,8 +312,6 @@ def _vllm(export_dir: Path, inputs: Path, out: Path) -> tuple[str, dict]:
     """tests/train/vllm_worker.py on the export: the architecture vLLM resolved and its outputs."""
     import subprocess
     import sys
-
-    from train.export import target_directory
 
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_worker.py")), str(VENV / "vllm"),
                            str(target_directory(TARGET)), str(export_dir), str(inputs), str(out)],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import tiny_llama
-from train.data import Example
+from traffic.records import Example
 from train.hidden_states import (ShardReader, bytes_per_token, capture, default_layers, estimate_bytes,
                                  write_shards)
 

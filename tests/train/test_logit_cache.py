@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import tiny_llama
-from train.data import Example
+from traffic.records import Example
 from train.logit_cache import LogitCache, bytes_per_token, write_logit_cache
 
 VOCAB = 50

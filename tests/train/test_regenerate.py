@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eval.sampling import Sampling
+from drafters.sampling import Sampling
 from helpers import CHAT, TOOL_TEMPLATE, TOOLS
-from train.data import load_records
+from traffic.records import load_records
 from train.regenerate import regenerate, write_records
 
 N_RECORDS = 10
@@ -60,7 +60,7 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(world, tmp_path
 
 def test_regenerated_answers_are_the_targets_greedy_answers(world, tmp_path):
     from eval.speculative import autoregressive_generate
-    from train.data import prompt_ids
+    from traffic.records import prompt_ids
 
     target, tok, records = world
     out, _ = regenerate(records[:2], target, tok, tmp_path / "c.jsonl", max_new_tokens=10, batch_size=1,

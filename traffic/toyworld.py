@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from train import formats
+from traffic import formats
 
 SCHEME = "toyworld://"
 PIECES = ("target", "draft", "company_logs")
@@ -646,7 +646,7 @@ def train_lm(model, stream: torch.Tensor, spec: LMSpec, seq_len: int, seed: int,
     every `every` steps (default CHECKPOINT_EVERY; only the newest kept), and training starts from the
     newest one found: the result is the same as an uninterrupted run's. `stop_at` ends training after
     that step (checkpointed), as an interruption would."""
-    from train import checkpoint
+    from traffic import checkpoint
 
     every = every or CHECKPOINT_EVERY
     torch.manual_seed(seed)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from train import checkpoint
+from traffic import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -77,9 +77,9 @@ def test_keep_removes_the_oldest(tmp_path):
 def test_fsdp_sharded_checkpoint_round_trip(tmp_path):
     """Two processes shard a model with FSDP (torch's fully_shard on gloo): the checkpoint holds whole
     tensors, loads into a sharded model of another initialisation, and resuming continues exactly as the
-    uninterrupted run; the file also loads into an unsharded model (tests/train/fsdp_worker.py)."""
+    uninterrupted run; the file also loads into an unsharded model (tests/traffic/fsdp_worker.py)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests" / "train" / "fsdp_worker.py"), str(tmp_path / "checkpoints")]
+           str(ROOT / "tests" / "traffic" / "fsdp_worker.py"), str(tmp_path / "checkpoints")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout

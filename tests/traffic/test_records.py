@@ -5,7 +5,7 @@ import json
 import pytest
 
 from helpers import masked_spans
-from train.data import UNCATEGORIZED, RecordError, load_records, prompt_ids
+from traffic.records import UNCATEGORIZED, RecordError, load_records, prompt_ids
 
 GOOD = {"id": "a1", "category": "code", "messages": [{"role": "user", "content": "hi"},
                                                       {"role": "assistant", "content": "hello"}]}
@@ -120,7 +120,7 @@ def test_duplicate_ids_are_errors_or_skipped(tmp_path):
 def test_loss_mask_covers_exactly_the_assistant_turns(tiny_world):
     from transformers import AutoTokenizer
 
-    from train.data import Record, tokenize_record
+    from traffic.records import Record, tokenize_record
 
     tok = AutoTokenizer.from_pretrained(tiny_world / "target")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},

@@ -1,7 +1,7 @@
 """Company traffic in: read and check records, and turn them into prompts and training examples.
 
 A record (one JSON object per line, or a Parquet row) holds one conversation in one of the formats
-production traffic is logged in (train/formats.py: OpenAI chat messages with tool calls, tool turns and
+production traffic is logged in (traffic/formats.py: OpenAI chat messages with tool calls, tool turns and
 reasoning; request/response log pairs; ShareGPT; benchmark question files; Alpaca; prompt/response),
 detected per record from its keys or named for every record with `data.format=`, with optional `id`, `category` (or
 `route`), `timestamp` and `model`. Records without a category are put in the category "uncategorized" and
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from train import formats
+from traffic import formats
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _check(raw: object, source: str, line: int | None, format: str | None,
     format = format or formats.detect(raw)
     if format is None:
         raise RecordError(source, line, None, "a record needs one of the keys "
-                          + ", ".join(repr(k) for k in formats.FORMATS.values()) + " (train/formats.py)")
+                          + ", ".join(repr(k) for k in formats.FORMATS.values()) + " (traffic/formats.py)")
     rid = raw.get("id", raw.get("question_id"))
     if rid is not None and not isinstance(rid, (str, int)):
         raise RecordError(source, line, "id", f"expected a string or integer, got {type(rid).__name__}")
@@ -142,8 +142,8 @@ def iter_records(spec: str, *, split: str = "train", on_bad_record: str = "error
                  reasoning: str = "keep", summary: LoadSummary | None = None) -> Iterator[Record]:
     """Yield checked records from a JSONL file, a glob of them, a Parquet file or a hub dataset id.
 
-    format: one of train/formats.py's FORMATS for every record, or None to detect each record's from its
-    keys. reasoning: keep | drop (train/formats.py). on_bad_record: "error" raises RecordError naming
+    format: one of traffic/formats.py's FORMATS for every record, or None to detect each record's from its
+    keys. reasoning: keep | drop (traffic/formats.py). on_bad_record: "error" raises RecordError naming
     file, line and field; "skip" counts the record in `summary` and goes on.
     """
     if on_bad_record not in ("error", "skip"):
@@ -225,7 +225,7 @@ class Example:
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-    """The conversation as the tokenizer's chat template writes it (train/formats.py's template_messages:
+    """The conversation as the tokenizer's chat template writes it (traffic/formats.py's template_messages:
     developer and reasoning as the template knows them), with the record's tools."""
     return tokenizer.apply_chat_template(formats.template_messages(messages, tokenizer.chat_template),
                                          tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)

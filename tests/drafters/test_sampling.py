@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eval.sampling import Sampling, choose, probs_from_logits
+from drafters.sampling import Sampling, choose, probs_from_logits
 
 
 def test_greedy_is_one_hot_argmax():

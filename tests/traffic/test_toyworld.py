@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import masked_spans
-from train import checkpoint, toyworld
+from traffic import checkpoint, toyworld
 
 
 def test_tiny_world_has_every_piece(tiny_world):
@@ -239,7 +239,7 @@ def test_agent_traffic_is_logged_as_gateways_log_it_and_trained_on_as_the_templa
     """The agent presets: tool-calling conversations in the OpenAI chat format (tool_calls with JSON-string
     arguments, a tool turn), read by the loader, masked over the tool call and the answer, in the target's
     text; the other presets keep their names and traffic."""
-    from train.data import load_records, tokenize_record
+    from traffic.records import load_records, tokenize_record
 
     assert "agent" not in toyworld.PRESETS["toy"].hashed_fields() and toyworld.PRESETS["toy"].digest() == "063fce936f"
     assert toyworld.PRESETS["toy_agent"].digest() != toyworld.PRESETS["toy"].digest()

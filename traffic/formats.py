@@ -1,5 +1,5 @@
 """The formats production traffic is logged in, each read into one conversation: OpenAI-style chat
-messages (what train/data.py's Record holds) and the record's tools.
+messages (what traffic/records.py's Record holds) and the record's tools.
 
 A record's format is detected from the key that marks it (or named for every record: `data.format=`, and
 a record without that key is then an error naming its line):
@@ -20,7 +20,7 @@ a record without that key is then an error naming its line):
   turn, output as the assistant's.
 - `prompt`: `{"prompt", "response"}`.
 
-Every format keeps `id`, `category` (or `route`) as train/data.py reads them. Reasoning is kept by default
+Every format keeps `id`, `category` (or `route`) as traffic/records.py reads them. Reasoning is kept by default
 (`data.reasoning=keep`: the target emits it at serving time, so the drafter should learn it) or removed
 (`drop`). Tool-call arguments are parsed into objects (chat templates render them); they are assistant
 tokens the drafter learns.
@@ -43,7 +43,7 @@ _THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*", re.DOTALL)
 
 
 class FieldError(ValueError):
-    """A record's field that cannot be read (train/data.py adds the file and line)."""
+    """A record's field that cannot be read (traffic/records.py adds the file and line)."""
 
     def __init__(self, field_name: str | None, problem: str) -> None:
         super().__init__(problem)

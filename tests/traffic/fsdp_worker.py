@@ -1,4 +1,4 @@
-"""Run by tests/train/test_checkpoint.py under `torchrun --nproc_per_node 2` (gloo, CPU): checkpoints of a
+"""Run by tests/traffic/test_checkpoint.py under `torchrun --nproc_per_node 2` (gloo, CPU): checkpoints of a
 model whose parameters and optimizer state FSDP shards across the two processes.
 
 Accelerate does not set FSDP up without GPUs, so the model is sharded with torch's own `fully_shard`,
@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from train import checkpoint
+from traffic import checkpoint
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, tie_word_embeddings=True)

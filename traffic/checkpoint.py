@@ -19,6 +19,9 @@ states (every process must call `save`; the first one writes), loading gives eac
 The files are therefore the same whatever ran the training, and a checkpoint written by an FSDP run
 loads into a single process and the other way round. DeepSpeed's engine keeps its partitions outside
 that API; the recipes refuse it (train/distill.py).
+
+The training recipes (train/) and the toy world's own model training (traffic/toyworld.py `train_lm`)
+both checkpoint through this module, which is why it sits in `traffic`, below them both.
 """
 
 from __future__ import annotations

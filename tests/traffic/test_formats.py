@@ -1,4 +1,4 @@
-"""The formats production traffic is logged in (train/formats.py): each read into chat messages, bad fields
+"""The formats production traffic is logged in (traffic/formats.py): each read into chat messages, bad fields
 named, reasoning kept or dropped, and the training mask covering exactly what the assistant generated
 (its reasoning, text and tool calls) as a tool-aware chat template renders it."""
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from helpers import CHAT, TOOL_TEMPLATE, TOOLS, masked_spans
-from train.data import Record, RecordError, load_records, prompt_ids, tokenize_record
+from traffic.records import Record, RecordError, load_records, prompt_ids, tokenize_record
 
 PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

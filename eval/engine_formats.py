@@ -1,0 +1,345 @@
+"""A drafter in the formats the serving engines load, and the collapse guard that refuses, before anything
+is written, a head an engine would load and then accept nothing from (the field's most reported export
+failure). `python -m train.export` (train/export.py) writes a training run's drafter in them; `python -m
+eval engine=llamacpp` (eval/engine.py) serves a trained EAGLE-3 head in llama.cpp through them.
+
+- `hf` (draft LM): plain Hugging Face weights and the target's tokenizer, LoRA already merged: what
+  vLLM's and SGLang's draft-model speculation and transformers' `assistant_model` load (the model's own
+  `save_pretrained`, in train/export.py).
+- `sglang` (EAGLE-3): SGLang's `LlamaForCausalLMEagle3` (SpecForge's format): `midlayer.*`, `fc`, `norm`,
+  `lm_head` (the target's output-head rows of the draft vocabulary: the head drafts through them),
+  `d2t` (offsets), `t2d` (bool), no embedding. The aux layer ids are written twice, nested in SGLang's
+  convention (0-based layer outputs) and top-level in vLLM's (inputs of layers, the index into Hugging
+  Face's `output_hidden_states`, which is draftsmith's), with an explicit `norm_before_residual`, so
+  vLLM's native `Eagle3LlamaForCausalLM` and llama.cpp's converter read the same directory.
+- `speculators` (EAGLE-3): the speculators library's `Eagle3Speculator` format, which `vllm serve <dir>`
+  detects: `layers.0.*` weights, the target's `embed_tokens`, and a `speculators_config` naming the verifier.
+- `vllm` (EAGLE-1): vLLM's `EagleLlamaForCausalLM` (`"method": "eagle"`, the EAGLE authors' layout):
+  `fc` (2d -> d, embedding first), `layers.0.*` without an input norm, no embedding or output head (vLLM
+  shares the target's), a Llama config of the one layer with the target's vocabulary and RoPE. Neither
+  SGLang nor llama.cpp reads this layout from a draftsmith directory: vLLM only.
+- `gguf`: llama.cpp's own converter (eval/llama_cpp.py) on the `hf` or `sglang` export; an EAGLE-3 GGUF
+  is converted with the target's directory, as llama.cpp requires.
+
+The guard refuses `d2t`/`t2d` that disagree, a draft vocabulary without the target's EOS, aux layer ids an
+engine cannot capture, or a missing `fc` / output head, never overridable; a head whose recorded held-out
+top-1 agreement is at chance is refused unless `force=true`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eval.llama_cpp import convert_to_gguf
+from traffic import toyworld
+
+log = logging.getLogger(__name__)
+
+# EAGLE-3 weights the head itself stores (the output head comes from the target, see `eagle3_tensors`).
+EAGLE3_OWN = ("fc.weight", "norm.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+              "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
+              *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+              *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
+# A head's held-out top-1 agreement at most this many times a uniform guess's (1 / draft vocabulary) is
+# "at chance": a head that learned nothing, or whose vocabulary maps are scrambled.
+CHANCE_FACTOR = 2.0
+
+
+class ExportRefused(ValueError):
+    """A checkpoint the collapse guard will not export; nothing was written."""
+
+
+def target_directory(name_or_path: str) -> Path:
+    """A local directory holding the target's config and tokenizer (what llama.cpp's converter and
+    speculators' loader read): toyworld:// and directories as they are, a hub id from the local cache or
+    the Hub."""
+    local = Path(toyworld.resolve(name_or_path))
+    if local.is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name_or_path))
+
+
+# --- the collapse guard -------------------------------------------------------------------------------
+
+
+def check_eagle3(state: dict[str, torch.Tensor], head_config: dict, target_config, *, eos_token_id: int | None,
+                 best: dict | None, force: bool = False, where: str = "head") -> torch.Tensor:
+    """Refuse a head that would load and then accept nothing; return its target ids (draft id -> target id)."""
+    from drafters.eagle import check_vocab_maps
+
+    missing = [name for name in EAGLE3_OWN if name not in state]
+    if missing:
+        raise ExportRefused(f"{where}: weights {missing} are missing; an engine would load them as random")
+    try:
+        target_ids = check_vocab_maps(state["d2t"], state["t2d"])
+    except ValueError as e:
+        raise ExportRefused(f"{where}: {e}") from None
+    if state["t2d"].numel() != target_config.vocab_size:
+        raise ExportRefused(f"{where}: t2d covers {state['t2d'].numel()} tokens but the target has "
+                            f"{target_config.vocab_size}")
+    for eos in [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []):
+        if not bool(state["t2d"][eos]):
+            raise ExportRefused(f"{where}: the draft vocabulary lacks the target's EOS token {eos}: the head could "
+                                "never propose the end of an answer")
+    n = target_config.num_hidden_layers
+    layers = list(head_config["feature_layers"])
+    bad = [i for i in layers if not 1 <= i <= n - 1]
+    if bad:
+        raise ExportRefused(f"{where}: aux hidden-state layers {layers} (indices into output_hidden_states) include "
+                            f"{bad}, outside 1..{n - 1}: engines capture the inputs of layers 1..{n - 1} of a "
+                            f"{n}-layer target, not the embedding (0) or the normed last state ({n})")
+    expected_fc = (head_config["hidden_size"], len(layers) * head_config["target_hidden_size"])
+    if tuple(state["fc.weight"].shape) != expected_fc:
+        raise ExportRefused(f"{where}: fc.weight is {tuple(state['fc.weight'].shape)}, expected {expected_fc}")
+    _refuse_at_chance(best, target_ids.numel(), "draft tokens", force=force, where=where)
+    return target_ids
+
+
+def _refuse_at_chance(best: dict | None, vocabulary: int, what: str, *, force: bool, where: str) -> None:
+    """Refuse (unless forced) a head whose recorded held-out top-1 agreement is at most CHANCE_FACTOR times a
+    uniform guess over the `vocabulary` tokens it drafts from."""
+    if best is None or best.get("top1") is None:
+        return
+    chance = CHANCE_FACTOR / vocabulary
+    if best["top1"] <= chance:
+        message = (f"{where}: held-out top-1 agreement {best['top1']:.4f} is at chance (<= {chance:.4f}, "
+                   f"{CHANCE_FACTOR:g}x a uniform guess over {vocabulary} {what})")
+        if not force:
+            raise ExportRefused(message + "; export it anyway with force=true")
+        log.warning("%s; exporting because force=true", message)
+
+
+EAGLE1_OWN = ("fc.weight", "layer.post_attention_layernorm.weight",
+              *(f"layer.self_attn.{p}_proj.weight" for p in "qkvo"),
+              *(f"layer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
+
+
+def check_eagle1(state: dict[str, torch.Tensor], head_config: dict, target_config, *, best: dict | None,
+                 force: bool = False, where: str = "head") -> None:
+    """Refuse an EAGLE-1 head vLLM would load into something else than the head that was measured."""
+    missing = [name for name in EAGLE1_OWN if name not in state]
+    if missing:
+        raise ExportRefused(f"{where}: weights {missing} are missing; an engine would load them as random")
+    if head_config.get("input_norm", True):
+        raise ExportRefused(f"{where}: this head has a norm before its layer's attention (saved by a draftsmith "
+                            "before the layer lost it); vLLM's EAGLE-1 layer has none: train it again")
+    n = target_config.num_hidden_layers
+    if list(head_config["feature_layers"]) != [n]:
+        raise ExportRefused(f"{where}: the head reads layers {head_config['feature_layers']}; vLLM hands an EAGLE-1 "
+                            f"head the target's last (normed) state, [{n}]")
+    d = target_config.hidden_size
+    if head_config["hidden_size"] != d or tuple(state["fc.weight"].shape) != (d, 2 * d):
+        raise ExportRefused(f"{where}: fc.weight is {tuple(state['fc.weight'].shape)}, vLLM's EAGLE-1 fc is ({d}, {2 * d})")
+    _refuse_at_chance(best, target_config.vocab_size, "tokens", force=force, where=where)
+
+
+def vllm_eagle1(head_dir: Path, target, target_dir: Path, *, best: dict | None, force: bool, dtype: torch.dtype):
+    """The writer of the `vllm` export of an EAGLE-1 head, guarded before it is returned."""
+    head_config = json.loads((head_dir / "config.json").read_text())
+    state = load_file(str(head_dir / "model.safetensors"))
+    check_eagle1(state, head_config, target.config, best=best, force=force, where=str(head_dir))
+    tc = target.config
+    config = {
+        "architectures": ["EagleLlamaForCausalLM"],  # what vLLM makes of LlamaForCausalLM with method "eagle"
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        **{key: head_config[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                             "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act")},
+        **_rope(head_config),
+        "max_position_embeddings": tc.max_position_embeddings,
+        "vocab_size": tc.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": tc.bos_token_id,
+        "eos_token_id": tc.eos_token_id,
+        "pad_token_id": tc.pad_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    tensors = {name.replace("layer.", "layers.0.", 1): state[name].to(dtype).contiguous() for name in EAGLE1_OWN}
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        copy_tokenizer(target_dir, tmp)
+
+    return write
+
+
+# --- EAGLE-3 --------------------------------------------------------------------------------------------
+
+
+def _rope(head_config: dict) -> dict:
+    """rope_theta / rope_scaling as engines read them (transformers 5 keeps both in rope_parameters)."""
+    params = dict(head_config.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", head_config.get("rope_theta", 10000.0))
+    scaling = params if params.get("rope_type", "default") != "default" else None
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def eagle3_tensors(head_dir: Path, target, *, best: dict | None, force: bool = False,
+                   dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """The head's weights for an engine, guarded, and its config.json: the head's own weights plus
+    `lm_head`, the target's output-head rows of the draft vocabulary (the head drafts through exactly
+    those rows, so the engine's separate lm_head computes the same logits)."""
+    head_config = json.loads((head_dir / "config.json").read_text())
+    state = load_file(str(head_dir / "model.safetensors"))
+    target_ids = check_eagle3(state, head_config, target.config, eos_token_id=target.config.eos_token_id,
+                              best=best, force=force, where=str(head_dir))
+    output = target.get_output_embeddings()
+    if output is None or output.weight.shape[0] != target.config.vocab_size:
+        raise ExportRefused(f"{head_dir}: the target has no output head of {target.config.vocab_size} rows to take "
+                            "the draft vocabulary's lm_head from")
+    tensors = {name: state[name] for name in EAGLE3_OWN}
+    tensors["lm_head.weight"] = output.weight.detach()[target_ids].to(state["fc.weight"].dtype)
+    if dtype is not None:
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+    return {k: v.contiguous() for k, v in tensors.items()}, head_config
+
+
+def sglang_config(head_config: dict, target_config, dtype: str) -> dict:
+    """config.json of SGLang's LlamaForCausalLMEagle3, with vLLM's top-level aux ids beside it."""
+    layers = list(head_config["feature_layers"])
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": head_config["hidden_size"],
+        "intermediate_size": head_config["intermediate_size"],
+        "num_attention_heads": head_config["num_attention_heads"],
+        "num_key_value_heads": head_config["num_key_value_heads"],
+        "head_dim": head_config["head_dim"],
+        "rms_norm_eps": head_config["rms_norm_eps"],
+        "hidden_act": head_config["hidden_act"],
+        **_rope(head_config),
+        "max_position_embeddings": target_config.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "vocab_size": target_config.vocab_size,
+        "draft_vocab_size": head_config.get("draft_vocab_size") or target_config.vocab_size,
+        "target_hidden_size": head_config["target_hidden_size"],
+        "bos_token_id": target_config.bos_token_id,
+        "eos_token_id": target_config.eos_token_id,
+        "pad_token_id": target_config.pad_token_id,
+        "torch_dtype": dtype,
+        # Pre-norm residual (the layer adds attention to the un-normed feature), as the head is built.
+        "norm_before_residual": False,
+        # vLLM's convention, read first by vLLM and llama.cpp: the input of layer i.
+        "eagle_aux_hidden_state_layer_ids": layers,
+        # SGLang's: 0-based layer outputs (it adds 1 itself).
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers], "use_aux_hidden_state": True},
+    }
+
+
+def speculators_config(head_config: dict, target_config, verifier: str, dtype: str, k: int) -> dict:
+    """config.json of speculators' Eagle3Speculator (vLLM serves the directory directly)."""
+    layer = sglang_config(head_config, target_config, dtype)
+    transformer = {key: layer[key] for key in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "rms_norm_eps", "hidden_act", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size",
+        "bos_token_id", "eos_token_id", "pad_token_id")}
+    transformer.update({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+                        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False})
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "torch_dtype": dtype,
+        # Explicit: absent, transformers' default ties lm_head to the embedding it loads from the verifier.
+        "tie_word_embeddings": False,
+        "draft_vocab_size": layer["draft_vocab_size"],
+        "target_hidden_size": layer["target_hidden_size"],
+        # Every norm switch explicit: speculators' defaults differ from the head (norm_before_residual is
+        # true when absent).
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": layer["eagle_aux_hidden_state_layer_ids"],
+        "transformer_layer_config": transformer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier, "architectures": list(target_config.architectures or [])},
+        },
+    }
+
+
+# --- writing ----------------------------------------------------------------------------------------------
+
+
+def write_dir(out: Path, write) -> Path:
+    """Run write(tmp) into a temporary sibling and rename it into place: an interrupted export never
+    leaves a directory that looks complete."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer files of the model directory `src` that exist, into `dst`."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "tokenizer.model"):
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def sglang_writer(tensors: dict[str, torch.Tensor], head_config: dict, target_config, target_dir: Path, dtype: str):
+    """The writer of the `sglang` export of an EAGLE-3 head (`eagle3_tensors`): its weights, its config and the
+    target's tokenizer."""
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(sglang_config(head_config, target_config, dtype), indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        copy_tokenizer(target_dir, tmp)
+
+    return write
+
+
+def speculators_writer(tensors: dict[str, torch.Tensor], head_config: dict, target, verifier: str, target_dir: Path,
+                       dtype: str, k: int):
+    """The writer of the `speculators` export of an EAGLE-3 head (`eagle3_tensors`): its layer renamed to
+    speculators' `layers.0.*`, the target's embedding, and a config naming `verifier` and the draft length k."""
+    def write(tmp: Path) -> None:
+        config = speculators_config(head_config, target.config, verifier, dtype, k)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        renamed = {name.replace("midlayer.", "layers.0.", 1): t for name, t in tensors.items()}
+        # speculators keeps the embedding in the checkpoint: absent, its loader neither reports it nor fills it
+        # from the verifier (it stays uninitialised memory), so the target's is written.
+        renamed["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().to(tensors["fc.weight"].dtype)
+        save_file(renamed, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        copy_tokenizer(target_dir, tmp)
+
+    return write
+
+
+def eagle3_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file: str | Path) -> Path:
+    """A saved EAGLE-3 head (a `best/` directory of a run) as a llama.cpp GGUF: the SGLang export beside
+    `out_file`, guarded as every export is, then llama.cpp's converter with the target's directory.
+    What `python -m eval engine=llamacpp` serves."""
+    head_dir, out_file = Path(head_dir), Path(out_file)
+    best_file = head_dir / "best.json"
+    best = json.loads(best_file.read_text()) if best_file.exists() else None
+    tensors, head_config = eagle3_tensors(head_dir, target, best=best)
+    target_dir = target_directory(target_name_or_path)
+    sglang = write_dir(out_file.with_suffix(".sglang"), sglang_writer(tensors, head_config, target.config,
+                                                                       target_dir, "float32"))
+    return write_gguf(sglang, out_file, "float32", target_dir=target_dir)
+
+
+def write_gguf(model_dir: Path, out_file: Path, dtype: str, target_dir: Path | None = None) -> Path:
+    """The `hf` or `sglang` export in `model_dir` through llama.cpp's converter, its weights in `dtype`."""
+    outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
+    return convert_to_gguf(model_dir, out_file, outtype=outtype, target_dir=target_dir)
