@@ -2,7 +2,7 @@
 engine's cost model, which turns draftsmith's acceptance into a predicted speed-up for engines that cannot
 run here.
 
-Acceptance carries over between engines; cost does not (BENCHMARKS.md section 7). llama.cpp decodes the
+Acceptance carries over between engines; cost does not (BENCHMARKS.md section 8). llama.cpp decodes the
 toy target several times faster than draftsmith's PyTorch loop, so one draft step costs it relatively more,
 and a drafter that pays in one engine can lose in another. `python -m eval engine=llamacpp` therefore
 measures, beside draftsmith's loop and on the same prompts, k and budget (greedy):

@@ -203,6 +203,7 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
     plain_gens = plain.select(category)
     costs = cost_model(rounds, [s for g in plain_gens for s in g.step_s], k, stats.acceptance_length,
                        steps=statistics.fmean(g.target_forwards - 1 for g in plain_gens),
+                       spec_rounds=statistics.fmean(g.target_forwards - 1 for g in gens),
                        prefill_s=[g.prefill_s for g in plain_gens if g.prefill_s is not None],
                        spec_prefill_s=[g.prefill_s for g in gens if g.prefill_s is not None])
     lossless = None
@@ -230,6 +231,9 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         # The prefill before the first step (plain) and the first round (speculative), in target steps.
         "prefill_steps": costs.prefill,
         "spec_prefill_steps": costs.spec_prefill,
+        # Plain steps over speculative rounds per generation (per batch at B > 1, which runs until its slowest
+        # row ends): what the prediction charges rounds for; tau at batch 1.
+        "batch_acceptance_length": costs.batch_acceptance_length,
         "lossless": lossless,
         # Batch > 1: the mean share of a batch's rows still running per round, and per plain decoding step.
         "occupancy": _mean_occupancy(gens),

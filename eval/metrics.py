@@ -89,7 +89,11 @@ class CostModel:
         test, the rollback and the bookkeeping), minus 1.
     prefill, spec_prefill: the time before the first step (plain) or round (speculative: the target's
         prefill, its first token and the drafter's start on the prompt), None where not timed.
-    predicted_speedup: the speed-up these costs predict with the measured tau (`predicted_speedup`).
+    batch_acceptance_length: the tokens a generation advances per round, its plain decoding steps over its
+        speculative rounds. At batch 1 that is tau; a batch runs until its slowest row ends, so at B > 1
+        it is below the rows' tau when rows keep different numbers of guesses.
+    predicted_speedup: the speed-up these costs predict (`predicted_speedup`), with the batch's acceptance
+        length and the prefill where they are known, else with tau in the steady state.
     """
 
     cost_ratio: float
@@ -97,10 +101,11 @@ class CostModel:
     predicted_speedup: float | None
     prefill: float | None = None
     spec_prefill: float | None = None
+    batch_acceptance_length: float | None = None
 
 
 def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, acceptance_length: float, *,
-               steps: float | None = None, prefill_s: Sequence[float] = (),
+               steps: float | None = None, spec_rounds: float | None = None, prefill_s: Sequence[float] = (),
                spec_prefill_s: Sequence[float] = ()) -> CostModel:
     """Estimate c and beta from the timed rounds and the timed plain-decoding steps of the same prompts.
 
@@ -110,8 +115,9 @@ def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, 
     some rounds. c and beta come from the full rounds (n guesses drafted and verified): c is the cost of
     one drafted token (a full round's draft time / n), beta the rest of the round. Rounds timed without
     their whole (`round_s` None) take beta from the verification alone. The prediction charges each round
-    its mean proposal length; with `steps` (plain decoding's mean steps per generation) and both loops'
-    prefill times it predicts the end-to-end speed-up, prefill included.
+    its mean proposal length. With `steps` and `spec_rounds` (plain decoding's mean steps and speculative
+    decoding's mean rounds per generation: per batch at B > 1) and both loops' prefill times it predicts
+    the end-to-end speed-up: each generation pays its prefill once and `spec_rounds` full rounds.
     """
     if not target_step_s:
         raise ValueError("no timed target steps: cannot express costs in target steps")
@@ -126,11 +132,12 @@ def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, 
     mean_proposed = statistics.fmean(r.proposed for r in rounds)
     prefill = statistics.median(prefill_s) / step if prefill_s else None
     spec_prefill = statistics.median(spec_prefill_s) / step if spec_prefill_s else None
-    if steps is None or prefill is None or spec_prefill is None:
+    if steps is None or not spec_rounds or prefill is None or spec_prefill is None:
         return CostModel(c, beta, predicted_speedup(acceptance_length, mean_proposed, c, beta))
-    predicted = predicted_speedup(acceptance_length, mean_proposed, c, beta, steps=steps, prefill=prefill,
+    batch_tau = steps / spec_rounds
+    predicted = predicted_speedup(batch_tau, mean_proposed, c, beta, steps=steps, prefill=prefill,
                                   spec_prefill=spec_prefill)
-    return CostModel(c, beta, predicted, prefill, spec_prefill)
+    return CostModel(c, beta, predicted, prefill, spec_prefill, batch_tau)
 
 
 def predicted_speedup(acceptance_length: float, proposed: float, c: float, beta: float, *,
@@ -138,7 +145,8 @@ def predicted_speedup(acceptance_length: float, proposed: float, c: float, beta:
     """The cost model's speed-up, in target steps (ANCHORS section 1). A round costs its n draft steps and
     the rest of the round, 1 + n*c + beta, and yields tau tokens: in the steady state (an engine's decoding
     phase) the speed-up is tau / (1 + n*c + beta). A whole generation of `steps` plain decoding steps also
-    pays its prefill once, in both loops: (prefill + steps) / (spec_prefill + steps / tau * (1 + n*c + beta))."""
+    pays its prefill once, in both loops: (prefill + steps) / (spec_prefill + steps / tau * (1 + n*c + beta)),
+    with tau the tokens the generation (a whole batch at B > 1) advances per round."""
     round_cost = 1 + proposed * c + beta
     if steps is None:
         return acceptance_length / round_cost

@@ -1,4 +1,5 @@
-"""The toy world's off-the-shelf draft, trained by its own recipe at another size (BENCHMARKS.md section 5).
+"""The toy world's off-the-shelf draft, trained by its own recipe at another size (docs/benchmark-log.md,
+"Can the head win on `toy`? Three checks").
 
     python scripts/toy_draft_variant.py --layers 3 --out runs/draft-3-layers
     python -m train drafter=draft_lm drafter.loss=sft drafter.init_from=runs/draft-3-layers   # then distil it

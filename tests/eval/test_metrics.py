@@ -78,14 +78,19 @@ def test_cost_model_charges_the_whole_round_and_the_prefill():
     steady = cost_model(timed, [0.01], k=4, acceptance_length=3.0)
     assert steady.verify_overhead == pytest.approx(0.4) and steady.prefill is None
     assert steady.predicted_speedup == pytest.approx(3.0 / (1 + 4 * 0.1 + 0.4))
-    # 30 plain steps after a 50 ms prefill (5 steps); the speculative prefill also starts the drafter (60 ms,
-    # 6 steps): (5 + 30) / (6 + 30 / 3 * 1.8) = 35 / 24, below the steady state's 3 / 1.8 = 1.667.
-    whole = cost_model(timed, [0.01], k=4, acceptance_length=3.0, steps=30, prefill_s=[0.05, 0.05, 0.07],
-                       spec_prefill_s=[0.06])
-    assert (whole.prefill, whole.spec_prefill) == pytest.approx((5.0, 6.0))
+    # 30 plain steps in 10 rounds after a 50 ms prefill (5 steps); the speculative prefill also starts the
+    # drafter (60 ms, 6 steps): (5 + 30) / (6 + 10 * 1.8) = 35 / 24, below the steady state's 3 / 1.8.
+    whole = cost_model(timed, [0.01], k=4, acceptance_length=3.0, steps=30, spec_rounds=10,
+                       prefill_s=[0.05, 0.05, 0.07], spec_prefill_s=[0.06])
+    assert (whole.prefill, whole.spec_prefill, whole.batch_acceptance_length) == pytest.approx((5.0, 6.0, 3.0))
     assert whole.predicted_speedup == pytest.approx(35 / 24)
+    # A batch whose slowest row needs 12 rounds where its rows' tau says 10: every round is paid.
+    batch = cost_model(timed, [0.01], k=4, acceptance_length=3.0, steps=30, spec_rounds=12, prefill_s=[0.05],
+                       spec_prefill_s=[0.06])
+    assert batch.batch_acceptance_length == pytest.approx(2.5)
+    assert batch.predicted_speedup == pytest.approx(35 / (6 + 12 * 1.8))
     # Without the prefill times the prediction stays the steady state's.
-    assert cost_model(timed, [0.01], k=4, acceptance_length=3.0, steps=30).predicted_speedup == \
+    assert cost_model(timed, [0.01], k=4, acceptance_length=3.0, steps=30, spec_rounds=10).predicted_speedup == \
         pytest.approx(steady.predicted_speedup)
 
 
