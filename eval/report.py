@@ -118,9 +118,10 @@ def markdown(report: dict) -> str:
         "prop = guesses proposed per round (below k with a confidence stop); τ = 1 + guesses kept per round"
         " (the first new token comes from the prompt's forward, as in serving engines);"
         " c = one draft step / one plain decoding step; β = the rest of a full round (verification of k+1"
-        " positions, rollback, bookkeeping) / one step − 1; pred × = the speed-up τ, c and β predict with each"
-        " generation's prefill counted once, (p + N) / (p' + N/τ·(1 + prop·c + β)) for N plain steps and prefills"
-        " p (plain) and p' (speculative, the drafter's start included) in steps; speed-up × = speculative / plain tokens/s"
+        " positions, rollback, bookkeeping) / one step − 1; pred × = the speed-up these costs predict for a whole"
+        " generation, (p + N) / (p' + R·(1 + prop·c + β)) for N plain steps and R speculative rounds per generation"
+        " (per batch at B > 1: a batch runs until its slowest row ends) and the prefills p (plain) and p'"
+        " (speculative, the drafter's start included) in steps; speed-up × = speculative / plain tokens/s"
         " (pooled over repeats and prompts, run side by side); plain and spec tok/s are medians over repeats.",
         "",
         "## Summary",
