@@ -69,9 +69,9 @@ DEMO := runs/demo/$(shell date +%Y-%m-%d_%H-%M-%S)
 demo: install
 	@echo "make demo: train an EAGLE-3 head for the toy world's target on its company traffic, evaluate it against"
 	@echo "  the off-the-shelf draft, export it for vLLM (speculators) and SGLang. On 2 cores (BENCHMARKS.md sections 3, 6):"
-	@echo "  the toy world, built on first use only: about 10.5 min (cached in ~/.cache/draftsmith);"
-	@echo "  the target's answers to the training prompts: about 40 s; 300 training steps: about 2 min;"
-	@echo "  the evaluation: about 15 s; the export: a few seconds."
+	@echo "  the toy world, built on first use only: about 12 min (cached in ~/.cache/draftsmith);"
+	@echo "  the target's answers to the training prompts: about 45 s; 300 training steps: about 2 min;"
+	@echo "  the evaluation: about 20 s; the export: a few seconds."
 	$(BIN)/python -m train drafter=eagle data=company_logs hydra.run.dir=$(DEMO)
 	$(BIN)/python -m train.export run=$(DEMO) 'formats=[speculators,sglang]' out_dir=$(DEMO)/export
 	@echo ""
