@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from drafters.hf_cache import RaggedCache, forward_rows
 from drafters.layers import RaggedRows
 from drafters.sampling import Sampling, choose, probs_from_logits
-from eval.speculative import Generation, Round, _finish, _sync, accept_sampled
+from eval.speculative import Generation, Round, _finish, _since, _sync, accept_sampled
 
 
 @dataclass
@@ -91,9 +91,7 @@ def autoregressive_generate_batch(target: PreTrainedModel, prompts: list[torch.T
     new: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # the prompt index of each row of the batch
     forwards, steps, step_rows = 1, [], []
-    if timed:
-        _sync(device)
-    prefill_s = clock() - t_start if timed else None
+    prefill_s = _since(t_start, device, timed)
     while True:
         t0 = clock()  # a step: choose every row's token, then the forward that gives the next logits
         tokens = _choose_rows(logits, sampling, generator)
@@ -155,9 +153,7 @@ def speculative_generate_batch(target: PreTrainedModel, drafter, prompts: list[t
         committed = [torch.cat([prompts[i], prompts[i].new_tensor([new[i][0]])]) for i in live]
         # A head reads the features of every prompt position (all committed positions but the first new token's).
         drafter.start(committed, [features[i, : counts[i]] for i in live] if layers else None)
-    if timed:
-        _sync(device)
-    prefill_s = clock() - t_start if timed else None
+    prefill_s = _since(t_start, device, timed)
     while live:
         if timed:
             _sync(device)
@@ -188,9 +184,7 @@ def speculative_generate_batch(target: PreTrainedModel, drafter, prompts: list[t
         if still and len(still) < len(live):  # finished rows leave the batch
             rows.select(still)
             drafter.keep(still)
-        if timed:
-            _sync(device)
-        round_s = clock() - t0 if timed else None
+        round_s = _since(t0, device, timed)
         batch_rounds.append(BatchRound(len(live), t1 - t0, t2 - t1, round_s))
         for index, r in zip(live, ended):
             r.round_s = round_s

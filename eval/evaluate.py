@@ -201,9 +201,11 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
                          "budget), so no round was drafted; raise max_new_tokens")
     stats = acceptance_stats(rounds, k)
     plain_gens = plain.select(category)
+    # Plain steps and speculative rounds per generation (per batch at B > 1): what the prediction charges.
+    steps = statistics.fmean(g.target_forwards - 1 for g in plain_gens)
+    spec_rounds = statistics.fmean(g.target_forwards - 1 for g in gens)
     costs = cost_model(rounds, [s for g in plain_gens for s in g.step_s], k, stats.acceptance_length,
-                       steps=statistics.fmean(g.target_forwards - 1 for g in plain_gens),
-                       spec_rounds=statistics.fmean(g.target_forwards - 1 for g in gens),
+                       steps=steps, spec_rounds=spec_rounds,
                        prefill_s=[g.prefill_s for g in plain_gens if g.prefill_s is not None],
                        spec_prefill_s=[g.prefill_s for g in gens if g.prefill_s is not None])
     lossless = None

@@ -70,6 +70,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _since(start: float, device: torch.device, timed: bool) -> float | None:
+    """Seconds since `start` with the device's work finished, for a timed loop; None when not timed."""
+    if not timed:
+        return None
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Greedy acceptance: keep guesses while they equal the target's argmax.
 
@@ -197,9 +205,7 @@ def speculative_generate(
         drafter.start(committed)
     last, length = first, len(prompt) + 1  # the last committed token, and how many are committed
     rounds: list[Round] = []
-    if timed:
-        _sync(device)
-    prefill_s = clock() - t_start if timed else None
+    prefill_s = _since(t_start, device, timed)
     while True:
         if timed:
             _sync(device)
@@ -237,9 +243,7 @@ def speculative_generate(
             drafter.commit(accepted, next_token)
         step = guesses[:accepted] + [next_token]
         new, done = _finish(new + step, max_new_tokens, eos_token_id)
-        if timed:
-            _sync(device)
-        rounds.append(Round(len(guesses), kept, t1 - t0, t2 - t1, clock() - t0 if timed else None))
+        rounds.append(Round(len(guesses), kept, t1 - t0, t2 - t1, _since(t0, device, timed)))
         if done:
             break
         last, length = next_token, length + len(step)
@@ -269,9 +273,7 @@ def autoregressive_generate(
     new: list[int] = []
     steps: list[float] = []
     forwards = 1
-    if timed:
-        _sync(device)
-    prefill_s = clock() - t_start if timed else None
+    prefill_s = _since(t_start, device, timed)
     while True:
         t0 = clock()  # a step: choose the token, then the forward that gives the next one's logits
         token = int(choose(logits, sampling, generator).item())
