@@ -20,9 +20,12 @@ drafter later (it would return a tree with its proposal and the loop would verif
 
 Batches (eval/batching.py): `drafter.batched()` gives the same drafter for B rows at once, a
 `BatchDrafter`: `start` takes a list of prompts (and per-row features), `propose` returns one Proposal
-per row, `commit` takes each row's accepted count and next token, and `keep(rows)` drops the rows that
-finished. Its caches are ragged (one length per row), so rows that keep different numbers of guesses
-never recompute a prefix.
+per row, `commit` takes each row's accepted count and next token, `keep(rows)` drops the rows that finished and
+`join(prompts, features)` adds rows for new requests after the running ones (continuous batching: it
+starts a batch of the new rows and takes over their caches). Its caches are ragged (one length per row),
+so rows that keep different numbers of guesses never recompute a prefix. A batch drafter reads its
+prompts in `start` (every position but the newest, which the first round feeds), so a round's draft
+time is drafting only, whether or not requests joined before it.
 
 Confidence stop (`stop_below`, every model drafter; off by default): a round ends early at the first
 guess the drafter itself gives a probability below the threshold. That guess is still proposed; the
@@ -144,3 +147,6 @@ class BatchDrafter(Protocol):
 
     def keep(self, rows: list[int]) -> None:
         """Only `rows` (indices into the current batch, in order) continue."""
+
+    def join(self, prompts: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
+        """New rows, started on `prompts` as `start` starts them, after the running rows (continuous batching)."""

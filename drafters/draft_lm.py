@@ -173,28 +173,55 @@ class DraftLMBatch:
     extra guesses are cropped like rejected ones), and the round ends early once every row has stopped."""
 
     def __init__(self, drafter: DraftLM) -> None:
+        self.drafter = drafter
         self.model, self.name, self.stop_below = drafter.model, drafter.name, drafter.stop_below
         self.device, self.lean = drafter.device, drafter.lean  # the lean path when the drafter has it
 
     def start(self, prompts: list[torch.Tensor], features=None) -> None:
         self.rows = RaggedRows(len(prompts), self.device)
         if self.lean is not None:
-            self.lean.start_rows(self.rows)
+            self.caches = self.lean.start_rows(self.rows)
         else:
             self.cache = RaggedCache(self.model, self.rows)
         self.ids = [p.tolist() for p in prompts]
         self.fed = [0] * len(prompts)  # how many of each row's ids and pending guesses its cache holds
         self.guesses: list[list[int]] = [[] for _ in prompts]
+        self._prefill()
+
+    def _forward(self, feed: list[list[int]]) -> torch.Tensor:
+        """Row b feeds feed[b] on top of its cache; (B, V) logits after each row's last entry."""
+        if self.lean is not None:
+            return self.lean.forward_rows(feed, self.rows, self.caches)
+        return forward_rows(self.model, feed, self.cache, logits_for="last")[0]
+
+    @torch.inference_mode()
+    def _prefill(self) -> None:
+        """Read every row's prompt but its last token, which the first round's first draft step feeds: the
+        prompt is read here, with the target's prefill, not inside a round. (A batch with a 1-token prompt
+        reads its prompts in that first step instead.)"""
+        feed = [ids[:-1] for ids in self.ids]
+        if all(feed):
+            self._forward(feed)
+            self.fed = [len(f) for f in feed]
+
+    def join(self, prompts: list[torch.Tensor], features=None) -> None:
+        """New rows after the running ones, each started on its prompt as `start` starts a batch."""
+        other = DraftLMBatch(self.drafter)
+        other.start(prompts)
+        if self.lean is not None:
+            for mine, theirs in zip(self.caches, other.caches):
+                mine.absorb(theirs)
+        else:
+            self.cache.absorb(other.cache)
+        self.rows.extend(other.rows)
+        self.ids, self.fed, self.guesses = self.ids + other.ids, self.fed + other.fed, self.guesses + other.guesses
 
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
         feed = [ids[fed:] for ids, fed in zip(self.ids, self.fed)]
         chains = Chains(len(self.ids), self.stop_below)
         for step in range(1, k + 1):
-            if self.lean is not None:
-                logits = self.lean.forward_rows(feed)  # (B, V)
-            else:
-                logits, _, _ = forward_rows(self.model, feed, self.cache, logits_for="last")
+            logits = self._forward(feed)  # (B, V)
             tokens, q = draw(logits, sampling, generator)  # every row at once
             if chains.add(logits, tokens, q) or step == k:
                 break

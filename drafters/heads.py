@@ -211,6 +211,16 @@ class FeatureBatch(FeatureDrafter):
     def keep(self, rows: list[int]) -> None:
         self.ids, self.pending, self.guesses = ([xs[r] for r in rows] for xs in (self.ids, self.pending, self.guesses))
 
+    def join(self, prompts: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
+        """New rows after the running ones, each started on its prompt as `start` starts a batch."""
+        other = type(self)(self.head, self.name, self.stop_below)
+        other.start(prompts, features)
+        self.absorb(other)
+
+    def absorb(self, other: "FeatureBatch") -> None:
+        """Take the rows of `other` (a batch of the same head, started on other prompts) after these."""
+        self.ids, self.pending, self.guesses = self.ids + other.ids, self.pending + other.pending, self.guesses + other.guesses
+
 
 class ChainBatch(FeatureBatch):
     """A head that drafts a chain on its own KV cache (EAGLE-3, EAGLE-1) for a ragged batch: the round's
@@ -224,6 +234,23 @@ class ChainBatch(FeatureBatch):
         self.rows = RaggedRows(len(prompts), self.device)
         self.cache = KVCache(self.rows)
         self.fed = [0] * len(prompts)  # per row: cache entries built from the target's real features
+        self._prefill()
+
+    @torch.inference_mode()
+    def _prefill(self) -> None:
+        """Cache every row's prompt features but the newest, which the first round's first step feeds (and
+        drafts from): the prompt is read here, with the target's prefill, not inside a round."""
+        counts = [p.shape[0] - 1 for p in self.pending]
+        q = max(counts)
+        if q == 0:
+            return
+        hidden = torch.stack([torch.cat([p[:n], p[-1:].expand(q - n, -1)]) for p, n in zip(self.pending, counts)])
+        tokens = torch.tensor([ids[len(ids) - n - 1: len(ids) - 1] + [ids[-1]] * (q - n)
+                               for ids, n in zip(self.ids, counts)], device=self.device)
+        self.first(hidden, tokens, torch.tensor(counts, device=self.device).clamp(min=1) - 1)
+        self.rows.advance(counts)
+        self.fed = list(self.rows.lengths)
+        self.pending = [p[-1:] for p in self.pending]
 
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
@@ -258,3 +285,9 @@ class ChainBatch(FeatureBatch):
         self.rows.select(rows)
         self.fed = [self.fed[r] for r in rows]
         super().keep(rows)
+
+    def absorb(self, other: "ChainBatch") -> None:
+        self.cache.absorb(other.cache)
+        self.rows.extend(other.rows)
+        self.fed = self.fed + other.fed
+        super().absorb(other)

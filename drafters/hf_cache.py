@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from drafters.heads import features_of
-from drafters.layers import RaggedRows, follow, ragged_write
+from drafters.layers import RaggedRows, follow, ragged_write, stack_rows
 
 
 def cache_keyword(model: PreTrainedModel) -> str:
@@ -76,6 +76,17 @@ class RaggedLayer(CacheLayerMixin):
         end = self.rows.end(key_states.shape[2])
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def absorb(self, other: "RaggedLayer") -> None:
+        """Take the rows of `other` (the same layer of another batch's cache) after this batch's rows."""
+        if not other.is_initialized:
+            return  # nothing written there: rows with no entries yet read nothing from the buffers
+        if not self.is_initialized:
+            self.lazy_initialization(other.keys, other.values)
+        self._follow()
+        other._follow()
+        self.keys = stack_rows(self.keys, len(self.rows), other.keys, len(other.rows))
+        self.values = stack_rows(self.values, len(self.rows), other.values, len(other.rows))
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.rows.end(query_length), 0
 
@@ -93,6 +104,12 @@ class RaggedCache(Cache):
         config = model.config.get_text_config()
         super().__init__(layers=[RaggedLayer(rows) for _ in range(config.num_hidden_layers)])
         self.rows = rows
+
+    def absorb(self, other: "RaggedCache") -> None:
+        """Requests joining a running batch: `other` (their prefill's cache, another batch) gives its rows
+        to this one, after the rows already here; then `self.rows.extend(other.rows)` adds their lengths."""
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.absorb(theirs)
 
 
 def attention_mask(model: PreTrainedModel, rows: RaggedRows, q: int) -> torch.Tensor | dict[str, torch.Tensor]:

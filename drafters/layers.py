@@ -140,9 +140,7 @@ class KVCache:
         """Add k, v (batch, kv_heads, T, head_dim) after the valid positions; return all valid keys and values.
         Ragged (`rows`): after each row's own length; returns keys and values up to the longest row's end."""
         if self.rows is not None:
-            self.k = follow(self.k, self.rows, self._generation)
-            self.v = follow(self.v, self.rows, self._generation)
-            self._generation = self.rows.generation
+            self._follow()
             self.k, self.v = ragged_write(self.k, k, self.rows), ragged_write(self.v, v, self.rows)
             end = self.rows.end(k.shape[2])
             return self.k[:, :, :end], self.v[:, :, :end]
@@ -162,6 +160,20 @@ class KVCache:
     def crop(self, keep: int) -> None:
         """Roll back to the first `keep` positions."""
         self.length = min(self.length, keep)
+
+    def _follow(self) -> None:
+        """Drop the rows the batch dropped since the last call (ragged caches)."""
+        self.k = follow(self.k, self.rows, self._generation)
+        self.v = follow(self.v, self.rows, self._generation)
+        self._generation = self.rows.generation
+
+    def absorb(self, other: "KVCache") -> None:
+        """Take the rows of `other`, the same layer's cache of another ragged batch, after this batch's rows
+        (a request joining a running batch; `RaggedRows.extend` then adds their lengths)."""
+        self._follow()
+        other._follow()
+        self.k = stack_rows(self.k, len(self.rows), other.k, len(other.rows))
+        self.v = stack_rows(self.v, len(self.rows), other.v, len(other.rows))
 
 
 class RaggedRows:
@@ -229,6 +241,12 @@ class RaggedRows:
         self._on_device = None
         self.selections.append(list(rows))
 
+    def extend(self, other: "RaggedRows") -> None:
+        """Append the rows of another batch, whose buffers the caches following this one have absorbed
+        (`KVCache.absorb`, `RaggedLayer.absorb`): requests joining a running batch."""
+        self.lengths = self.lengths + other.lengths
+        self._on_device = None
+
 
 def follow(buffer: torch.Tensor | None, rows: RaggedRows, generation: int) -> torch.Tensor | None:
     """`buffer` (B, ...) with only the rows still in the batch since `generation`."""
@@ -236,6 +254,21 @@ def follow(buffer: torch.Tensor | None, rows: RaggedRows, generation: int) -> to
     if kept is None or buffer is None:
         return buffer
     return buffer[torch.tensor(kept, device=buffer.device)]
+
+
+def stack_rows(buffer: torch.Tensor | None, rows: int, other: torch.Tensor | None, other_rows: int) -> torch.Tensor | None:
+    """Cache buffers (B, heads, capacity, head_dim) of two ragged batches as one, `other`'s rows after
+    `buffer`'s, the capacities padded to the larger; a buffer never written (None) gives empty rows."""
+    if buffer is None and other is None:
+        return None
+    like = buffer if buffer is not None else other
+    size = max(b.shape[2] for b in (buffer, other) if b is not None)
+    out = like.new_zeros((rows + other_rows, like.shape[1], size, like.shape[3]))
+    if buffer is not None:
+        out[:rows, :, : buffer.shape[2]] = buffer
+    if other is not None:
+        out[rows:, :, : other.shape[2]] = other.to(like.dtype)
+    return out
 
 
 def ragged_write(buffer: torch.Tensor | None, new: torch.Tensor, rows: RaggedRows) -> torch.Tensor:

@@ -143,16 +143,16 @@ class LeanLlama:
             x = x + F.linear(F.silu(gate) * up, *down)
         return F.linear(rms_norm(x[0, -1], self.norm, self.norm_eps), *self.head)
 
-    def start_rows(self, rows: RaggedRows) -> None:
-        """Decode a batch from here on (`forward_rows`), with a ragged cache per layer over `rows`."""
-        self.rows = rows
-        self.row_caches = [KVCache(rows) for _ in self.layers]
+    def start_rows(self, rows: RaggedRows) -> list[KVCache]:
+        """A batch's ragged caches over `rows`, one per layer, for `forward_rows` (the batch owns them, so
+        several batches of one model can be alive at once)."""
+        return [KVCache(rows) for _ in self.layers]
 
     @torch.inference_mode()
-    def forward_rows(self, sequences: list[list[int]]) -> torch.Tensor:
+    def forward_rows(self, sequences: list[list[int]], rows: RaggedRows, caches: list[KVCache]) -> torch.Tensor:
         """`forward` for a batch (`start_rows`): row b feeds `sequences[b]` at its own next positions.
         Returns (B, V), the logits after each row's last entry; the rows advance by their entries."""
-        rows, device = self.rows, self.embed.device
+        device = self.embed.device
         q = max(len(s) for s in sequences)
         counts = [len(s) for s in sequences]
         ids = torch.tensor([s + [s[-1]] * (q - len(s)) for s in sequences], device=device)
@@ -167,7 +167,7 @@ class LeanLlama:
         for i, (ln1, eps1, qkv_p, o_p, ln2, eps2, gate_up, down) in enumerate(self.layers):
             qkv = qkv_p(rms_norm(x, ln1, eps1)).view(B, q, H + 2 * Hkv, self.head_dim).transpose(1, 2)
             qk = rope(qkv[:, : H + Hkv], cos, sin)
-            keys, values = self.row_caches[i].append(qk[:, H:], qkv[:, H + Hkv:])
+            keys, values = caches[i].append(qk[:, H:], qkv[:, H + Hkv:])
             qs, m, T = qk[:, :H], mask, q
             if i == last:  # each row's last real entry alone (every entry's keys and values are cached)
                 pick = last_index[:, None, None, None]

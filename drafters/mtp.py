@@ -197,6 +197,25 @@ class MTPBatch(FeatureBatch):
         self.caches = [KVCache(rows) for rows in self.rows]
         self.outputs = [[p[:0] for p in self.pending] for _ in range(depth)]  # [module][row]: stable outputs
         self.base = [[0] * B for _ in range(depth)]  # [module][row]: position of outputs[module][row][0]
+        self._prefill()
+
+    @torch.inference_mode()
+    def _prefill(self) -> None:
+        """Cache, in every module, the stable entries of the prompt without its newest feature, which the
+        first round's module 0 feeds (and drafts from): the prompt is read here, not inside a round."""
+        B = len(self.ids)
+        m = [len(ids) - 2 for ids in self.ids]  # positions 0..m-1 of module 0: every prompt feature but the newest
+        for j in range(self.head.config.depth):
+            c = self.rows[j].lengths
+            end = [mb - j for mb in m]
+            hidden = [self.pending[b][:-1] if j == 0 else self._stable(j - 1, b, c[b], max(end[b], c[b]))
+                      for b in range(B)]
+            if not any(h.shape[0] for h in hidden):
+                break
+            out = self._call(j, hidden, [self.ids[b][c[b] + j + 1: max(end[b], c[b]) + j + 1] for b in range(B)])
+            for b, h in enumerate(hidden):
+                self.outputs[j][b] = torch.cat([self.outputs[j][b], out[b, : h.shape[0]]])
+        self.pending = [p[-1:] for p in self.pending]
 
     def _call(self, j: int, hidden: list[torch.Tensor], tokens: list[list[int]]) -> torch.Tensor:
         """Module j on row b's entries (hidden[b] (n_b, d), tokens[b]) at its cache's next positions; returns
@@ -268,6 +287,14 @@ class MTPBatch(FeatureBatch):
         self.outputs = [[per_row[r] for r in rows] for per_row in self.outputs]
         self.base = [[per_row[r] for r in rows] for per_row in self.base]
         super().keep(rows)
+
+    def absorb(self, other: "MTPBatch") -> None:
+        for cache, rows, theirs, their_rows in zip(self.caches, self.rows, other.caches, other.rows):
+            cache.absorb(theirs)
+            rows.extend(their_rows)
+        self.outputs = [mine + theirs for mine, theirs in zip(self.outputs, other.outputs)]
+        self.base = [mine + theirs for mine, theirs in zip(self.base, other.base)]
+        super().absorb(other)
 
 
 HEAD = MTP

@@ -75,3 +75,9 @@ class NgramBatch:
 
     def keep(self, rows: list[int]) -> None:
         self.rows = [self.rows[r] for r in rows]
+
+    def join(self, prompts: list[torch.Tensor], features=None) -> None:
+        """New rows after the running ones, each started on its prompt."""
+        other = NgramBatch(*self.settings)
+        other.start(prompts)
+        self.rows = self.rows + other.rows

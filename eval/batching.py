@@ -27,12 +27,12 @@ from transformers import PreTrainedModel
 from drafters.hf_cache import RaggedCache, forward_rows
 from drafters.layers import RaggedRows
 from drafters.sampling import Sampling, choose, probs_from_logits
-from eval.speculative import Generation, Round, _finish, _since, _sync, accept_sampled
+from eval.speculative import Generation, Round, _finish, _sync, accept_sampled
 
 
 @dataclass
 class BatchRound:
-    """One round over the rows still generating: how many, and what it cost (shared by them): drafting,
+    """One round over the rows decoding: how many, and what it cost (shared by them): drafting,
     verification, and the whole round (both, plus rollback and bookkeeping; None where not timed)."""
 
     rows: int
@@ -43,15 +43,17 @@ class BatchRound:
 
 @dataclass
 class BatchGeneration:
-    """Per-row generations (tokens, rounds with each row's own acceptance) and the batch's timings."""
+    """One Generation per prompt, in order (its tokens, its rounds with its own acceptance, and its share of
+    the time: `seconds` and `prefill_s`, module docstring), and the run's own timings."""
 
     rows: list[Generation]
-    seconds: float
+    seconds: float  # the whole run, wall clock
     target_forwards: int
+    slots: int  # rows decoded at once
     rounds: list[BatchRound] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)  # plain decoding: one entry per whole batched step
     step_rows: list[int] = field(default_factory=list)  # plain decoding: the rows each step decoded
-    prefill_s: float | None = None  # the start until the first step or round (None where not timed)
+    prefill_s: float | None = None  # every prefill (requests joining) together; None where not timed
 
     @property
     def tokens(self) -> int:
@@ -59,16 +61,56 @@ class BatchGeneration:
 
     @property
     def occupancy(self) -> float | None:
-        """The mean share of the batch's rows still running per round (plain decoding: per step)."""
+        """The mean share of the slots decoding per round (plain decoding: per step)."""
         running = [r.rows for r in self.rounds] or self.step_rows
-        return sum(running) / len(running) / len(self.rows) if running else None
+        return sum(running) / len(running) / self.slots if running else None
 
 
-def _check_prompts(prompts: list[torch.Tensor]) -> None:
-    if not prompts:
-        raise ValueError("no prompts to decode")
-    if any(p.numel() == 0 for p in prompts):
-        raise ValueError("a prompt is empty: decoding needs at least one token to start from")
+class _Requests:
+    """The prompts in order, then (`keep_full`) extra rows cycling through them while any prompt is
+    unfinished; per request, its tokens and its share of the time."""
+
+    def __init__(self, prompts: list[torch.Tensor], slots: int | None, keep_full: bool) -> None:
+        if not prompts:
+            raise ValueError("no prompts to decode")
+        if any(p.numel() == 0 for p in prompts):
+            raise ValueError("a prompt is empty: decoding needs at least one token to start from")
+        self.prompts, self.keep_full = prompts, keep_full
+        self.slots = len(prompts) if slots is None else slots
+        if self.slots < 1:
+            raise ValueError(f"slots (rows decoded at once) must be >= 1, got {self.slots}")
+        self.admitted = 0  # requests started so far; request i decodes prompts[i % len(prompts)]
+        self.tokens: list[list[int]] = []
+        self.seconds: list[float] = []
+        self.prefill: list[float] = []
+        self.open = len(prompts)  # prompts not finished yet
+
+    def next(self, count: int) -> list[int]:
+        """Up to `count` requests to start now."""
+        last = self.admitted + count if self.keep_full and self.open else min(self.admitted + count, len(self.prompts))
+        chosen = list(range(self.admitted, last))
+        self.admitted = last
+        self.tokens += [[] for _ in chosen]
+        self.seconds += [0.0 for _ in chosen]
+        self.prefill += [0.0 for _ in chosen]
+        return chosen
+
+    def prompt(self, request: int) -> torch.Tensor:
+        return self.prompts[request % len(self.prompts)]
+
+    def charge(self, requests: list[int], seconds: float, prefill: bool = False) -> None:
+        """Share `seconds` (a prefill, a round or a step) equally among the requests it served."""
+        for r in requests:
+            self.seconds[r] += seconds / len(requests)
+            if prefill:
+                self.prefill[r] += seconds / len(requests)
+
+    def finished(self, request: int) -> None:
+        if request < len(self.prompts):
+            self.open -= 1
+
+    def done(self) -> bool:
+        return self.open == 0
 
 
 def _choose_rows(logits: torch.Tensor, sampling: Sampling, generator) -> list[int]:
@@ -79,82 +121,126 @@ def _choose_rows(logits: torch.Tensor, sampling: Sampling, generator) -> list[in
 @torch.inference_mode()
 def autoregressive_generate_batch(target: PreTrainedModel, prompts: list[torch.Tensor], *, sampling: Sampling,
                                   max_new_tokens: int, eos_token_id: int | None = None,
-                                  generator: torch.Generator | None = None, timed: bool = False) -> BatchGeneration:
-    """Plain decoding of the prompts as one batch, one token per row per forward; rows leave when done."""
-    _check_prompts(prompts)
+                                  generator: torch.Generator | None = None, timed: bool = False,
+                                  slots: int | None = None, keep_full: bool = False) -> BatchGeneration:
+    """Plain decoding of the prompts, `slots` rows at once (default: all), one token per row per forward;
+    a row that finishes leaves and the next prompt joins (module docstring)."""
+    requests = _Requests(prompts, slots, keep_full)
     device = prompts[0].device
     clock = time.perf_counter
     t_start = clock()
-    rows = RaggedRows(len(prompts), device)
-    cache = RaggedCache(target, rows)
-    logits, _, _ = forward_rows(target, [p.tolist() for p in prompts], cache, logits_for="last")
-    new: list[list[int]] = [[] for _ in prompts]
-    live = list(range(len(prompts)))  # the prompt index of each row of the batch
-    forwards, steps, step_rows = 1, [], []
-    prefill_s = _since(t_start, device, timed)
-    while True:
+    rows = cache = logits = None
+    live: list[int] = []  # the request each row of the batch decodes
+    forwards, steps, step_rows, prefill_s = 0, [], [], 0.0
+    while not requests.done():
+        joined = requests.next(requests.slots - len(live))
+        if joined:  # their prefill on a cache of their own, whose rows then join the batch's
+            t0 = clock()
+            fresh = RaggedRows(len(joined), device)
+            fresh_cache = RaggedCache(target, fresh)
+            first, _, _ = forward_rows(target, [requests.prompt(r).tolist() for r in joined], fresh_cache,
+                                       logits_for="last")
+            forwards += 1
+            if live:
+                cache.absorb(fresh_cache)
+                rows.extend(fresh)
+                logits = torch.cat([logits, first])
+            else:
+                rows, cache, logits = fresh, fresh_cache, first
+            live += joined
+            seconds = _elapsed(t0, device, timed)
+            prefill_s += seconds
+            requests.charge(joined, seconds, prefill=True)
         t0 = clock()  # a step: choose every row's token, then the forward that gives the next logits
         tokens = _choose_rows(logits, sampling, generator)
         still = []
-        for row, (index, token) in enumerate(zip(live, tokens)):
-            new[index].append(token)
-            if len(new[index]) < max_new_tokens and token != eos_token_id:
+        for row, (request, token) in enumerate(zip(live, tokens)):
+            requests.tokens[request].append(token)
+            if len(requests.tokens[request]) < max_new_tokens and token != eos_token_id:
                 still.append(row)
-        if not still:
-            break
-        if len(still) < len(live):
-            rows.select(still)
-            live, tokens = [live[r] for r in still], [tokens[r] for r in still]
-        step_rows.append(len(live))
-        logits, _, _ = forward_rows(target, [[t] for t in tokens], cache, logits_for="all")
-        logits = logits[:, -1]
-        if timed:
-            _sync(device)
-            steps.append(clock() - t0)
-        forwards += 1
+            else:
+                requests.finished(request)
+        stepped = live
+        if still and not requests.done():
+            if len(still) < len(live):
+                rows.select(still)
+                live, tokens = [live[r] for r in still], [tokens[r] for r in still]
+            step_rows.append(len(live))
+            logits, _, _ = forward_rows(target, [[t] for t in tokens], cache, logits_for="all")
+            logits = logits[:, -1]
+            forwards += 1
+        else:
+            live = []
+        seconds = _elapsed(t0, device, timed)
+        requests.charge(stepped, seconds)
+        if live and timed:
+            steps.append(seconds)
     _sync(device)
-    seconds = clock() - t_start
-    return BatchGeneration([Generation(tokens, seconds, forwards) for tokens in new], seconds, forwards, step_s=steps,
-                           step_rows=step_rows, prefill_s=prefill_s)
+    return _result(requests, clock() - t_start, forwards, timed, step_s=steps, step_rows=step_rows,
+                   prefill_s=prefill_s, plain=True)
 
 
 @torch.inference_mode()
 def speculative_generate_batch(target: PreTrainedModel, drafter, prompts: list[torch.Tensor], *, k: int,
                                sampling: Sampling, max_new_tokens: int, eos_token_id: int | None = None,
-                               generator: torch.Generator | None = None, timed: bool = False) -> BatchGeneration:
-    """eval/speculative.py's loop on the prompts as one batch: every round the drafter proposes up to k
-    guesses per row (`drafters.base.BatchDrafter`), the target verifies all rows in ONE forward of
-    max(n_b) + 1 positions per row, and each row keeps its own accepted prefix plus one target token."""
+                               generator: torch.Generator | None = None, timed: bool = False,
+                               slots: int | None = None, keep_full: bool = False) -> BatchGeneration:
+    """eval/speculative.py's loop on `slots` rows at once (default: every prompt): every round the drafter
+    proposes up to k guesses per row (`drafters.base.BatchDrafter`), the target verifies all rows in ONE
+    forward of max(n_b) + 1 positions per row, and each row keeps its own accepted prefix plus one target
+    token. A row that finishes leaves and the next prompt joins (module docstring)."""
     if k < 1:
         raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
-    _check_prompts(prompts)
+    requests = _Requests(prompts, slots, keep_full)
     device = prompts[0].device
     clock = time.perf_counter
     t_start = clock()
     layers = getattr(drafter, "feature_layers", None)
-    rows = RaggedRows(len(prompts), device)
-    cache = RaggedCache(target, rows)
-    logits, features, counts = forward_rows(target, [p.tolist() for p in prompts], cache, logits_for="last",
-                                            layers=layers)
-    firsts = _choose_rows(logits, sampling, generator)
-    forwards = 1
-    new: list[list[int]] = [[] for _ in prompts]
-    row_rounds: list[list[Round]] = [[] for _ in prompts]
-    live, lasts = [], []  # the prompt index of each row still generating, and its last token
-    for index, first in enumerate(firsts):
-        new[index], done = _finish([first], max_new_tokens, eos_token_id)
-        if not done:
-            live.append(index)
-            lasts.append(first)
+    rows = cache = None
+    live, lasts = [], []  # the request each row decodes, and its last token
+    row_rounds: dict[int, list[Round]] = {}
     batch_rounds: list[BatchRound] = []
-    if live:
-        if len(live) < len(prompts):
-            rows.select(live)  # the prefill's rows are the prompts, in order
-        committed = [torch.cat([prompts[i], prompts[i].new_tensor([new[i][0]])]) for i in live]
-        # A head reads the features of every prompt position (all committed positions but the first new token's).
-        drafter.start(committed, [features[i, : counts[i]] for i in live] if layers else None)
-    prefill_s = _since(t_start, device, timed)
-    while live:
+    forwards, prefill_s = 0, 0.0
+    while not requests.done():
+        while len(live) < requests.slots and not requests.done():  # requests join: their prefill, then their rows
+            joined = requests.next(requests.slots - len(live))
+            if not joined:
+                break
+            t0 = clock()
+            fresh = RaggedRows(len(joined), device)
+            fresh_cache = RaggedCache(target, fresh)
+            logits, features, counts = forward_rows(target, [requests.prompt(r).tolist() for r in joined],
+                                                    fresh_cache, logits_for="last", layers=layers)
+            forwards += 1
+            staying = []  # rows whose first token (from the prefill) does not already end them
+            for row, (request, first) in enumerate(zip(joined, _choose_rows(logits, sampling, generator))):
+                requests.tokens[request], done = _finish([first], max_new_tokens, eos_token_id)
+                row_rounds[request] = []
+                if done:
+                    requests.finished(request)
+                else:
+                    staying.append(row)
+                    lasts.append(first)
+            if staying:
+                if len(staying) < len(joined):
+                    fresh.select(staying)
+                ids = [torch.cat([requests.prompt(joined[r]), requests.prompt(joined[r]).new_tensor(
+                    [requests.tokens[joined[r]][0]])]) for r in staying]
+                # A head reads the features of every prompt position (all committed positions but the first new token's).
+                feats = [features[r, : counts[r]] for r in staying] if layers else None
+                if live:
+                    cache.absorb(fresh_cache)
+                    rows.extend(fresh)
+                    drafter.join(ids, feats)
+                else:
+                    rows, cache = fresh, fresh_cache
+                    drafter.start(ids, feats)
+                live += [joined[r] for r in staying]
+            seconds = _elapsed(t0, device, timed)
+            prefill_s += seconds
+            requests.charge(joined, seconds, prefill=True)
+        if not live:
+            break
         if timed:
             _sync(device)
         t0 = clock()
@@ -171,12 +257,15 @@ def speculative_generate_batch(target: PreTrainedModel, drafter, prompts: list[t
         accepted, nexts = _accept_rows(proposals, guesses, logits, sampling, generator)
         t2 = clock()
         still, ended = [], []
-        for row, index in enumerate(live):
+        for row, request in enumerate(live):
             a, g = accepted[row], guesses[row]
+            new = requests.tokens[request]
             kept = g.index(eos_token_id) + 1 if eos_token_id is not None and eos_token_id in g[:a] else a
-            ended.append(Round(len(g), min(kept, max_new_tokens - len(new[index])), t1 - t0, t2 - t1))
-            new[index], done = _finish(new[index] + g[:a] + [nexts[row]], max_new_tokens, eos_token_id)
-            if not done:
+            ended.append(Round(len(g), min(kept, max_new_tokens - len(new)), t1 - t0, t2 - t1))
+            requests.tokens[request], done = _finish(new + g[:a] + [nexts[row]], max_new_tokens, eos_token_id)
+            if done:
+                requests.finished(request)
+            else:
                 still.append(row)
         # The target's rows hold the previous length plus all n_b + 1 fed entries; keep last + accepted.
         rows.crop([length - (len(g) + 1) + a + 1 for length, g, a in zip(rows.lengths, guesses, accepted)])
@@ -184,16 +273,41 @@ def speculative_generate_batch(target: PreTrainedModel, drafter, prompts: list[t
         if still and len(still) < len(live):  # finished rows leave the batch
             rows.select(still)
             drafter.keep(still)
-        round_s = _since(t0, device, timed)
+        seconds = _elapsed(t0, device, timed)
+        round_s = seconds if timed else None
         batch_rounds.append(BatchRound(len(live), t1 - t0, t2 - t1, round_s))
-        for index, r in zip(live, ended):
+        requests.charge(live, seconds)
+        for request, r in zip(live, ended):
             r.round_s = round_s
-            row_rounds[index].append(r)
+            row_rounds[request].append(r)
         live, lasts = [live[r] for r in still], [nexts[r] for r in still]
     _sync(device)
-    seconds = clock() - t_start
-    return BatchGeneration([Generation(tokens, seconds, len(r) + 1, r) for tokens, r in zip(new, row_rounds)],
-                           seconds, forwards, batch_rounds, prefill_s=prefill_s)
+    return _result(requests, clock() - t_start, forwards, timed, rounds=row_rounds, batch_rounds=batch_rounds,
+                   prefill_s=prefill_s)
+
+
+def _elapsed(start: float, device: torch.device, timed: bool) -> float:
+    """Seconds since `start`, the device's work finished first when timed."""
+    if timed:
+        _sync(device)
+    return time.perf_counter() - start
+
+
+def _result(requests: _Requests, seconds: float, forwards: int, timed: bool, *, rounds=None, batch_rounds=(),
+            step_s=(), step_rows=(), prefill_s: float = 0.0, plain: bool = False) -> BatchGeneration:
+    """The prompts' Generations (requests beyond them, `keep_full`'s extra rows, are dropped) and the run's."""
+    n = len(requests.prompts)
+    gens = []
+    for r in range(n):
+        tokens = requests.tokens[r]
+        own = [] if rounds is None else rounds[r]
+        gens.append(Generation(tokens, requests.seconds[r], (len(tokens) if plain else len(own) + 1), own,
+                               list(step_s) if plain else [], requests.prefill[r] if timed else None))
+    out = BatchGeneration(gens, seconds, forwards, requests.slots, list(batch_rounds), list(step_s), list(step_rows),
+                          prefill_s if timed else None)
+    for g in gens:
+        g.occupancy = out.occupancy
+    return out
 
 
 def _accept_rows(proposals, guesses, logits, sampling: Sampling, generator) -> tuple[list[int], list[int]]:

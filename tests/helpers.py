@@ -95,10 +95,11 @@ def empirical_joint(target, drafter, prompt, sampling, vocab, k, samples, n=3):
     return counts
 
 
-def batched_pvalues(target, make_drafter, sampling, vocab, batches, seed=7, n=3):
-    """Batches of 4 rows (two prompts of different lengths, twice each, decoded at once by eval/batching.py):
-    each prompt's first n tokens, pooled over its rows and the batches, against the target's exact joint;
-    the two chi-squared p-values. `make_drafter()` gives a fresh batch drafter."""
+def batched_pvalues(target, make_drafter, sampling, vocab, batches, seed=7, n=3, slots=None):
+    """Batches of 4 rows (two prompts of different lengths, twice each, decoded at once by eval/batching.py;
+    with `slots` < 4, the later ones join as rows finish): each prompt's first n tokens, pooled over its rows
+    and the batches, against the target's exact joint; the two chi-squared p-values. `make_drafter()` gives
+    a fresh batch drafter."""
     from eval.batching import speculative_generate_batch
 
     prompts = [torch.tensor([1, 4, 2]), torch.tensor([3, 0, 5, 1, 1])]
@@ -106,7 +107,7 @@ def batched_pvalues(target, make_drafter, sampling, vocab, batches, seed=7, n=3)
     counts = [torch.zeros(vocab ** n) for _ in prompts]
     for _ in range(batches):
         out = speculative_generate_batch(target, make_drafter(), prompts * 2, k=2, sampling=sampling,
-                                         max_new_tokens=n, generator=g)
+                                         max_new_tokens=n, generator=g, slots=slots)
         for row, gen in enumerate(out.rows):
             counts[row % 2][sum(t * vocab ** (n - 1 - i) for i, t in enumerate(gen.tokens))] += 1
     return [chi2_pvalue(c, exact_joint(target, p, sampling, vocab, n)) for p, c in zip(prompts, counts)]

@@ -153,6 +153,28 @@ def test_greedy_equals_target_greedy_with_every_head(target, prompts, k):
 BATCHED = KINDS + ["eagle_reduced"]
 
 
+def test_rows_that_join_a_running_batch_draft_as_the_head_alone(target, prompts):
+    """Continuous batching with every head (2 slots, an end token that ends rows at different rounds): each
+    prompt joins as a row finishes, its output is its plain output at batch 1, and it keeps, round by round,
+    what the head keeps drafting that prompt alone (its prefilled rows, taken over by the running batch,
+    draft what a fresh start drafts)."""
+    g = torch.Generator().manual_seed(4)
+    chosen = [torch.randint(0, VOCAB, (n,), generator=g) for n in (12, 5)] + prompts[::-1]
+    eos = autoregressive_generate(target, chosen[1], sampling=GREEDY, max_new_tokens=30).tokens[4]
+    refs = [autoregressive_generate(target, p, sampling=GREEDY, max_new_tokens=30, eos_token_id=eos).tokens
+            for p in chosen]
+    for name, head in _heads(target):
+        head = _trained_to_self(target, head)
+        out = speculative_generate_batch(target, head.batch_drafter(name), chosen, k=3, sampling=GREEDY,
+                                         max_new_tokens=30, eos_token_id=eos, slots=2)
+        assert [r.tokens for r in out.rows] == refs, name
+        assert max(r.rows for r in out.rounds) == 2, name
+        alone = [speculative_generate(target, head.drafter(name), p, k=3, sampling=GREEDY, max_new_tokens=30,
+                                      eos_token_id=eos) for p in chosen]
+        assert [[r.accepted for r in gen.rounds] for gen in out.rows] == [[r.accepted for r in a.rounds]
+                                                                         for a in alone], name
+
+
 @pytest.mark.parametrize("batch", [2, 5])
 def test_batched_rows_equal_their_plain_greedy_output_with_every_head(target, prompts, batch):
     """eval/batching.py with each head's batch drafter: every row's greedy output is its prompt's plain
@@ -208,12 +230,14 @@ def _small_head(kind, small_target):
     return make_head(kind, small_target)
 
 
+@pytest.mark.parametrize("slots", [None, 3])
 @pytest.mark.parametrize("kind", BATCHED)
-def test_batched_sampled_rows_follow_target_distribution(small_target, kind):
-    """Batches of 4 rows (two prompts of different lengths, twice each): each prompt's first three tokens,
-    pooled over its rows, follow the target's exact joint."""
+def test_batched_sampled_rows_follow_target_distribution(small_target, kind, slots):
+    """Batches of 4 rows (two prompts of different lengths, twice each; with 3 slots the fourth joins as a
+    row finishes): each prompt's first three tokens, pooled over its rows, follow the target's exact joint."""
     head = _small_head(kind, small_target)
-    pvalues = batched_pvalues(small_target, lambda: head.batch_drafter(kind), Sampling(temperature=1.0), SMALL_V, 1000)
+    pvalues = batched_pvalues(small_target, lambda: head.batch_drafter(kind), Sampling(temperature=1.0), SMALL_V, 1000,
+                              slots=slots)
     assert min(pvalues) > 1e-3
 
 

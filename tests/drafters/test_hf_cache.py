@@ -49,3 +49,30 @@ def test_ragged_forwards_give_each_rows_logits_alone():
             torch.testing.assert_close(logits[b, : len(extra[b])], alone, rtol=1e-5, atol=1e-5)
             alone = target(torch.tensor([kept[b] + more[b]])).logits[0, len(kept[b]):]
             torch.testing.assert_close(after[b, : len(more[b])], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_that_join_a_running_batch_compute_what_they_compute_alone():
+    """Continuous batching: a batch that has run (rows dropped, rolled back) absorbs another batch's prefilled
+    rows (`absorb`, `RaggedRows.extend`); afterwards every row's logits are its batch-1 forward's."""
+    target = tiny_llama(VOCAB, seed=0, logit_scale=4.0)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (4, 11, 2, 6, 3)]
+    rows = RaggedRows(3, torch.device("cpu"))
+    cache = RaggedCache(target, rows)
+    forward_rows(target, seqs[:3], cache, logits_for="last")
+    forward_rows(target, [[3, 9], [4, 5], [7, 7]], cache, logits_for="all")
+    rows.crop([len(seqs[0]) + 1, len(seqs[1]) + 2, len(seqs[2]) + 2])  # rows 0 and 2 keep 1 and 2 of theirs
+    rows.select([0, 2])  # row 1 finished
+    kept = [seqs[0] + [3], seqs[2] + [7, 7]]
+    joining = RaggedRows(2, torch.device("cpu"))
+    other = RaggedCache(target, joining)
+    forward_rows(target, seqs[3:], other, logits_for="last")
+    cache.absorb(other)
+    rows.extend(joining)
+    assert rows.lengths == [len(s) for s in kept + seqs[3:]]
+    more = [[30], [31, 32], [33, 34, 35], [36]]
+    after, _, _ = forward_rows(target, more, cache, logits_for="all")
+    with torch.no_grad():
+        for b, sequence in enumerate(kept + seqs[3:]):
+            alone = target(torch.tensor([sequence + more[b]])).logits[0, len(sequence):]
+            torch.testing.assert_close(after[b, : len(more[b])], alone, rtol=1e-5, atol=1e-5)

@@ -51,15 +51,15 @@ def test_the_lean_draft_path_batches_with_each_rows_logits_alone(draft, prompts)
     lean = DraftLM(draft).lean
     assert lean is not None
     rows = RaggedRows(3, torch.device("cpu"))
-    lean.start_rows(rows)
+    caches = lean.start_rows(rows)
     seqs = [prompts[i].tolist() for i in (1, 2, 4)]
-    first = lean.forward_rows(seqs)
+    first = lean.forward_rows(seqs, rows, caches)
     extra = [[3, 9, 12], [4], [7, 7]]
-    lean.forward_rows(extra)
+    lean.forward_rows(extra, rows, caches)
     rows.crop([len(s) + len(e) - drop for s, e, drop in zip(seqs, extra, (2, 0, 1))])
     kept = [s + e[: len(e) - drop] for s, e, drop in zip(seqs, extra, (2, 0, 1))]
     more = [[30], [31, 32], [33]]
-    after = lean.forward_rows(more)
+    after = lean.forward_rows(more, rows, caches)
     with torch.no_grad():
         for b in range(3):
             torch.testing.assert_close(first[b], draft(torch.tensor([seqs[b]])).logits[0, -1], rtol=1e-5, atol=1e-5)
@@ -124,6 +124,53 @@ def test_rows_that_end_leave_the_batch_and_the_rest_go_on(target, draft, prompts
     assert plain.step_rows[0] == len(prompts) > plain.step_rows[-1] and plain.occupancy < 1
 
 
+@pytest.mark.parametrize("which", ["draft_lm", "draft_lm_hf_forward", "ngram"])
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_prompts_join_as_rows_finish_and_each_decodes_as_alone(target, draft, prompts, which, slots):
+    """Continuous batching (`slots` rows at once): a prompt joins as a row finishes (an end token makes the
+    rows finish at different rounds); every prompt's output is its plain output at batch 1, and it proposes
+    and keeps, round by round, what the drafter proposes and keeps on that prompt alone."""
+    refs = [reference(target, p, 30) for p in prompts]
+    eos = refs[2][3]
+    expected = [reference(target, p, 30, eos) for p in prompts]
+    plain = autoregressive_generate_batch(target, prompts, sampling=GREEDY, max_new_tokens=30, eos_token_id=eos,
+                                          slots=slots)
+    assert [g.tokens for g in plain.rows] == expected
+    assert max(plain.step_rows) == slots
+    out = speculative_generate_batch(target, _drafters(draft)[which](), prompts, k=3, sampling=GREEDY,
+                                     max_new_tokens=30, eos_token_id=eos, slots=slots)
+    assert [g.tokens for g in out.rows] == expected
+    assert max(r.rows for r in out.rounds) == slots
+    single = {"draft_lm": lambda: DraftLM(draft), "draft_lm_hf_forward": lambda: DraftLM(draft, lean=False),
+              "ngram": lambda: NgramDrafter()}[which]
+    alone = [speculative_generate(target, single(), p, k=3, sampling=GREEDY, max_new_tokens=30, eos_token_id=eos)
+             for p in prompts]
+    assert [[(r.proposed, r.accepted) for r in g.rounds] for g in out.rows] == \
+        [[(r.proposed, r.accepted) for r in a.rounds] for a in alone]
+
+
+def test_keep_full_keeps_every_slot_busy_until_the_last_prompt_ends(target, draft, prompts):
+    """`keep_full`: extra rows (cycling through the prompts) fill the slots until every prompt has ended, so
+    every round and step decodes `slots` rows; only the prompts' Generations come back, each with its share
+    of the time, and the shares of all rows together are the run's time."""
+    for slots in (2, 4):
+        out = speculative_generate_batch(target, DraftLM(draft).batched(), prompts, k=3, sampling=GREEDY,
+                                         max_new_tokens=20, slots=slots, keep_full=True, timed=True)
+        assert [g.tokens for g in out.rows] == [reference(target, p, 20) for p in prompts]
+        assert {r.rows for r in out.rounds} == {slots} and out.occupancy == 1.0
+        assert all(g.seconds > g.prefill_s > 0 for g in out.rows)
+        assert sum(g.seconds for g in out.rows) < out.seconds
+        plain = autoregressive_generate_batch(target, prompts, sampling=GREEDY, max_new_tokens=20, slots=slots,
+                                              keep_full=True, timed=True)
+        assert [g.tokens for g in plain.rows] == [g.tokens for g in out.rows]
+        assert set(plain.step_rows) == {slots} and len(plain.step_s) == len(plain.step_rows)
+    # Without extra rows the batch empties at the end, and the rows' shares add up to the run's time.
+    out = speculative_generate_batch(target, DraftLM(draft).batched(), prompts, k=3, sampling=GREEDY,
+                                     max_new_tokens=20, slots=4)
+    assert out.rounds[-1].rows < 4 and out.occupancy < 1
+    assert sum(g.seconds for g in out.rows) == pytest.approx(out.seconds, rel=0.05)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_timed_loops_time_whole_rounds_steps_and_the_prefill(target, draft, prompts, batch):
     """What the cost model reads: a round's whole time holds its drafting and verification, a plain step is
@@ -175,16 +222,17 @@ def small_pair():
     return target, draft
 
 
-def _pvalues(target, make):
-    return batched_pvalues(target, make, SAMPLED, SMALL_V, N_SAMPLES // 2)
+def _pvalues(target, make, slots=None):
+    return batched_pvalues(target, make, SAMPLED, SMALL_V, N_SAMPLES // 2, slots=slots)
 
 
+@pytest.mark.parametrize("slots", [None, 3])
 @pytest.mark.parametrize("which", ["draft_lm", "draft_lm_hf_forward", "ngram"])
-def test_sampled_rows_follow_the_target_distribution(small_pair, which):
+def test_sampled_rows_follow_the_target_distribution(small_pair, which, slots):
     target, draft = small_pair
     make = {"draft_lm": lambda: DraftLM(draft).batched(), "draft_lm_hf_forward": lambda: DraftLM(draft, lean=False).batched(),
             "ngram": lambda: NgramDrafter(max_ngram=1).batched()}[which]
-    assert min(_pvalues(target, make)) > 1e-3
+    assert min(_pvalues(target, make, slots)) > 1e-3
 
 
 def test_the_batched_distribution_test_catches_a_wrong_residual(small_pair, monkeypatch):
