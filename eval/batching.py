@@ -7,8 +7,20 @@ module runs the loop of eval/speculative.py on B rows together, so the cost is m
 **Ragged KV caches.** After a round, row b has kept a_b guesses and row c another number, so the rows'
 committed lengths differ. The target decodes on a `RaggedCache` (drafters/hf_cache.py, which explains the
 layout): one length per row in one buffer, so a row's rollback is an integer and no prefix is ever
-recomputed; a row that finishes leaves the batch, as a request leaves a serving engine's batch, and the
-others continue at the smaller batch.
+recomputed.
+
+**Continuous batching.** `slots` rows decode at once (default: every prompt). A row that finishes leaves
+the batch, as a request leaves a serving engine's batch, and the next prompt joins before the next round:
+its prefill runs on a cache of its own (with the drafter's start on it, `BatchDrafter.join`), whose rows
+the running batch then takes over (`RaggedCache.absorb`). Rows that finish at different rounds therefore
+never leave a slot empty while prompts wait. With `keep_full`, extra rows cycling through the prompts keep
+every slot busy until the last prompt ends (they are dropped from the result): every round decodes `slots`
+rows, the steady state of an engine under constant load, without a batch's emptying tail that a finite
+benchmark would otherwise add.
+
+**Time per prompt.** Each prefill, round and plain step is timed whole and shared equally among the rows
+it served; a prompt's `seconds` is the sum of its shares (its `prefill_s`, the share of its prefill), so
+tokens over seconds pooled over prompts is the batch's throughput, and intervals resample prompts.
 
 **Equality with batch 1.** Each row computes what it computes alone, but a batched matmul may sum in
 another order than a single row's, so logits can differ from batch 1's in the last bits (fp32 on this
@@ -303,11 +315,8 @@ def _result(requests: _Requests, seconds: float, forwards: int, timed: bool, *, 
         own = [] if rounds is None else rounds[r]
         gens.append(Generation(tokens, requests.seconds[r], (len(tokens) if plain else len(own) + 1), own,
                                list(step_s) if plain else [], requests.prefill[r] if timed else None))
-    out = BatchGeneration(gens, seconds, forwards, requests.slots, list(batch_rounds), list(step_s), list(step_rows),
-                          prefill_s if timed else None)
-    for g in gens:
-        g.occupancy = out.occupancy
-    return out
+    return BatchGeneration(gens, seconds, forwards, requests.slots, list(batch_rounds), list(step_s), list(step_rows),
+                           prefill_s if timed else None)
 
 
 def _accept_rows(proposals, guesses, logits, sampling: Sampling, generator) -> tuple[list[int], list[int]]:

@@ -41,8 +41,10 @@ class EvalPlan:
     ks: draft lengths to sweep. temperatures: 0 = greedy. top_k / top_p apply to every non-greedy run.
     repeats: timed passes over all prompts (medians over them). warmup: untimed prompts run first.
     pays_off_at: the measured speed-up a configuration must reach to be called worth turning on.
-    batch_sizes: decode B prompts of one category at once (eval/batching.py); each category's prompts are
-    taken B at a time, cycling through them when the last batch would be short, so every batch has B rows.
+    batch_sizes: decode B prompts of one category at once (eval/batching.py) as a serving engine under
+    constant load does: a category's prompts go through B slots, the next joining as a row finishes, and
+    extra rows keep every slot busy until the last prompt ends (their tokens are not counted). Each
+    prompt's time is its share of every prefill, round and step it took part in.
     """
 
     ks: list[int] = field(default_factory=lambda: [2, 4])
@@ -112,66 +114,64 @@ def evaluate(
     return rows
 
 
-def batches_of(prompts: list[torch.Tensor], batch: int) -> list[list[torch.Tensor]]:
-    """A category's prompts taken `batch` at a time; the last batch is filled by cycling from the start."""
-    count = -(-len(prompts) // batch)
-    return [[prompts[(j * batch + r) % len(prompts)] for r in range(batch)] for j in range(count)]
-
-
 def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eos_token_id, progress) -> list[dict]:
-    """`evaluate` at one batch size: an item is one prompt (batch 1) or one batch of a category's prompts,
-    decoded as one (eval/batching.py); its Generation holds the rows' tokens end to end, the batch's time,
-    every row's rounds and the batch's plain steps."""
+    """`evaluate` at one batch size: a unit is one prompt (batch 1) or a category's prompts streamed through
+    `batch` slots (eval/batching.py, `EvalPlan.batch_sizes`); either way every prompt gets its own Generation,
+    so intervals resample prompts at every batch size."""
     names = [d.name for d in drafters]
     device = next(target.parameters()).device
     if batch == 1:
-        items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
+        units = [(c, [i], [p]) for c, ps in prompts.items() for i, p in enumerate(ps)]
+        warm = units[: plan.warmup]
     else:
-        items = [(c, j, b) for c, ps in prompts.items() for j, b in enumerate(batches_of(ps, batch))]
+        units = [(c, list(range(len(ps))), ps) for c, ps in prompts.items() if ps]
         batched = {d.name: d.batched() for d in drafters}
+        # Warm-up: one batch of the first category's prompts (cycled to fill it), not a whole stream.
+        c, _, ps = units[0]
+        warm = [(c, list(range(batch)), [ps[r % len(ps)] for r in range(batch)])][: plan.warmup]
     rows: list[dict] = []
-    total = len(plan.temperatures) * plan.repeats * len(items) * (1 + len(drafters) * len(plan.ks))
+    total = len(plan.temperatures) * plan.repeats * sum(len(i) for _, i, _ in units) * (1 + len(drafters) * len(plan.ks))
     bar = tqdm(total=total, desc=f"eval (batch {batch})" if batch > 1 else "eval", unit="gen", disable=not progress)
     for temperature in plan.temperatures:
         sampling = Sampling(temperature, plan.top_k, plan.top_p)
         generator = torch.Generator(device=device)
 
-        def run(drafter: Drafter | None, k: int, prompt, seed: int) -> Generation:
+        def run(drafter: Drafter | None, k: int, unit: list[torch.Tensor], seed: int, stream=True) -> list[Generation]:
             generator.manual_seed(seed)
             common = dict(sampling=sampling, max_new_tokens=plan.max_new_tokens, eos_token_id=eos_token_id,
                           generator=generator, timed=True)
             if batch == 1:
                 if drafter is None:
-                    return autoregressive_generate(target, prompt, **common)
-                return speculative_generate(target, drafter, prompt, k=k, **common)
+                    return [autoregressive_generate(target, unit[0], **common)]
+                return [speculative_generate(target, drafter, unit[0], k=k, **common)]
+            common.update(slots=batch, keep_full=stream)
             if drafter is None:
-                out = autoregressive_generate_batch(target, prompt, **common)
-            else:
-                out = speculative_generate_batch(target, batched[drafter.name], prompt, k=k, **common)
-            return Generation([t for row in out.rows for t in row.tokens], out.seconds, out.target_forwards,
-                              [r for row in out.rows for r in row.rounds], out.step_s, out.prefill_s, out.occupancy)
+                return autoregressive_generate_batch(target, unit, **common).rows
+            return speculative_generate_batch(target, batched[drafter.name], unit, k=k, **common).rows
 
-        for _, _, prompt in items[: plan.warmup]:
-            run(None, 0, prompt, 0)
+        for _, _, unit in warm:
+            run(None, 0, unit, 0, stream=False)
             for drafter in drafters:
                 for k in plan.ks:
-                    run(drafter, k, prompt, 0)
+                    run(drafter, k, unit, 0, stream=False)
 
         plain = _Runs()
         spec = {(d.name, k): _Runs() for d in drafters for k in plan.ks}
         for rep in range(plan.repeats):
-            for category, i, prompt in items:
-                seed = _seed(plan.seed, temperature, rep, category, i)
-                plain.by_key[rep, category, i] = run(None, 0, prompt, seed)
-                bar.update()
+            for category, indices, unit in units:
+                seed = _seed(plan.seed, temperature, rep, category, indices[0])
+                for i, gen in zip(indices, run(None, 0, unit, seed)):
+                    plain.by_key[rep, category, i] = gen
+                bar.update(len(indices))
                 for drafter in drafters:
                     for k in plan.ks:
-                        spec[drafter.name, k].by_key[rep, category, i] = run(drafter, k, prompt, seed)
+                        for i, gen in zip(indices, run(drafter, k, unit, seed)):
+                            spec[drafter.name, k].by_key[rep, category, i] = gen
                         bar.set_postfix_str(f"T={temperature} {category} {drafter.name} k={k}", refresh=False)
-                        bar.update()
+                        bar.update(len(indices))
 
         for category in [*prompts, ALL]:
-            keys = [(c, i) for c, i, _ in items if category in (ALL, c)]
+            keys = [(c, i) for c, indices, _ in units for i in indices if category in (ALL, c)]
             strata = [c for c, _ in keys]
             seed = _seed(plan.seed, temperature, category)
             plain_t = _timings(plain, keys, plan.repeats)
@@ -201,13 +201,15 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
                          "budget), so no round was drafted; raise max_new_tokens")
     stats = acceptance_stats(rounds, k)
     plain_gens = plain.select(category)
-    # Plain steps and speculative rounds per generation (per batch at B > 1): what the prediction charges.
+    # Plain steps and speculative rounds per generation: what the prediction charges. At B > 1 a prompt's time
+    # is its share of the batch's steps and rounds, 1/B of each, and of its prefill: counted B times, that
+    # share is in the units of a whole step.
     steps = statistics.fmean(g.target_forwards - 1 for g in plain_gens)
     spec_rounds = statistics.fmean(g.target_forwards - 1 for g in gens)
     costs = cost_model(rounds, [s for g in plain_gens for s in g.step_s], k, stats.acceptance_length,
                        steps=steps, spec_rounds=spec_rounds,
-                       prefill_s=[g.prefill_s for g in plain_gens if g.prefill_s is not None],
-                       spec_prefill_s=[g.prefill_s for g in gens if g.prefill_s is not None])
+                       prefill_s=[g.prefill_s * batch for g in plain_gens if g.prefill_s is not None],
+                       spec_prefill_s=[g.prefill_s * batch for g in gens if g.prefill_s is not None])
     lossless = None
     if sampling.greedy:
         # Greedy speculative decoding must reproduce plain greedy decoding token for token.
@@ -219,7 +221,7 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "temperature": sampling.temperature,
         "category": category,
         "batch_size": batch,  # rows decoded at once; tokens/s counts every row's tokens
-        "prompts": len({key[1:] for key in spec.by_key if category in (ALL, key[1])}) * batch,
+        "prompts": len({key[1:] for key in spec.by_key if category in (ALL, key[1])}),
         **stats.to_dict(),
         # What tau would be if each proposed guess were kept independently at the measured rate.
         "acceptance_length_iid": expected_acceptance_length(stats.acceptance_rate, stats.mean_proposed),
@@ -230,22 +232,14 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "cost_ratio": costs.cost_ratio,
         "verify_overhead": costs.verify_overhead,
         "predicted_speedup": costs.predicted_speedup,
-        # The prefill before the first step (plain) and the first round (speculative), in target steps.
+        # A prompt's prefill (plain, speculative: the target's prefill, its first token, the drafter's start), in
+        # target steps (at B > 1, its share of the batch's prefills counted B times, as above).
         "prefill_steps": costs.prefill,
         "spec_prefill_steps": costs.spec_prefill,
-        # Plain steps over speculative rounds per generation (per batch at B > 1, which runs until its slowest
-        # row ends): what the prediction charges rounds for; tau at batch 1.
+        # Plain steps over speculative rounds per generation: what the prediction charges rounds for.
         "batch_acceptance_length": costs.batch_acceptance_length,
         "lossless": lossless,
-        # Batch > 1: the mean share of a batch's rows still running per round, and per plain decoding step.
-        "occupancy": _mean_occupancy(gens),
-        "ar_occupancy": _mean_occupancy(plain_gens),
     }
-
-
-def _mean_occupancy(gens: list[Generation]) -> float | None:
-    values = [g.occupancy for g in gens if g.occupancy is not None]
-    return sum(values) / len(values) if values else None
 
 
 def _compare_drafters(group: list[dict], timings: dict[str, Timings], strata: list[str], *, baseline: str,

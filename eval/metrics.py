@@ -90,8 +90,7 @@ class CostModel:
     prefill, spec_prefill: the time before the first step (plain) or round (speculative: the target's
         prefill, its first token and the drafter's start on the prompt), None where not timed.
     batch_acceptance_length: the tokens a generation advances per round, its plain decoding steps over its
-        speculative rounds. At batch 1 that is tau; a batch runs until its slowest row ends, so at B > 1
-        it is below the rows' tau when rows keep different numbers of guesses.
+        speculative rounds (tau, counted per generation rather than per round).
     predicted_speedup: the speed-up these costs predict (`predicted_speedup`), with the batch's acceptance
         length and the prefill where they are known, else with tau in the steady state.
     """
@@ -116,8 +115,10 @@ def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, 
     one drafted token (a full round's draft time / n), beta the rest of the round. Rounds timed without
     their whole (`round_s` None) take beta from the verification alone. The prediction charges each round
     its mean proposal length. With `steps` and `spec_rounds` (plain decoding's mean steps and speculative
-    decoding's mean rounds per generation: per batch at B > 1) and both loops' prefill times it predicts
-    the end-to-end speed-up: each generation pays its prefill once and `spec_rounds` full rounds.
+    decoding's mean rounds per generation) and both loops' prefill times it predicts the end-to-end
+    speed-up: each generation pays its prefill once and `spec_rounds` full rounds. At B > 1 a generation's
+    steps and rounds are shared with the other rows, 1/B of each (eval/batching.py), so the prefill is
+    passed as the generation's share times B.
     """
     if not target_step_s:
         raise ValueError("no timed target steps: cannot express costs in target steps")
@@ -146,7 +147,7 @@ def predicted_speedup(acceptance_length: float, proposed: float, c: float, beta:
     the rest of the round, 1 + n*c + beta, and yields tau tokens: in the steady state (an engine's decoding
     phase) the speed-up is tau / (1 + n*c + beta). A whole generation of `steps` plain decoding steps also
     pays its prefill once, in both loops: (prefill + steps) / (spec_prefill + steps / tau * (1 + n*c + beta)),
-    with tau the tokens the generation (a whole batch at B > 1) advances per round."""
+    with tau the tokens the generation advances per round."""
     round_cost = 1 + proposed * c + beta
     if steps is None:
         return acceptance_length / round_cost

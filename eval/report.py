@@ -166,12 +166,12 @@ def markdown(report: dict) -> str:
                        f"speed-up {_fmt(r['speedup'])}× → {r['verdict']}{engine}")
     if len(batch_sizes(rows)) > 1:
         out += ["", "## Speed-up against batch size", "",
-                "Each drafter at its best k per batch size (B prompts of a category decoded at once; tokens/s counts"
-                " every row). Speculation pays while the curve stays above the verdict's line; c and β, measured at"
-                " each batch size in the same run, are in the summary.", "",
+                "Each drafter at its best k per batch size: a category's prompts decoded B at a time as a serving"
+                " engine under constant load decodes them (a prompt joins as a row finishes; every slot stays"
+                " busy), each prompt charged its share of every step and round. Speculation pays while the curve"
+                " stays above the verdict's line; c and β, measured at each batch size in the same run, are in the"
+                " table.", "",
                 *_pays_up_to(rows), "", *(f"![{p}]({p})" for p in report.get("plots", [])), "",
-                "Rows running = the mean share of a batch's rows still decoding per round (plain: per step); rows"
-                " that finish leave the batch, so a batch's last rounds run partly empty.", "",
                 table([r for r in rows if r["k"] == r["best_k"]], BATCH_COLUMNS)]
     out += engine_section(rows)
     return "\n".join(out) + "\n"
@@ -180,7 +180,7 @@ def markdown(report: dict) -> str:
 BATCH_COLUMNS = [
     ("category", "category"), ("drafter", "drafter"), ("B", "batch_size"), ("best k", "k"), ("T", "temperature"),
     ("τ", "acceptance_length"), ("c", "cost_ratio"), ("β", "verify_overhead"), ("pred ×", "predicted_speedup"),
-    ("speed-up ×", "speedup"), ("rows running", "occupancy"), ("rows running, plain", "ar_occupancy"),
+    ("speed-up ×", "speedup"),
 ]
 ENGINE_COLUMNS = [
     ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("τ", "acceptance_length"),

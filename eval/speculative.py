@@ -57,11 +57,9 @@ class Generation:
     # forward and the bookkeeping); the first token comes from the prefill.
     step_s: list[float] = field(default_factory=list)
     # The time from the start to the first decoding step or round: the target's prefill, its first token,
-    # and (speculative decoding) the drafter's start on the prompt. None where not timed.
+    # and (speculative decoding) the drafter's start on the prompt. None where not timed. Batched decoding
+    # (eval/batching.py): `seconds` and `prefill_s` are the prompt's shares of the batch's time.
     prefill_s: float | None = None
-    # Batched decoding (eval/batching.py): the mean share of the batch's rows still running per round (per
-    # step for plain decoding); rows that finish early leave the last rounds partly empty. None at batch 1.
-    occupancy: float | None = None
 
 
 def _sync(device: torch.device) -> None:

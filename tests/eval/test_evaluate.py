@@ -91,8 +91,8 @@ def test_bad_plans_are_rejected(kwargs, match):
 
 def test_batch_sizes_give_rows_per_batch_size_with_their_own_verdicts(setup):
     """batch_sizes=[1, 3]: every configuration is measured at both; a batch-3 row decodes a category's prompts
-    three at a time (cycling: category "b" has one prompt, decoded three times over), losslessly, with its own
-    best k and verdict."""
+    through three slots kept busy (category "b" has one prompt: extra rows fill the other two), losslessly,
+    with its own best k and verdict, and counts each prompt once."""
     target, drafters, prompts = setup
     plan = EvalPlan(ks=[1, 3], max_new_tokens=12, repeats=1, warmup=0, batch_sizes=[1, 3])
     rows = evaluate(target, drafters, prompts, plan, progress=False)
@@ -104,12 +104,8 @@ def test_batch_sizes_give_rows_per_batch_size_with_their_own_verdicts(setup):
                 (r["drafter"], r["category"], r["batch_size"])]
         assert r["best_k"] == max(same, key=lambda x: x["speedup"])["k"]
     by = {(r["drafter"], r["k"], r["category"], r["batch_size"]): r for r in rows}
-    assert by["base", 3, "b", 3]["prompts"] == 3 and by["base", 3, "a", 3]["prompts"] == 3
-    for r in rows:  # batch > 1: the share of rows still running per round (plain: per step), in (0, 1]
-        if r["batch_size"] == 1:
-            assert r["occupancy"] is None and r["ar_occupancy"] is None
-        else:
-            assert 0 < r["occupancy"] <= 1 and 0 < r["ar_occupancy"] <= 1
+    for b in (1, 3):
+        assert by["base", 3, "b", b]["prompts"] == len(prompts["b"]) and by["base", 3, "a", b]["prompts"] == len(prompts["a"])
     # Greedy acceptance does not depend on the batch: the same prompts keep the same guesses.
     assert by["self", 3, "a", 3]["acceptance_length"] == by["self", 3, "a", 1]["acceptance_length"]
     with pytest.raises(ValueError, match="batch size must be >= 1"):
