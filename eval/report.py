@@ -120,8 +120,8 @@ def markdown(report: dict) -> str:
         " c = one draft step / one plain decoding step; β = the rest of a full round (verification of k+1"
         " positions, rollback, bookkeeping) / one step − 1; pred × = the speed-up these costs predict for a whole"
         " generation, (p + N) / (p' + R·(1 + prop·c + β)) for N plain steps and R speculative rounds per generation"
-        " (per batch at B > 1: a batch runs until its slowest row ends) and the prefills p (plain) and p'"
-        " (speculative, the drafter's start included) in steps; speed-up × = speculative / plain tokens/s"
+        " and the prefills p (plain) and p' (speculative, the drafter's start included) in steps (at B > 1 a"
+        " generation is charged its share, 1/B, of every step and round it took part in); speed-up × = speculative / plain tokens/s"
         " (pooled over repeats and prompts, run side by side); plain and spec tok/s are medians over repeats.",
         "",
         "## Summary",
