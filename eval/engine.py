@@ -37,7 +37,9 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -219,19 +221,54 @@ class DraftCounters:
             time.sleep(0.01)
 
 
+def stream(server: llama_cpp.LlamaServer, prompts: list[list[int]], max_new_tokens: int, on_done=None
+           ) -> list[llama_cpp.Completion]:
+    """The prompts served as an engine under constant load serves them: one client per slot of `server` sends
+    the next prompt as soon as its previous answer is back, and extra requests (cycling through the prompts,
+    their answers dropped) keep every slot busy until every prompt is answered. Returns the prompts'
+    completions, in order; `on_done()` is called as each of them arrives."""
+    lock = threading.Lock()
+    answers: list[llama_cpp.Completion | None] = [None] * len(prompts)
+    state = {"next": 0, "open": len(prompts)}
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not state["open"]:
+                    return
+                request = state["next"]
+                state["next"] += 1
+            completion = server.complete(prompts[request % len(prompts)], max_new_tokens)
+            if request < len(prompts):
+                with lock:
+                    answers[request] = completion
+                    state["open"] -= 1
+                if on_done is not None:
+                    on_done()
+
+    with ThreadPoolExecutor(server.parallel) as pool:
+        for future in [pool.submit(client) for _ in range(server.parallel)]:
+            future.result()
+    return answers
+
+
 def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str, list[list[int]]], ks: list[int],
                       *, max_new_tokens: int, repeats: int, threads: int, log_dir: Path, cost_prompts: int = 4,
-                      progress: bool = True) -> dict:
+                      progress: bool = True, batch: int = 1) -> dict:
     """Plain and speculative llama-server over every prompt, `repeats` times, the configurations in turn
     within each repeat (each server's first prompt is run once untimed); after each speculative server, the
     same drafter and k keeping none of its drafts over the first `cost_prompts` prompts of each category.
     Returns the completions and, for speculative servers, the drafting counters of each request, by
-    configuration and (repeat, category, prompt index), and the RoundCosts of each configuration."""
+    configuration and (repeat, category, prompt index), and the RoundCosts of each configuration.
+
+    batch > 1: servers with `batch` slots, each category's prompts streamed through them (`stream`); the
+    drafting counters are the server's, not a request's, and the costs are measured at batch 1 only, so
+    neither is returned."""
     items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
-    cost_items = [(c, i, p) for c, i, p in items if i < cost_prompts]
+    cost_items = [(c, i, p) for c, i, p in items if i < cost_prompts] if batch == 1 else []
     configs = [None] + [(s, k) for s in served if s.gguf is not None for k in ks]
-    bar = tqdm(total=repeats * (len(items) + (len(configs) - 1) * (len(items) + len(cost_items))), desc="llama.cpp",
-               unit="gen", disable=not progress)
+    bar = tqdm(total=repeats * (len(items) + (len(configs) - 1) * (len(items) + len(cost_items))),
+               desc="llama.cpp" if batch == 1 else f"llama.cpp (batch {batch})", unit="gen", disable=not progress)
     completions: dict = {}
     counters: dict = {}
     costs: dict = {}
@@ -242,10 +279,16 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
         spec = {} if config is None else {"draft": config[0].gguf, "spec_type": config[0].spec_type, "k": config[1],
                                           "accept_none": accept_none}
         name = "plain" if config is None else f"{config[0].name}-k{config[1]}" + ("-accept-none" if accept_none else "")
+        name += f"-b{batch}" if batch > 1 else ""
         out = []
-        with llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4,
+        with llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4, parallel=batch,
                                    log_file=log_dir / f"llama-server-{name}-{rep}.log", **spec) as server:
             server.complete(todo[0][2], max_new_tokens)  # warm-up, untimed
+            if batch > 1:  # each category's prompts streamed through the slots
+                for category in prompts:
+                    chosen = [p for c, _, p in todo if c == category]
+                    out += [(completion, None) for completion in stream(server, chosen, max_new_tokens, bar.update)]
+                return out
             drafting = DraftCounters(server) if config is not None else None
             before = drafting.after(1) if config is not None else None
             for n, (_, _, prompt) in enumerate(todo, start=2):
@@ -262,9 +305,9 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
             key = "plain" if config is None else (config[0].name, config[1])
             for (category, i, _), (completion, stats) in zip(items, serve(config, rep, items)):
                 completions.setdefault(key, {})[rep, category, i] = completion
-                if config is not None:
+                if stats is not None:
                     counters.setdefault(key, {})[rep, category, i] = stats
-            if config is not None:
+            if config is not None and cost_items:
                 for completion, stats in serve(config, rep, cost_items, accept_none=True):
                     costs[key] = costs.get(key, RoundCosts()).add(completion, stats)
     bar.close()
@@ -278,9 +321,11 @@ def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
 
 
 def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, repeats: int, pays_off_at: float,
-                   seed: int = 0) -> None:
-    """Rows of draftsmith's report gain llama.cpp's figures for the same (drafter, k, category); rows at
-    temperature > 0 and drafters llama.cpp cannot serve get a note instead."""
+                   seed: int = 0, batch: int = 1) -> None:
+    """Rows of draftsmith's report at batch size `batch` gain llama.cpp's figures for the same (drafter, k,
+    category) at that batch size; rows at temperature > 0 and drafters llama.cpp cannot serve get a note
+    instead. At batch > 1 the engine's τ, c and β are left out (its counters are the server's, its costs
+    measured at batch 1): its speed-up, interval, verdict and losslessness are measured."""
     completions, counters, items = measured["completions"], measured["counters"], measured["items"]
     plain = completions["plain"]
     step_ms = statistics.median(sum(g.predicted_ms for (r, _, _), g in plain.items() if r == rep)
@@ -289,7 +334,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
     notes = {s.name: s.note for s in served if s.gguf is None}
     costs = {key: (rc.c(step_ms), rc.beta(step_ms)) for key, rc in measured["costs"].items()}
     for r in rows:
-        if r.get("batch_size", 1) != 1:  # the engine serves one request at a time here: batch-1 rows only
+        if r.get("batch_size", 1) != batch:
             continue
         figures = dict.fromkeys(FIELDS)
         figures["engine"] = ENGINES["llamacpp"]
@@ -303,8 +348,9 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
             keys = [(c, i) for c, i in items if r["category"] in (ALL, c)]
             spec_t, plain_t = _timings(runs, keys, repeats), _timings(plain, keys, repeats)
             vs_plain = compare(spec_t, plain_t, [c for c, _ in keys], seed=seed)
-            chosen = sum((counters[key][rep, c, i] for rep in range(repeats) for c, i in keys), DraftStats())
-            c, beta = costs[key]
+            chosen = sum((counters[key][rep, c, i] for rep in range(repeats) for c, i in keys), DraftStats()) \
+                if key in counters else DraftStats()
+            c, beta = costs.get(key, (None, None))
             predicted = (predicted_speedup(r["acceptance_length"], r["mean_proposed"], c, beta)
                          if c is not None and beta is not None else None)
             figures.update(
@@ -341,15 +387,19 @@ def convert_for_llama_cpp(drafter_specs: list[dict], target, target_name_or_path
 
 def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, list[list[int]]], *, ks: list[int],
                   max_new_tokens: int, repeats: int, pays_off_at: float, threads: int, work: Path,
-                  cost_prompts: int = 4, seed: int = 0, progress: bool = True) -> dict:
-    """Everything `engine=llamacpp` adds once the models are converted: measure them in llama.cpp,
-    calibrate c and β, and add the engine's figures to `rows`. Returns the settings to report."""
+                  cost_prompts: int = 4, seed: int = 0, progress: bool = True, batch_sizes=(1,)) -> dict:
+    """Everything `engine=llamacpp` adds once the models are converted: measure them in llama.cpp at each
+    batch size (calibrating c and β at batch 1), and add the engine's figures to `rows`. Returns the
+    settings to report."""
     target_gguf, served = converted.target_gguf, converted.served
-    measured = measure_llama_cpp(target_gguf, served, prompts, ks, max_new_tokens=max_new_tokens, repeats=repeats,
-                                 threads=threads, log_dir=work, cost_prompts=cost_prompts, progress=progress)
-    engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed)
+    for batch in batch_sizes:
+        measured = measure_llama_cpp(target_gguf, served, prompts, ks, max_new_tokens=max_new_tokens, repeats=repeats,
+                                     threads=threads, log_dir=work, cost_prompts=cost_prompts, progress=progress,
+                                     batch=batch)
+        engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed, batch=batch)
     return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "threads": threads, "work_dir": str(work),
-            "cost_prompts_per_category": cost_prompts, "served": {s.name: s.spec_type or s.note for s in served}}
+            "cost_prompts_per_category": cost_prompts, "served": {s.name: s.spec_type or s.note for s in served},
+            "batch_sizes": list(batch_sizes)}
 
 
 # --- what python -m eval and the training recipes call ---------------------------------------------------
@@ -385,7 +435,8 @@ def add_figures(rows: list[dict], specs: list[dict], target, target_name_or_path
         converted = converted or convert_for_llama_cpp(specs, target, target_name_or_path, work)
         return run_llama_cpp(rows, converted, {c: [p.tolist() for p in ps] for c, ps in prompts.items()}, ks=list(plan.ks),
                              max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, pays_off_at=plan.pays_off_at,
-                             threads=threads, work=work, seed=plan.seed, progress=progress)
+                             threads=threads, work=work, seed=plan.seed, progress=progress,
+                             batch_sizes=list(plan.batch_sizes))
     if costs.given:
         predict(rows, costs, {s["name"]: s.get("engine_c") for s in specs}, plan.pays_off_at)
         return {"name": costs.name, "predicted": True, "c": costs.c, "beta": costs.beta,

@@ -169,7 +169,8 @@ class LogReader:
 class LlamaServer:
     """`llama-server` serving `model` (a GGUF) on 127.0.0.1 at a free port, optionally with a drafter:
     `draft` (a GGUF) and `spec_type` (`draft-simple` for a draft LM, `draft-eagle3` for an EAGLE-3 head),
-    drafting `k` tokens per round. Greedy, one slot, deterministic. Use as a context manager.
+    drafting `k` tokens per round. Greedy, deterministic; `parallel` slots of `ctx_size` tokens each, whose
+    requests the server decodes together (one slot: a request at a time). Use as a context manager.
 
     log_verbosity 4 makes it log its drafting statistics (eval/engine.py reads its drafting timer there).
     `accept_none=True` is llama.cpp's synthetic acceptance for benchmarking (`--spec-synth-len 1`): every
@@ -179,21 +180,22 @@ class LlamaServer:
     def __init__(self, model: str | Path, *, draft: str | Path | None = None, spec_type: str | None = None,
                  k: int = 4, ctx_size: int = 2048, threads: int = 1, timeout: float = 120.0,
                  log_file: str | Path | None = None, log_verbosity: int | None = None,
-                 accept_none: bool = False) -> None:
+                 accept_none: bool = False, parallel: int = 1) -> None:
         if (draft is None) != (spec_type is None):
             raise ValueError("a drafter needs both `draft` (its GGUF) and `spec_type`")
         if accept_none and draft is None:
             raise ValueError("accept_none needs a drafter")
         self.model, self.draft, self.spec_type, self.k = Path(model), draft, spec_type, k
         self.ctx_size, self.threads, self.timeout, self.log_file = ctx_size, threads, timeout, log_file
-        self.log_verbosity, self.accept_none = log_verbosity, accept_none
+        self.log_verbosity, self.accept_none, self.parallel = log_verbosity, accept_none, parallel
         self._log: LogReader | None = None
         self._temporary_log: Path | None = None
         self.process: subprocess.Popen | None = None
 
     def command(self, port: int) -> list[str]:
         cmd = [str(binary("llama-server")), "-m", str(self.model), "--host", "127.0.0.1",
-               "--port", str(port), "-c", str(self.ctx_size), "-np", "1", "-t", str(self.threads), "-tb",
+               "--port", str(port), "-c", str(self.ctx_size * self.parallel), "-np", str(self.parallel), "-t",
+               str(self.threads), "-tb",
                str(self.threads), "--temp", "0", "--top-k", "1", "--seed", "0", "--no-webui"]
         if self.draft is not None:
             cmd += ["-md", str(self.draft), "--spec-type", self.spec_type, "--spec-draft-n-max", str(self.k),

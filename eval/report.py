@@ -218,7 +218,15 @@ def engine_section(rows: list[dict]) -> list[str]:
                " from the same drafter and k keeping none of its drafts (llama.cpp's synthetic acceptance): c = its"
                " drafting time per drafted token, β = the rest of its round minus 1, both over the plain time per token;"
                " pred × = draftsmith's τ / (1 + prop·c + β); lossless = its greedy output equals its"
-               " plain output.", "", table(measured, ENGINE_COLUMNS)]
+               " plain output.", ""]
+        columns = ENGINE_COLUMNS
+        if len(batch_sizes(rows)) > 1:
+            columns = [*ENGINE_COLUMNS[:3], ("B", "batch_size"), *ENGINE_COLUMNS[3:]]
+            out += [f"At B > 1 {name} serves with B slots, each category's prompts streamed through them as under"
+                    " constant load (a client per slot sends the next prompt when its answer is back; extra requests"
+                    " keep every slot busy until every prompt is answered), plain and speculative alike; τ engine, c"
+                    " and β are batch-1 figures (the drafting counters are the server's, not a request's).", ""]
+        out.append(table(measured, columns))
     if notes:
         out += ["", *(f"- {n}" for n in notes)]
     return out
@@ -290,11 +298,12 @@ def console_summary(report: dict) -> str:
     if engine:
         measured = any(r.get("engine_speedup") is not None for r in engine)
         lines += ["", f"In {engine[0]['engine']}:" if measured else f"For {engine[0]['engine']}:",
-                  f"{'category':<14}{'drafter':<18}{'k':>3}{'tau':>7}{'tau eng':>9}{'x eng':>8}{'pred':>7}  verdict"]
+                  f"{'category':<14}{'drafter':<18}{'k':>3}{'B':>4}{'tau':>7}{'tau eng':>9}{'x eng':>8}{'pred':>7}  verdict"]
         for r in engine:
             tau_e, x_e = r.get("engine_acceptance_length"), r.get("engine_speedup")
-            lines.append(f"{r['category'][:13]:<14}{r['drafter'][:17]:<18}{r['k']:>3}{r['acceptance_length']:>7.2f}"
-                         f"{_fmt(tau_e):>9}{_fmt(x_e):>8}{_fmt(r['engine_predicted_speedup']):>7}  {r['engine_verdict']}")
+            lines.append(f"{r['category'][:13]:<14}{r['drafter'][:17]:<18}{r['k']:>3}{r.get('batch_size', 1):>4}"
+                         f"{r['acceptance_length']:>7.2f}{_fmt(tau_e):>9}{_fmt(x_e):>8}"
+                         f"{_fmt(r['engine_predicted_speedup']):>7}  {r['engine_verdict']}")
     return "\n".join(lines)
 
 

@@ -8,7 +8,9 @@
 
 Per drafter, k and category: τ in draftsmith's loop and in llama.cpp (goal: within 10 %), llama.cpp's
 measured speed-up and the one predicted from draftsmith's τ with llama.cpp's c and β (goal: within ±10 %),
-and whether the two verdicts agree (and whether draftsmith's own loop's verdict does).
+and whether the two verdicts agree (and whether draftsmith's own loop's verdict does). With `batch_sizes`,
+a second table: per drafter and category, the best speed-up over k at each batch size in llama.cpp (B
+slots) beside draftsmith's loop's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def main() -> None:
     ap.add_argument("report_dir", help="the out_dir of a `python -m eval engine=llamacpp` run")
     args = ap.parse_args()
     report = json.loads((Path(args.report_dir) / "report.json").read_text())
-    rows = [r for r in report["results"] if r.get("engine_speedup") is not None]
+    measured = [r for r in report["results"] if r.get("engine_speedup") is not None]
+    rows = [r for r in measured if r.get("batch_size", 1) == 1]
     print("| drafter | k | category | τ draftsmith | τ llama.cpp | ratio | c | β | llama.cpp speed-up (95 % interval) "
           "| predicted | predicted / measured | verdict in llama.cpp | predicted verdict | draftsmith loop's verdict |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -46,6 +49,28 @@ def main() -> None:
     n = len(rows)
     print(f"\nτ within 10 %: {tau_ok}/{n}; predicted speed-up within ±10 % of measured: {pred_ok}/{n}; "
           f"predicted verdict = llama.cpp's: {agree}/{n}; draftsmith loop's verdict = llama.cpp's: {loop_agree}/{n}")
+    sizes = sorted({r.get("batch_size", 1) for r in measured})
+    if len(sizes) > 1:
+        batch_table(measured, sizes)
+
+
+def batch_table(rows: list[dict], sizes: list[int]) -> None:
+    """Per drafter and category, the best speed-up over k at each batch size: llama.cpp's, then draftsmith's."""
+    print("\n| drafter | category | " + " | ".join(f"B={b} llama.cpp | B={b} draftsmith" for b in sizes) + " |")
+    print("|---|---|" + "---|---|" * len(sizes))
+    keys = dict.fromkeys((r["drafter"], r["category"]) for r in rows)
+    lossless = all(r["engine_lossless"] for r in rows)
+    for drafter, category in keys:
+        cells = []
+        for b in sizes:
+            group = [r for r in rows if (r["drafter"], r["category"], r.get("batch_size", 1)) == (drafter, category, b)]
+            engine = max(group, key=lambda r: r["engine_speedup"])
+            ours = max(group, key=lambda r: r["speedup"])
+            lo, hi = engine["engine_speedup_ci"] or (float("nan"), float("nan"))
+            cells += [f"{engine['engine_speedup']:.2f}× k={engine['k']} ({lo:.2f}–{hi:.2f})",
+                      f"{ours['speedup']:.2f}× k={ours['k']}"]
+        print(f"| {drafter} | {category} | " + " | ".join(cells) + " |")
+    print(f"\nevery llama.cpp row lossless (greedy output = its plain output at the same batch size): {lossless}")
 
 
 if __name__ == "__main__":

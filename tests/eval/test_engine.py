@@ -129,10 +129,11 @@ def test_costs_from_another_engine_give_a_predicted_verdict_per_category(tiny_wo
 @needs_llama_cpp
 def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny_world, eagle_run, tmp_path):
     """`python -m eval engine=llamacpp` on tiny_deep: the off-the-shelf draft LM and an EAGLE-3 head served by
-    llama-server, the n-gram drafter noted as having no llama.cpp counterpart."""
+    llama-server, the n-gram drafter noted as having no llama.cpp counterpart; at batch 2 served by a
+    two-slot server, the prompts streamed through it."""
     out = tmp_path / "report"
     cfg = make_cfg("target=tiny_deep", "engine=llamacpp", "ks=[2,4]", "repeats=2", "max_new_tokens=32",
-                   "data.max_prompts_per_category=4", "progress=false", "threads=1",
+                   "data.max_prompts_per_category=4", "progress=false", "threads=1", "batch_sizes=[1,2]",
                    f"drafters=[{{name: off_the_shelf, kind: draft_lm, path: toyworld://tiny_deep/draft}}, "
                    f"{{name: head, kind: head, path: '{eagle_run / 'best'}'}}, {{name: ngram, kind: ngram}}]",
                    f"out_dir={out}")
@@ -140,7 +141,17 @@ def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny
     settings = report["settings"]["engine"]
     assert settings["name"] == "llama.cpp" and settings["served"]["head"] == "draft-eagle3"
     assert settings["served"]["off_the_shelf"] == "draft-simple" and "n-gram" in settings["served"]["ngram"]
-    rows = {(r["drafter"], r["k"], r["category"]): r for r in report["results"]}
+    assert settings["batch_sizes"] == [1, 2]
+    batch2 = [r for r in report["results"] if r["batch_size"] == 2]
+    for r in batch2:  # two slots: speed-up, verdict and losslessness measured; τ, c and β are batch-1 figures
+        assert r["engine"] == "llama.cpp"
+        if r["drafter"] == "ngram":
+            continue
+        assert r["engine_lossless"] is True, (r["drafter"], r["k"], r["category"])
+        assert r["engine_speedup"] > 0 and r["engine_ar_tokens_per_s"] > 0 and r["engine_sd_tokens_per_s"] > 0
+        assert r["engine_acceptance_length"] is None and r["engine_predicted_speedup"] is None
+    assert list((out / "engine").glob("llama-server-head-k4-b2-*.log"))
+    rows = {(r["drafter"], r["k"], r["category"]): r for r in report["results"] if r["batch_size"] == 1}
     for (drafter, k, category), r in rows.items():
         assert r["engine"] == "llama.cpp"
         if drafter == "ngram":
@@ -157,6 +168,7 @@ def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny
         assert abs(theirs / ours - 1) <= 0.05, (k, ours, theirs)
     md = (out / "report.md").read_text()
     assert "## In llama.cpp" in md and "ngram: draftsmith's n-gram drafter has no llama.cpp counterpart" in md
+    assert "At B > 1 llama.cpp serves with B slots" in md
     assert json.loads((out / "report.json").read_text())["results"][0]["engine"] == "llama.cpp"
     assert list((out / "engine").glob("llama-server-*.log"))  # the engine's own logs are kept
     assert list((out / "engine").glob("llama-server-head-k4-accept-none-*.log"))  # and those c and β came from
