@@ -27,6 +27,14 @@ measures, beside draftsmith's loop and on the same prompts, k and budget (greedy
   llama-bench times it, leaves out about one target step per round that llama-server spends around it:
   BENCHMARKS.md section 8.)
 
+With `batch_sizes`, llama.cpp is measured at each batch size B too: llama-server with B slots, each
+category's prompts streamed through them as under constant load (`stream`: a client per slot sends the
+next prompt as soon as its answer is back, and extra requests keep every slot busy until every prompt is
+answered), the plain server and each speculative one alike. A request's generation time is then its own
+wall-clock time with the other slots decoding beside it, so pooled tokens over time is the server's
+throughput over B, and the speed-up, its interval, the verdict and losslessness are measured per B. The
+engine's τ, c and β stay batch-1 figures (its drafting counters are the server's, not a request's).
+
 A team whose engine cannot run here (vLLM or SGLang on GPUs) measures c and β in it and enters them
 (`engine_costs.c`, `engine_costs.beta`, a drafter's own `engine_c`); the report then turns draftsmith's τ
 into a per-category predicted speed-up and verdict for that engine, labelled a prediction.
