@@ -33,7 +33,8 @@ next prompt as soon as its answer is back, and extra requests keep every slot bu
 answered), the plain server and each speculative one alike. A request's generation time is then its own
 wall-clock time with the other slots decoding beside it, so pooled tokens over time is the server's
 throughput over B, and the speed-up, its interval, the verdict and losslessness are measured per B. The
-engine's τ, c and β stay batch-1 figures (its drafting counters are the server's, not a request's).
+engine's τ at B is its counters' over each category's stream (the server's, extra requests included); c
+and β, and so the prediction, stay batch-1 figures.
 
 A team whose engine cannot run here (vLLM or SGLang on GPUs) measures c and β in it and enters them
 (`engine_costs.c`, `engine_costs.beta`, a drafter's own `engine_c`); the report then turns draftsmith's τ
@@ -230,11 +231,11 @@ class DraftCounters:
 
 
 def stream(server: llama_cpp.LlamaServer, prompts: list[list[int]], max_new_tokens: int, on_done=None
-           ) -> list[llama_cpp.Completion]:
+           ) -> tuple[list[llama_cpp.Completion], int]:
     """The prompts served as an engine under constant load serves them: one client per slot of `server` sends
     the next prompt as soon as its previous answer is back, and extra requests (cycling through the prompts,
     their answers dropped) keep every slot busy until every prompt is answered. Returns the prompts'
-    completions, in order; `on_done()` is called as each of them arrives."""
+    completions, in order, and the number of requests sent; `on_done()` is called as each answer arrives."""
     lock = threading.Lock()
     answers: list[llama_cpp.Completion | None] = [None] * len(prompts)
     state = {"next": 0, "open": len(prompts)}
@@ -257,7 +258,7 @@ def stream(server: llama_cpp.LlamaServer, prompts: list[list[int]], max_new_toke
     with ThreadPoolExecutor(server.parallel) as pool:
         for future in [pool.submit(client) for _ in range(server.parallel)]:
             future.result()
-    return answers
+    return answers, state["next"]
 
 
 def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str, list[list[int]]], ks: list[int],
@@ -270,8 +271,8 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
     configuration and (repeat, category, prompt index), and the RoundCosts of each configuration.
 
     batch > 1: servers with `batch` slots, each category's prompts streamed through them (`stream`); the
-    drafting counters are the server's, not a request's, and the costs are measured at batch 1 only, so
-    neither is returned."""
+    drafting counters are then the stream's (the server's, its extra requests included), given with the
+    category's first prompt, and the costs are measured at batch 1 only."""
     items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
     cost_items = [(c, i, p) for c, i, p in items if i < cost_prompts] if batch == 1 else []
     configs = [None] + [(s, k) for s in served if s.gguf is not None for k in ks]
@@ -292,13 +293,21 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
         with llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4, parallel=batch,
                                    log_file=log_dir / f"llama-server-{name}-{rep}.log", **spec) as server:
             server.complete(todo[0][2], max_new_tokens)  # warm-up, untimed
-            if batch > 1:  # each category's prompts streamed through the slots
-                for category in prompts:
-                    chosen = [p for c, _, p in todo if c == category]
-                    out += [(completion, None) for completion in stream(server, chosen, max_new_tokens, bar.update)]
-                return out
             drafting = DraftCounters(server) if config is not None else None
             before = drafting.after(1) if config is not None else None
+            if batch > 1:  # each category's prompts streamed through the slots
+                sent = 1
+                for category in prompts:
+                    chosen = [p for c, _, p in todo if c == category]
+                    answers, requests = stream(server, chosen, max_new_tokens, bar.update)
+                    sent, stats = sent + requests, None
+                    if config is not None:
+                        now = drafting.after(sent)
+                        stats, before = now - before, now
+                    # The stream's counters (the server's, its extra requests included) go with the category's
+                    # first prompt, zeros with the others: summed over a category, they are the stream's.
+                    out += [(a, stats if n == 0 or stats is None else DraftStats()) for n, a in enumerate(answers)]
+                return out
             for n, (_, _, prompt) in enumerate(todo, start=2):
                 completion, stats = server.complete(prompt, max_new_tokens), None
                 if config is not None:
@@ -332,8 +341,8 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
                    seed: int = 0, batch: int = 1) -> None:
     """Rows of draftsmith's report at batch size `batch` gain llama.cpp's figures for the same (drafter, k,
     category) at that batch size; rows at temperature > 0 and drafters llama.cpp cannot serve get a note
-    instead. At batch > 1 the engine's τ, c and β are left out (its counters are the server's, its costs
-    measured at batch 1): its speed-up, interval, verdict and losslessness are measured."""
+    instead. At batch > 1 the engine's τ is the server's over each category's stream, and c and β (measured
+    at batch 1) and the prediction are left out."""
     completions, counters, items = measured["completions"], measured["counters"], measured["items"]
     plain = completions["plain"]
     step_ms = statistics.median(sum(g.predicted_ms for (r, _, _), g in plain.items() if r == rep)

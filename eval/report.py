@@ -224,8 +224,9 @@ def engine_section(rows: list[dict]) -> list[str]:
             columns = [*ENGINE_COLUMNS[:3], ("B", "batch_size"), *ENGINE_COLUMNS[3:]]
             out += [f"At B > 1 {name} serves with B slots, each category's prompts streamed through them as under"
                     " constant load (a client per slot sends the next prompt when its answer is back; extra requests"
-                    " keep every slot busy until every prompt is answered), plain and speculative alike; τ engine, c"
-                    " and β are batch-1 figures (the drafting counters are the server's, not a request's).", ""]
+                    " keep every slot busy until every prompt is answered), plain and speculative alike; τ engine is"
+                    " the server's over each category's stream (extra requests included); c and β are batch-1 figures.",
+                    ""]
         out.append(table(measured, columns))
     if notes:
         out += ["", *(f"- {n}" for n in notes)]
