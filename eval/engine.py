@@ -247,7 +247,12 @@ def stream(server: llama_cpp.LlamaServer, prompts: list[list[int]], max_new_toke
                     return
                 request = state["next"]
                 state["next"] += 1
-            completion = server.complete(prompts[request % len(prompts)], max_new_tokens)
+            try:
+                completion = server.complete(prompts[request % len(prompts)], max_new_tokens)
+            except BaseException:
+                with lock:
+                    state["open"] = 0  # the other clients stop too; the error surfaces from this one
+                raise
             if request < len(prompts):
                 with lock:
                     answers[request] = completion

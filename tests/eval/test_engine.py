@@ -209,3 +209,27 @@ def test_training_ends_with_the_verdict_in_llama_cpp(tiny_world, tmp_path):
     assert report["settings"]["engine"]["served"] == {"off_the_shelf": "draft-simple", "trained_eagle": "draft-eagle3"}
     assert all(r["engine_lossless"] is True and r["engine_speedup"] > 0 for r in report["results"])
     assert "## In llama.cpp" in (run / "report.md").read_text()
+
+
+class _Server:
+    """A stand-in for a llama-server with `parallel` slots that answers each prompt with its own ids."""
+
+    def __init__(self, parallel, fail_at=None):
+        self.parallel, self.fail_at, self.calls = parallel, fail_at, 0
+
+    def complete(self, prompt, max_new_tokens):
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise ConnectionError("llama-server went away")
+        return llama_cpp.Completion(list(prompt), 0, 0, 1.0)
+
+
+def test_a_stream_answers_every_prompt_in_order_and_keeps_the_slots_busy():
+    prompts = [[i] for i in range(5)]
+    answers, sent = engine.stream(_Server(3), prompts, 8)
+    assert [a.tokens for a in answers] == prompts and sent >= len(prompts)
+
+
+def test_a_failed_request_stops_the_stream_with_its_error():
+    with pytest.raises(ConnectionError, match="went away"):
+        engine.stream(_Server(3, fail_at=4), [[i] for i in range(20)], 8)
