@@ -95,6 +95,7 @@ class _Requests:
         self.tokens: list[list[int]] = []
         self.seconds: list[float] = []
         self.prefill: list[float] = []
+        self.step_s: list[list[float]] = []  # plain decoding: the timed steps each request took part in
         self.open = len(prompts)  # prompts not finished yet
 
     def next(self, count: int) -> list[int]:
@@ -105,6 +106,7 @@ class _Requests:
         self.tokens += [[] for _ in chosen]
         self.seconds += [0.0 for _ in chosen]
         self.prefill += [0.0 for _ in chosen]
+        self.step_s += [[] for _ in chosen]
         return chosen
 
     def prompt(self, request: int) -> torch.Tensor:
@@ -187,6 +189,8 @@ def autoregressive_generate_batch(target: PreTrainedModel, prompts: list[torch.T
         requests.charge(stepped, seconds)
         if live and timed:
             steps.append(seconds)
+            for request in live:
+                requests.step_s[request].append(seconds)
     _sync(device)
     return _result(requests, clock() - t_start, forwards, timed, step_s=steps, step_rows=step_rows,
                    prefill_s=prefill_s, plain=True)
@@ -314,7 +318,7 @@ def _result(requests: _Requests, seconds: float, forwards: int, timed: bool, *, 
         tokens = requests.tokens[r]
         own = [] if rounds is None else rounds[r]
         gens.append(Generation(tokens, requests.seconds[r], (len(tokens) if plain else len(own) + 1), own,
-                               list(step_s) if plain else [], requests.prefill[r] if timed else None))
+                               requests.step_s[r], requests.prefill[r] if timed else None))
     return BatchGeneration(gens, seconds, forwards, requests.slots, list(batch_rounds), list(step_s), list(step_rows),
                            prefill_s if timed else None)
 

@@ -164,6 +164,7 @@ def test_keep_full_keeps_every_slot_busy_until_the_last_prompt_ends(target, draf
                                               keep_full=True, timed=True)
         assert [g.tokens for g in plain.rows] == [g.tokens for g in out.rows]
         assert set(plain.step_rows) == {slots} and len(plain.step_s) == len(plain.step_rows)
+        assert all(len(g.step_s) == len(g.tokens) - 1 for g in plain.rows)  # each prompt's own steps
     # Without extra rows the batch empties at the end, and the rows' shares add up to the run's time.
     out = speculative_generate_batch(target, DraftLM(draft).batched(), prompts, k=3, sampling=GREEDY,
                                      max_new_tokens=20, slots=4)
