@@ -310,12 +310,16 @@ def _eagle1_inputs(eagle1_run, tmp_path):
 
 def _vllm(export_dir: Path, inputs: Path, out: Path) -> tuple[str, dict]:
     """tests/train/vllm_worker.py on the export: the architecture vLLM resolved and its outputs."""
+    import os
     import subprocess
     import sys
 
+    # An empty vLLM cache: vLLM inspects the architectures in a child process, as on a machine that never
+    # ran it (a cache left by an earlier run would skip that child and hide a failure in it).
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(out.parent / "vllm-cache")}
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_worker.py")), str(VENV / "vllm"),
                            str(target_directory(TARGET)), str(export_dir), str(inputs), str(out)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.split("architecture: ")[-1].strip(), load_file(str(out))
 

@@ -12,16 +12,38 @@ platform is vLLM's CPU platform with its custom ops in their native PyTorch form
 the CPU kernels live in the CPU build of vLLM), and the attention kernel, which needs a GPU or that build,
 is PyTorch's causal scaled-dot-product attention on the q, k, v that vLLM's layer computes.
 
+vLLM inspects a model class in a child process of its own (`python -m vllm.model_executor.models.registry`)
+unless its cache under VLLM_CACHE_ROOT already holds the answer; the test points that cache at an empty
+directory, so the child always runs, as on a machine that never ran vLLM. The child must import vLLM too,
+with the venv's packages still first: see `_share_vllm_dir`.
+
 INPUTS (safetensors): `ids` (T,) and `features` (T, d), the target's final-normed states. OUT: `hidden`
 (T-1, d) and `logits` (T-1, vocab) of the draft's entries for tokens 1..T-1 on features 0..T-2, and
 `architecture`, printed.
 """
 
+import os
 import sys
+import tempfile
+
+
+def _share_vllm_dir(vllm_dir: str, scratch: str) -> None:
+    """Append VLLM_DIR to sys.path here and in every Python child this process starts. PYTHONPATH itself
+    would put VLLM_DIR before the venv's site-packages, and vLLM's pinned packages would shadow the project's;
+    a `sitecustomize` on PYTHONPATH runs after site-packages are on the path and appends it behind them."""
+    sys.path.append(vllm_dir)
+    with open(os.path.join(scratch, "sitecustomize.py"), "w") as f:
+        f.write(f"import sys\nsys.path.append({vllm_dir!r})\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [scratch, os.environ.get("PYTHONPATH")]))
 
 
 def main(vllm_dir: str, target_dir: str, export_dir: str, inputs: str, out: str) -> None:
-    sys.path.append(vllm_dir)  # after the project's venv: its own packages win
+    with tempfile.TemporaryDirectory() as scratch:
+        _share_vllm_dir(vllm_dir, scratch)
+        _run(target_dir, export_dir, inputs, out)
+
+
+def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
     import torch
     import torch.nn.functional as F
     from safetensors.torch import load_file, save_file
