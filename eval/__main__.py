@@ -19,7 +19,8 @@ from eval import engine as engines
 from eval.config import register
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, console_summary, log_to_wandb, write_report
-from eval.run import build_drafter, held_out_path, load_target, pick_device, read_traffic, reading, tokenize_prompts
+from eval.run import (build_drafter, held_out_path, load_target, pick_device, read_traffic, reading, target_source,
+                      tokenize_prompts)
 
 log = logging.getLogger("eval")
 register()
@@ -38,7 +39,8 @@ def run(cfg: DictConfig) -> dict:
     # The traffic is read first: a bad record fails before a model is loaded.
     traffic = read_traffic(held_out_path(cfg.data.path, cfg.data.eval_path) or cfg.data.path, **reading(cfg.data))
     device = pick_device(cfg.device)
-    target, tokenizer = load_target(cfg.target.name_or_path, device=device, dtype=cfg.target.dtype,
+    source = target_source(cfg.target)
+    target, tokenizer = load_target(source, device=device, dtype=cfg.target.dtype,
                                     trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)
     drafters = [build_drafter(OmegaConf.to_container(spec, resolve=True), target=target, tokenizer=tokenizer,
                               trust_remote_code=cfg.target.trust_remote_code) for spec in cfg.drafters]
@@ -46,14 +48,14 @@ def run(cfg: DictConfig) -> dict:
                                max_prompt_tokens=cfg.data.max_prompt_tokens)
     specs = [OmegaConf.to_container(spec, resolve=True) for spec in cfg.drafters]
     work = Path(cfg.out_dir) / "engine"
-    converted = engines.convert(cfg.engine, specs, target, cfg.target.name_or_path, work)
+    converted = engines.convert(cfg.engine, specs, target, source, work)
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id, progress=cfg.progress)
-    engine = engines.add_figures(rows, specs, target, cfg.target.name_or_path, prompts, plan, engine=cfg.engine,
+    engine = engines.add_figures(rows, specs, target, source, prompts, plan, engine=cfg.engine,
                                  costs=costs, threads=cfg.threads or os.cpu_count(), work=work, converted=converted,
                                  progress=cfg.progress)
     settings = {"data": traffic.describe(prompts), **asdict(plan), "dtype": cfg.target.dtype, "device": str(device),
                 "engine": engine}
-    report = build_report(rows, target=cfg.target.name_or_path, baseline=drafters[0].name, settings=settings)
+    report = build_report(rows, target=source, baseline=drafters[0].name, settings=settings)
     paths = write_report(report, cfg.out_dir)
     print(console_summary(report))
     print(f"\nreport: {paths['md']}  ({paths['json'].name} and {len(paths) - 2} histogram PNGs beside it)")

@@ -23,7 +23,9 @@ class TargetConfig:
     """The model being accelerated."""
 
     name: str = MISSING  # short name; for the built-in world also its preset (toy, tiny)
-    name_or_path: str = MISSING  # hub id, local directory, or toyworld://<preset>/target
+    # hub id, local directory, a .gguf file (or <hub id>/<file>.gguf), pypi://<real model> or toyworld://<preset>/target
+    name_or_path: str = MISSING
+    gguf_file: Optional[str] = None  # a GGUF file inside the name_or_path directory or hub repository
     off_the_shelf_draft: Optional[str] = None  # the draft users would pick without draftsmith
     dtype: str = "float32"  # float32 | bfloat16 | float16
     trust_remote_code: bool = False  # never on unless the user turns it on

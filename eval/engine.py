@@ -61,6 +61,7 @@ from eval.compare import Timings, compare
 from eval.engine_formats import eagle3_gguf, target_directory
 from eval.evaluate import ALL
 from eval.metrics import predicted_speedup
+from traffic import models
 
 ENGINES = {"llamacpp": "llama.cpp"}
 SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3"}
@@ -396,10 +397,12 @@ class Converted:
 
 def convert_for_llama_cpp(drafter_specs: list[dict], target, target_name_or_path: str, work: Path) -> Converted:
     """The target and the drafters through llama.cpp's converter, into `work`: done before anything is
-    measured, so a model the converter cannot read fails at once."""
+    measured, so a model the converter cannot read fails at once. A target given as a GGUF file is served
+    as it is: the quantization the team deploys is the one measured."""
     work.mkdir(parents=True, exist_ok=True)
     llama_cpp.require()
-    target_gguf = llama_cpp.convert_to_gguf(target_directory(target_name_or_path), work / "target.gguf")
+    target_gguf = models.gguf_file(target_name_or_path) or llama_cpp.convert_to_gguf(
+        target_directory(target_name_or_path), work / "target.gguf")
     served = [llama_cpp_drafter(spec, target, target_name_or_path, work) for spec in drafter_specs]
     for s in served:
         if s.note:
@@ -419,7 +422,8 @@ def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, lis
                                      threads=threads, log_dir=work, cost_prompts=cost_prompts, progress=progress,
                                      batch=batch)
         engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed, batch=batch)
-    return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "threads": threads, "work_dir": str(work),
+    return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "target_gguf": str(target_gguf),
+            "threads": threads, "work_dir": str(work),
             "cost_prompts_per_category": cost_prompts, "served": {s.name: s.spec_type or s.note for s in served},
             "batch_sizes": list(batch_sizes)}
 

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eval.llama_cpp import convert_to_gguf
-from traffic import toyworld
+from traffic import models
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,9 @@ class ExportRefused(ValueError):
 
 def target_directory(name_or_path: str) -> Path:
     """A local directory holding the target's config and tokenizer (what llama.cpp's converter and
-    speculators' loader read): toyworld:// and directories as they are, a hub id from the local cache or
-    the Hub."""
-    local = Path(toyworld.resolve(name_or_path))
+    speculators' loader read): toyworld:// and directories as they are, a GGUF file's dequantized
+    directory (traffic/models.py), a hub id from the local cache or the Hub."""
+    local = Path(models.resolve(name_or_path))
     if local.is_dir():
         return local
     from huggingface_hub import snapshot_download

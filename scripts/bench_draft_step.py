@@ -38,7 +38,7 @@ from drafters.layers import KVCache
 from drafters.llama_decode import LeanLlama
 from drafters.sampling import Sampling
 from eval.speculative import rollback
-from traffic import toyworld
+from traffic import models
 
 
 def hf_steps(model, context: torch.Tensor, n: int) -> list[float]:
@@ -162,19 +162,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    draft = AutoModelForCausalLM.from_pretrained(toyworld.resolve(args.draft)).eval()
+    draft = AutoModelForCausalLM.from_pretrained(models.resolve(args.draft)).eval()
     if args.draft_layers:
         config = copy.deepcopy(draft.config)
         config.num_hidden_layers = args.draft_layers
         torch.manual_seed(0)
         draft = AutoModelForCausalLM.from_config(config).eval()
-    target = AutoModelForCausalLM.from_pretrained(toyworld.resolve(args.target)).eval()
+    target = AutoModelForCausalLM.from_pretrained(models.resolve(args.target)).eval()
     vocab = min(draft.config.vocab_size, target.config.vocab_size)
     context = torch.randint(3, vocab, (args.context,), generator=torch.Generator().manual_seed(0))
     runs = {"target, Hugging Face forward": (hf_steps, target), "draft, Hugging Face forward": (hf_steps, draft),
             "draft, lean path": (lean_steps, draft), "target, lean path": (lean_steps, target)}
     if args.eagle:
-        head = load_head(toyworld.resolve(args.eagle), target)
+        head = load_head(models.resolve(args.eagle), target)
         if not hasattr(head, "midlayer"):
             raise SystemExit(f"--eagle {args.eagle}: not an EAGLE-3 head (config.json draftsmith_kind "
                              f"{head.config.draftsmith_kind!r})")

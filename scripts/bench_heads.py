@@ -28,7 +28,7 @@ from hydra import compose, initialize_config_dir
 
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, console_summary, next_report_dir, write_report
-from eval.run import build_drafter, held_out_path, load_target, read_traffic, tokenize_prompts
+from eval.run import build_drafter, held_out_path, load_target, read_traffic, target_source, tokenize_prompts
 from train.__main__ import train
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -79,7 +79,7 @@ def main() -> None:
                          "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows), "best": best}
         print(f"{name}: best at step {best['step']}; training {trained[name]['tokens_per_s']:.0f} tokens/s")
 
-    target, tok = load_target(cfg.target.name_or_path, device=torch.device("cpu"))
+    target, tok = load_target(target_source(cfg.target), device=torch.device("cpu"))
     traffic = read_traffic(held_out_path(cfg.data.path, cfg.data.eval_path) or cfg.data.path)
     prompts = tokenize_prompts(traffic, tok, device=target.device, max_per_category=args.prompts)
     drafters = [build_drafter({"name": "off_the_shelf", "kind": "draft_lm", "path": cfg.target.off_the_shelf_draft},
@@ -93,7 +93,7 @@ def main() -> None:
                     temperatures=[float(t) for t in args.temperatures.split(",")],
                     max_new_tokens=64, repeats=args.repeats)
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tok.eos_token_id)
-    report = build_report(rows, target=cfg.target.name_or_path, baseline="off_the_shelf",
+    report = build_report(rows, target=target_source(cfg.target), baseline="off_the_shelf",
                           settings={"data": traffic.describe(prompts), "steps": args.steps, "drafters": list(trained), "ks": plan.ks,
                                     "temperatures": plan.temperatures,
                                     "training_tokens_per_s": {n: round(t["tokens_per_s"]) for n, t in trained.items()}})

@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from drafters.draft_lm import DraftLM
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, console_summary, next_report_dir, write_report
-from eval.run import build_drafter, held_out_path, load_target, read_traffic, tokenize_prompts
+from eval.run import build_drafter, held_out_path, load_target, read_traffic, target_source, tokenize_prompts
 from train.__main__ import train
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -64,7 +64,7 @@ def main() -> None:
         print(f"{name}: best held-out acceptance estimate {trained[name]['best']['acceptance']:.3f} at step "
               f"{trained[name]['best']['step']}; training {trained[name]['tokens_per_s']:.0f} tokens/s")
 
-    target, tok = load_target(cfg.target.name_or_path, device=torch.device("cpu"))
+    target, tok = load_target(target_source(cfg.target), device=torch.device("cpu"))
     traffic = read_traffic(held_out_path(cfg.data.path, cfg.data.eval_path) or cfg.data.path)
     prompts = tokenize_prompts(traffic, tok, device=target.device, max_per_category=args.prompts)
     drafters = [build_drafter({"name": "off_the_shelf", "kind": "draft_lm", "path": cfg.drafter.init_from},
@@ -73,7 +73,7 @@ def main() -> None:
                  for name, info in trained.items()]
     plan = EvalPlan(ks=[int(k) for k in args.ks.split(",")], max_new_tokens=64, repeats=args.repeats)
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tok.eos_token_id)
-    report = build_report(rows, target=cfg.target.name_or_path, baseline="off_the_shelf",
+    report = build_report(rows, target=target_source(cfg.target), baseline="off_the_shelf",
                           settings={"data": traffic.describe(prompts), "steps": args.steps, "variants": list(trained), "ks": plan.ks,
                                     "training_tokens_per_s": {n: t["tokens_per_s"] for n, t in trained.items()}})
     paths = write_report(report, next_report_dir(out))

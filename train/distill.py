@@ -130,7 +130,7 @@ class DistillRecipe:
     def _setup_data(self) -> None:
         import datasets
 
-        from eval.run import load_target, reading, resolve_data
+        from eval.run import load_target, reading, resolve_data, target_source
         from drafters.sampling import Sampling
         from traffic.records import load_records
         from train.prepare import prepare
@@ -154,7 +154,7 @@ class DistillRecipe:
         if cfg.evaluate.enabled:  # read now, so a bad held-out file fails before training, not after it
             self.eval_traffic = self._final_eval_traffic()
         # The target is loaded once here; prepare() regenerates with it and training scores with it.
-        self.target, self.tokenizer = load_target(cfg.target.name_or_path, device=self.device, dtype=cfg.target.dtype,
+        self.target, self.tokenizer = load_target(target_source(cfg.target), device=self.device, dtype=cfg.target.dtype,
                                                   trust_remote_code=cfg.target.trust_remote_code,
                                                   chat_template=cfg.target.chat_template)
         self.target.requires_grad_(False)
@@ -165,7 +165,7 @@ class DistillRecipe:
         for split, (chosen, which) in splits.items():
             # Keyed by the records' content, not the path: a file edited in place is prepared anew.
             content = [[r.id, r.category, r.messages] + ([r.tools] if r.tools else []) for r in chosen]
-            key = zlib.crc32(json.dumps([cfg.target.name_or_path, content, regen, *which]).encode())
+            key = zlib.crc32(json.dumps([target_source(cfg.target), content, regen, *which]).encode())
             directory = Path(cfg.data_cache) / f"{cfg.target.name}-{split}-{key:08x}"
             self.data_dirs[split] = directory
             with self.acc.main_process_first():  # rank 0 regenerates; the others then read its cache
@@ -217,9 +217,9 @@ class DistillRecipe:
             raise ValueError(f"this recipe trains drafter.kind=draft_lm, got {d.kind!r}")
         if not d.init_from:
             raise ValueError("drafter.init_from is not set: the draft model to start from (hub id or directory)")
-        from traffic import toyworld
+        from traffic import models
 
-        self.init_path = toyworld.resolve(d.init_from)
+        self.init_path = models.resolve(d.init_from)
         model = AutoModelForCausalLM.from_pretrained(self.init_path, dtype=torch.float32,
                                                      trust_remote_code=self.cfg.target.trust_remote_code)
         check_same_vocabulary(self.tokenizer, None, self.target.get_output_embeddings().weight.shape[0],
@@ -498,7 +498,7 @@ class DistillRecipe:
         from eval import engine
         from eval.evaluate import EvalPlan, evaluate
         from eval.report import build_report, console_summary, write_report
-        from eval.run import build_drafter, tokenize_prompts
+        from eval.run import build_drafter, target_source, tokenize_prompts
 
         e, cfg, traffic = self.cfg.evaluate, self.cfg, self.eval_traffic
         self.target.eval()
@@ -510,10 +510,10 @@ class DistillRecipe:
                         repeats=e.repeats, seed=cfg.trainer.seed)
         rows = evaluate(self.target, drafters, prompts, plan, eos_token_id=self.tokenizer.eos_token_id,
                         progress=cfg.progress)
-        in_engine = engine.add_figures(rows, specs, self.target, cfg.target.name_or_path, prompts, plan, engine=e.engine,
+        in_engine = engine.add_figures(rows, specs, self.target, target_source(cfg.target), prompts, plan, engine=e.engine,
                                        costs=engine.EngineCosts(), threads=torch.get_num_threads(),
                                        work=self.out / "engine", progress=cfg.progress)
-        report = build_report(rows, target=cfg.target.name_or_path, baseline=drafters[0].name,
+        report = build_report(rows, target=target_source(cfg.target), baseline=drafters[0].name,
                               settings={"data": traffic.describe(prompts), "trained_on": self.trained_on,
                                         "ks": list(e.ks), "batch_sizes": list(e.batch_sizes),
                                         "max_new_tokens": e.max_new_tokens, "repeats": e.repeats,

@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from eval.engine_formats import (ExportRefused, eagle3_tensors, sglang_writer, speculators_writer, target_directory,
                                  vllm_eagle1, write_dir, write_gguf)
+from eval.run import target_source
 from train.hub import HubSettings
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def read_run(path: str | Path) -> TrainedRun:
     if not config_file.exists():
         raise FileNotFoundError(f"{path} is not a training run: no train_config.yaml (written by `python -m train`)")
     config = OmegaConf.to_container(OmegaConf.load(config_file))
-    run = TrainedRun(path, config["drafter"]["kind"], config["target"]["name_or_path"], config)
+    run = TrainedRun(path, config["drafter"]["kind"], target_source(config["target"]), config)
     if not (run.best / "config.json").exists():
         raise FileNotFoundError(f"{run.best}: no saved checkpoint (config.json); did the run save a best model?")
     return run

@@ -102,7 +102,7 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     serving commands (drafting k tokens), from the run's own files (train_config.yaml, best/best.json,
     report.json)."""
     cfg, kind = run.config, run.kind
-    target = cfg["target"]["name_or_path"]
+    target = run.target
     best = json.loads((run.best / "best.json").read_text()) if (run.best / "best.json").exists() else {}
     report_file = run.path / "report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else None

@@ -118,14 +118,14 @@ def prepare(
 
 def run(cfg: DictConfig) -> PrepareSummary:
     """Run the preparation a composed conf/prepare.yaml describes (what `python -m train.prepare` does)."""
-    from eval.run import load_target, pick_device, read_traffic, reading
+    from eval.run import load_target, pick_device, read_traffic, reading, target_source
     from train.hidden_states import default_layers
 
     # The traffic is read first: a bad record fails before a model is loaded.
     traffic = read_traffic(cfg.data.path, **reading(cfg.data))
     records = traffic.records[: cfg.data.max_records]
     device = pick_device(cfg.device)
-    target, tokenizer = load_target(cfg.target.name_or_path, device=device, dtype=cfg.target.dtype,
+    target, tokenizer = load_target(target_source(cfg.target), device=device, dtype=cfg.target.dtype,
                                     trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)
     hs = cfg.hidden_states
     layers = None
