@@ -19,8 +19,8 @@ from eval import engine as engines
 from eval.config import register
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, console_summary, log_to_wandb, write_report
-from eval.run import (build_drafter, held_out_path, load_target, pick_device, read_traffic, reading, target_source,
-                      tokenize_prompts)
+from eval.run import (build_drafter, held_out_path, load_target, pick_device, prompt_budget, read_traffic, reading,
+                      target_source, tokenize_prompts)
 
 log = logging.getLogger("eval")
 register()
@@ -44,8 +44,9 @@ def run(cfg: DictConfig) -> dict:
                                     trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)
     drafters = [build_drafter(OmegaConf.to_container(spec, resolve=True), target=target, tokenizer=tokenizer,
                               trust_remote_code=cfg.target.trust_remote_code) for spec in cfg.drafters]
+    limit, why = prompt_budget(target.config, plan.max_new_tokens, cfg.data.max_prompt_tokens)
     prompts = tokenize_prompts(traffic, tokenizer, device=device, max_per_category=cfg.data.max_prompts_per_category,
-                               max_prompt_tokens=cfg.data.max_prompt_tokens)
+                               max_prompt_tokens=limit, why=why, on_bad_record=cfg.data.on_bad_record)
     specs = [OmegaConf.to_container(spec, resolve=True) for spec in cfg.drafters]
     work = Path(cfg.out_dir) / "engine"
     converted = engines.convert(cfg.engine, specs, target, source, work)

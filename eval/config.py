@@ -46,7 +46,9 @@ class DataConfig:
     reasoning: str = "keep"  # keep | drop: assistant reasoning (reasoning_content or an inline <think> block)
     max_prompts_per_category: Optional[int] = None  # evaluation: first N prompts per category (None = all)
     max_records: Optional[int] = None  # training and preparation: first N records (None = all)
-    max_prompt_tokens: int = 1024  # longer prompts are an error naming the record
+    # Longest prompt measured; null: the target's context (max_position_embeddings) less the generation budget.
+    # A longer prompt is an error naming the record, or skipped and counted with on_bad_record=skip.
+    max_prompt_tokens: Optional[int] = None
 
 
 @dataclass

@@ -249,7 +249,9 @@ def traffic_lines(settings: dict) -> list[str]:
     data = settings.get("data")
     if isinstance(data, dict):
         prompts = ", ".join(f"{c} {n}" for c, n in data.get("prompts", {}).items())
-        lines.append(f"measured: {_records(data)}" + (f"; prompts per category: {prompts}" if prompts else ""))
+        lines.append(f"measured: {_records(data)}" + (f"; prompts per category: {prompts}" if prompts else "")
+                     + (f"; {data['skipped_too_long']} prompts longer than the context allows skipped"
+                        if data.get("skipped_too_long") else ""))
     elif data:
         lines.append(f"measured: `{data}`")
     trained = settings.get("trained_on")

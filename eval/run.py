@@ -19,7 +19,7 @@ from drafters.base import Drafter
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
 from traffic import models, toyworld
-from traffic.records import LoadSummary, Record, load_records, prompt_ids
+from traffic.records import LoadSummary, Record, RecordError, load_records, prompt_ids
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +96,16 @@ class Traffic:
     records: list[Record]
     summary: LoadSummary
     held_out: int | None = None  # only the source's last `held_out` records (what training held out)
+    too_long: int = 0  # prompts tokenize_prompts skipped as longer than the limit (on_bad_record=skip)
 
     def describe(self, prompts: dict[str, list] | None = None) -> dict:
-        """{path, records, held_out, prompts per category}: the `data` entry of a report's settings."""
+        """{path, records, held_out, prompts per category, prompts skipped as too long}: the `data` entry of a
+        report's settings."""
         out = {"path": self.source, "records": len(self.records), "held_out": self.held_out}
         if prompts is not None:
             out["prompts"] = {category: len(p) for category, p in prompts.items()}
+        if self.too_long:
+            out["skipped_too_long"] = self.too_long
         return out
 
 
@@ -122,15 +126,44 @@ def read_traffic(path: str, *, split: str = "train", on_bad_record: str = "error
     return Traffic(path, records[-last:] if last is not None else records, summary, last)
 
 
+def prompt_budget(target_config, max_new_tokens: int, max_prompt_tokens: int | None = None) -> tuple[int, str]:
+    """The longest prompt to measure and why: `max_prompt_tokens` when set, else the target's context less
+    the generation budget (a longer prompt cannot be answered in full)."""
+    if max_prompt_tokens is not None:
+        return max_prompt_tokens, "data.max_prompt_tokens"
+    context = getattr(target_config, "max_position_embeddings", None)
+    if not context:
+        raise ValueError("the target's config has no max_position_embeddings: set data.max_prompt_tokens")
+    if context <= max_new_tokens:
+        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the target's context of "
+                         f"{context} tokens")
+    return context - max_new_tokens, (f"the target's context of {context} tokens less max_new_tokens="
+                                      f"{max_new_tokens}; data.max_prompt_tokens sets another")
+
+
 def tokenize_prompts(traffic: Traffic, tokenizer, *, device: torch.device, max_per_category: int | None = None,
-                     max_prompt_tokens: int | None = None) -> dict[str, list[torch.Tensor]]:
-    """Prompt token ids per category, in file order, at most max_per_category each."""
+                     max_prompt_tokens: int | None = None, why: str = "data.max_prompt_tokens",
+                     on_bad_record: str = "error") -> dict[str, list[torch.Tensor]]:
+    """Prompt token ids per category, in file order, at most max_per_category each. A prompt longer than
+    max_prompt_tokens (`why` says where the limit comes from) is an error naming the record, or with
+    on_bad_record=skip left out and counted in `traffic.too_long`."""
     prompts: dict[str, list[torch.Tensor]] = defaultdict(list)
+    traffic.too_long = 0
     for record in traffic.records:
         if max_per_category is not None and len(prompts[record.category]) >= max_per_category:
             continue
-        ids = prompt_ids(record, tokenizer, max_prompt_tokens)
+        ids = prompt_ids(record, tokenizer)
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            if on_bad_record == "skip":
+                traffic.too_long += 1
+                continue
+            raise RecordError(record.source, record.line, "messages",
+                              f"prompt is {len(ids)} tokens, longer than the {max_prompt_tokens} allowed ({why}); "
+                              "data.on_bad_record=skip skips such records")
         prompts[record.category].append(torch.tensor(ids, device=device))
+    if traffic.too_long:
+        log.warning("%s: %d prompts longer than %d tokens skipped (%s)", traffic.source, traffic.too_long,
+                    max_prompt_tokens, why)
     return dict(prompts)
 
 
@@ -140,7 +173,7 @@ def load_prompts(path: str, tokenizer, *, device: torch.device, split: str = "tr
     """`read_traffic` then `tokenize_prompts`: prompt token ids per category of `path`."""
     traffic = read_traffic(path, split=split, on_bad_record=on_bad_record, last=last)
     return tokenize_prompts(traffic, tokenizer, device=device, max_per_category=max_per_category,
-                            max_prompt_tokens=max_prompt_tokens)
+                            max_prompt_tokens=max_prompt_tokens, on_bad_record=on_bad_record)
 
 
 def held_out_path(path: str, eval_path: str | None) -> str | None:

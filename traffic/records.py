@@ -194,7 +194,7 @@ def load_records(spec: str, *, split: str = "train", on_bad_record: str = "error
     return records, summary
 
 
-def prompt_ids(record: Record, tokenizer, max_prompt_tokens: int | None = None) -> list[int]:
+def prompt_ids(record: Record, tokenizer) -> list[int]:
     """Token ids of the record's prompt through the tokenizer's chat template, ending with the
     assistant-turn opener so the model answers."""
     if not getattr(tokenizer, "chat_template", None):
@@ -203,9 +203,6 @@ def prompt_ids(record: Record, tokenizer, max_prompt_tokens: int | None = None) 
             "(tokenizer.chat_template) to turn chat records into prompts"
         )
     ids = tokenizer.encode(render(tokenizer, record.prompt_messages, True, record.tools), add_special_tokens=False)
-    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-        raise RecordError(record.source, record.line, "messages",
-                          f"prompt is {len(ids)} tokens, longer than the {max_prompt_tokens} the context allows")
     return list(ids)
 
 

@@ -498,12 +498,13 @@ class DistillRecipe:
         from eval import engine
         from eval.evaluate import EvalPlan, evaluate
         from eval.report import build_report, console_summary, write_report
-        from eval.run import build_drafter, target_source, tokenize_prompts
+        from eval.run import build_drafter, prompt_budget, target_source, tokenize_prompts
 
         e, cfg, traffic = self.cfg.evaluate, self.cfg, self.eval_traffic
         self.target.eval()
+        limit, why = prompt_budget(self.target.config, e.max_new_tokens, cfg.data.max_prompt_tokens)
         prompts = tokenize_prompts(traffic, self.tokenizer, device=self.device, max_per_category=e.prompts_per_category,
-                                   max_prompt_tokens=cfg.data.max_prompt_tokens)
+                                   max_prompt_tokens=limit, why=why, on_bad_record=cfg.data.on_bad_record)
         specs = self._final_specs()
         drafters = [build_drafter(spec, target=self.target, tokenizer=self.tokenizer) for spec in specs]
         plan = EvalPlan(ks=list(e.ks), batch_sizes=list(e.batch_sizes), max_new_tokens=e.max_new_tokens,

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from eval.run import build_drafter, dtype_of, load_prompts, load_target, resolve_data
+from eval.run import (build_drafter, dtype_of, load_prompts, load_target, prompt_budget, read_traffic, resolve_data,
+                      tokenize_prompts)
+from traffic.records import RecordError
 
 
 def test_configured_chat_template_replaces_the_tokenizers(tiny_world, tmp_path):
@@ -19,6 +21,32 @@ def test_prompts_per_category_are_capped(tiny_world):
     prompts = load_prompts("toyworld://tiny/company_logs/eval.jsonl", tok, device=torch.device("cpu"),
                            max_per_category=2)
     assert set(prompts) == {"code", "json", "prose"} and all(len(p) == 2 for p in prompts.values())
+
+
+def test_a_prompt_longer_than_the_context_allows_is_an_error_naming_both_settings_or_skipped_and_counted(
+        tiny_world, tmp_path):
+    """The limit defaults to the target's context less the generation budget; on_bad_record=skip skips and
+    counts a longer prompt (it does not take a category's place), and the report's data entry says so."""
+    target, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
+    context = target.config.max_position_embeddings
+    assert prompt_budget(target.config, 64) == (context - 64, f"the target's context of {context} tokens less "
+                                                "max_new_tokens=64; data.max_prompt_tokens sets another")
+    assert prompt_budget(target.config, 64, 300) == (300, "data.max_prompt_tokens")
+    with pytest.raises(ValueError, match=f"max_new_tokens={context} leaves no room"):
+        prompt_budget(target.config, context)
+    short, long = "Say hi.", "word " * context
+    path = tmp_path / "logs.jsonl"
+    path.write_text("".join(f'{{"id": "r{i}", "category": "prose", "prompt": "{text}"}}\n'
+                            for i, text in enumerate([short, long, short])))
+    limit, why = prompt_budget(target.config, 16)
+    traffic = read_traffic(str(path))
+    with pytest.raises(RecordError, match=rf"logs.jsonl:2: field 'messages': prompt is \d+ tokens, longer than the "
+                                          rf"{limit} allowed \(the target's context .*\); data.on_bad_record=skip"):
+        tokenize_prompts(traffic, tok, device=torch.device("cpu"), max_prompt_tokens=limit, why=why)
+    prompts = tokenize_prompts(traffic, tok, device=torch.device("cpu"), max_prompt_tokens=limit, why=why,
+                               on_bad_record="skip", max_per_category=2)
+    assert len(prompts["prose"]) == 2 and traffic.too_long == 1
+    assert traffic.describe(prompts)["skipped_too_long"] == 1
 
 
 def test_clear_errors_for_bad_names(tiny_world):
