@@ -83,8 +83,10 @@ demo: install
 llama-cpp: install
 	PYTHON=$(BIN)/python scripts/build_llama_cpp.sh
 
+# One pytest worker per core (pytest-xdist): the tests run one torch thread each. The llama.cpp module runs
+# on one worker (--dist loadgroup), so its served models are built once.
 test: install llama-cpp
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadgroup
 
 bench: install
 	$(BIN)/python scripts/bench_eval.py

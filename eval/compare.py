@@ -64,6 +64,18 @@ class Comparison:
         return None if self.low is None else [self.low, self.high]
 
 
+UNDECIDED = "undecided: measure more prompts or repeats"
+
+
+def verdict(ratio: float, interval: Sequence[float] | None, pays_off_at: float) -> str:
+    """Whether to turn speculation on: "pays off" at a speed-up of at least `pays_off_at`, else "turn it off";
+    but where the 95 % interval holds 1 (or there is none: one prompt in a category), the measurement cannot
+    tell faster from slower, and the verdict says so instead of guessing from the point estimate."""
+    if interval is None or interval[0] <= 1.0 <= interval[1]:
+        return UNDECIDED
+    return "pays off" if ratio >= pays_off_at else "turn it off"
+
+
 def speed_ratio(a: Timings, b: Timings, samples: np.ndarray) -> np.ndarray:
     """The statistic of the module docstring for each row of `samples` (S, n), prompt indices; (S,)."""
     def throughput(t: Timings) -> np.ndarray:  # (S,): tokens / seconds over every repeat of the drawn prompts

@@ -57,7 +57,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eval import llama_cpp
-from eval.compare import Timings, compare
+from eval.compare import Timings, compare, verdict
 from eval.engine_formats import eagle3_gguf, target_directory
 from eval.evaluate import ALL
 from eval.metrics import predicted_speedup
@@ -380,7 +380,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
                 engine_acceptance_length=1 + chosen.accepted / chosen.verifications if chosen.verifications else None,
                 engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_sd_tokens_per_s=spec_t.median_tokens_per_s(),
                 engine_speedup=vs_plain.ratio, engine_speedup_ci=vs_plain.interval,
-                engine_verdict="pays off" if vs_plain.ratio >= pays_off_at else "turn it off",
+                engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at),
                 engine_lossless=all(runs[rep, c, i].tokens == plain[rep, c, i].tokens
                                     for rep in range(repeats) for c, i in keys),
                 engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted)

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from drafters.base import Drafter
 from drafters.sampling import Sampling
-from eval.compare import Comparison, Timings, compare
+from eval.compare import Comparison, Timings, compare, verdict
 from eval.metrics import acceptance_stats, cost_model, expected_acceptance_length
 from eval.batching import autoregressive_generate_batch, speculative_generate_batch
 from eval.speculative import Generation, autoregressive_generate, speculative_generate
@@ -251,11 +251,11 @@ def _compare_drafters(group: list[dict], timings: dict[str, Timings], strata: li
     for r in group:
         vs_base = compare(timings[r["drafter"]], timings[baseline], strata, seed=seed)
         vs_fastest = compare(timings[r["drafter"]], timings[fastest], strata, seed=seed)
-        verdict = "fastest" if r["drafter"] == fastest else vs_fastest.verdict  # "slower", "tied" or too few
+        standing = "fastest" if r["drafter"] == fastest else vs_fastest.verdict  # "slower", "tied" or too few
         r.update(tau_vs_baseline=r["acceptance_length"] / base["acceptance_length"],
                  speedup_vs_baseline=vs_base.ratio, speedup_vs_baseline_ci=vs_base.interval,
                  fastest=fastest, speedup_vs_fastest=vs_fastest.ratio, speedup_vs_fastest_ci=vs_fastest.interval,
-                 vs_fastest=verdict)
+                 vs_fastest=standing)
 
 
 def _best_k_and_verdict(rows: list[dict], pays_off_at: float) -> None:
@@ -266,4 +266,4 @@ def _best_k_and_verdict(rows: list[dict], pays_off_at: float) -> None:
         best = max(group, key=lambda r: r["speedup"])
         for r in group:
             r["best_k"] = best["k"]
-            r["verdict"] = "pays off" if r["speedup"] >= pays_off_at else "turn it off"
+            r["verdict"] = verdict(r["speedup"], r["speedup_ci"], pays_off_at)

@@ -122,7 +122,10 @@ def markdown(report: dict) -> str:
         " generation, (p + N) / (p' + R·(1 + prop·c + β)) for N plain steps and R speculative rounds per generation"
         " and the prefills p (plain) and p' (speculative, the drafter's start included) in steps (at B > 1 a"
         " generation is charged its share, 1/B, of every step and round it took part in); speed-up × = speculative / plain tokens/s"
-        " (pooled over repeats and prompts, run side by side); plain and spec tok/s are medians over repeats.",
+        " (pooled over repeats and prompts, run side by side); plain and spec tok/s are medians over repeats;"
+        f" verdict: pays off at a speed-up of {report['settings'].get('pays_off_at', EvalPlan.pays_off_at):g}× or more,"
+        " turn it off below, undecided where the 95 % interval holds 1 (the measurement cannot tell faster from"
+        " slower: measure more prompts or repeats).",
         "",
         "## Summary",
         "",

@@ -1,8 +1,13 @@
-"""Shared fixtures: the tiny toy world, built once per session."""
+"""Shared fixtures: the tiny toy world and the trained runs the export and engine tests ship, each built once
+per test run, whether one process runs the tests or several (`pytest -n 2`, pytest-xdist: the workers share
+one directory and build each piece under a file lock; the first builds it, the others wait and read it)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -14,11 +19,32 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 
 @pytest.fixture(scope="session")
-def tiny_world(tmp_path_factory):
-    """The `tiny` toy world, built once per test session into a temporary DRAFTSMITH_HOME."""
+def shared_dir(tmp_path_factory) -> Path:
+    """A directory of this test run that every xdist worker shares (one process: its own base temp)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(out: Path, build) -> Path:
+    """`out`, built by `build(out)` by the first process to get here; the others wait, then reuse it. A
+    `.done` marker, written last, tells a complete build from one a failed process left behind."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.with_name(out.name + ".done").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            build(out)
+            out.with_name(out.name + ".done").touch()
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_world(shared_dir):
+    """The `tiny` toy world, built once per test run into a temporary DRAFTSMITH_HOME (the toy world's own
+    build lock lets several workers share it)."""
     from traffic import toyworld
 
-    home = os.environ.get("DRAFTSMITH_TEST_HOME") or str(tmp_path_factory.mktemp("draftsmith_home"))
+    home = os.environ.get("DRAFTSMITH_TEST_HOME") or str(shared_dir / "draftsmith_home")
     old = os.environ.get("DRAFTSMITH_HOME")
     os.environ["DRAFTSMITH_HOME"] = home
     try:
@@ -30,29 +56,33 @@ def tiny_world(tmp_path_factory):
             os.environ["DRAFTSMITH_HOME"] = old
 
 
+def trained(shared_dir: Path, name: str, *overrides: str) -> Path:
+    """A `python -m train` run on tiny_deep (tests/helpers.py), trained once per test run; its data cache
+    is its own, so runs that workers train at the same time never write one directory."""
+    return built_once(shared_dir / "runs" / name / "run", lambda out: train_tiny_deep(out, *overrides))
+
+
 @pytest.fixture(scope="session")
-def eagle_run(tiny_world, tmp_path_factory):
+def eagle_run(tiny_world, shared_dir):
     """An EAGLE-3 head on tiny_deep trained for greedy serving, with a reduced draft vocabulary (120 of 320):
     what the export and engine tests ship."""
-    return train_tiny_deep(tmp_path_factory.mktemp("runs") / "eagle", "drafter=eagle", "trainer.max_steps=150",
-                           "trainer.eval_every=30", "trainer.checkpoint_every=30", "trainer.lr=5e-3",
-                           "drafter.label_temperature=0", "trainer.select_by=top1", "drafter.draft_vocab_size=120")
+    return trained(shared_dir, "eagle", "drafter=eagle", "trainer.max_steps=150", "trainer.eval_every=30",
+                   "trainer.checkpoint_every=30", "trainer.lr=5e-3", "drafter.label_temperature=0",
+                   "trainer.select_by=top1", "drafter.draft_vocab_size=120")
 
 
 @pytest.fixture(scope="session")
-def eagle1_run(tiny_world, tmp_path_factory):
+def eagle1_run(tiny_world, shared_dir):
     """An EAGLE-1 head on tiny_deep, trained a few dozen steps: what the `vllm` export ships."""
-    return train_tiny_deep(tmp_path_factory.mktemp("runs") / "eagle1", "drafter=eagle1", "trainer.max_steps=60",
-                           "trainer.eval_every=30", "trainer.checkpoint_every=30", "trainer.lr=5e-3",
-                           "trainer.select_by=top1")
+    return trained(shared_dir, "eagle1", "drafter=eagle1", "trainer.max_steps=60", "trainer.eval_every=30",
+                   "trainer.checkpoint_every=30", "trainer.lr=5e-3", "trainer.select_by=top1")
 
 
 @pytest.fixture(scope="session")
-def draft_run(tiny_world, tmp_path_factory):
+def draft_run(tiny_world, shared_dir):
     """A draft LM distilled by SFT from tiny_deep's off-the-shelf draft on the target's answers."""
-    return train_tiny_deep(tmp_path_factory.mktemp("runs") / "draft_lm", "drafter=draft_lm", "drafter.loss=sft",
-                           "trainer.max_steps=60", "trainer.lr=3e-3", "trainer.eval_every=30",
-                           "trainer.checkpoint_every=30", "trainer.select_by=top1")
+    return trained(shared_dir, "draft_lm", "drafter=draft_lm", "drafter.loss=sft", "trainer.max_steps=60",
+                   "trainer.lr=3e-3", "trainer.eval_every=30", "trainer.checkpoint_every=30", "trainer.select_by=top1")
 
 
 def pytest_configure(config):

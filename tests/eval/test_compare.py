@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from eval.compare import Timings, compare, speed_ratio
+from eval.compare import UNDECIDED, Timings, compare, speed_ratio, verdict
 
 
 def timings(seconds, tokens=64.0):
@@ -82,3 +82,13 @@ def test_equal_drafters_are_called_different_about_as_often_as_the_level_allows(
         noisy = lambda: timings(length * rng.lognormal(0.0, 0.15, size=(3, 20)))  # noqa: E731
         wrong += compare(noisy(), noisy(), ["c"] * 20, resamples=1000).verdict != "tied"
     assert 0.01 <= wrong / trials <= 0.12
+
+
+def test_the_verdict_is_undecided_where_the_interval_holds_one():
+    """The case a user met: 2.19× with an interval of 0.00–190.45 is no verdict."""
+    assert verdict(2.19, [0.0, 190.45], 1.05) == UNDECIDED
+    assert verdict(0.5, None, 1.05) == UNDECIDED  # one prompt: no interval
+    assert verdict(1.0, [1.0, 1.0], 1.05) == UNDECIDED
+    assert verdict(1.30, [1.10, 1.50], 1.05) == "pays off"
+    assert verdict(1.03, [1.01, 1.05], 1.05) == "turn it off"  # surely faster, but below the bar
+    assert verdict(0.70, [0.60, 0.90], 1.05) == "turn it off"

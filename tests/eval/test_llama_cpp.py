@@ -23,7 +23,8 @@ from eval.speculative import speculative_generate
 from traffic import toyworld
 from train.export import ExportSettings, export
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not llama_cpp.available(), reason=(
+# One worker runs the whole module under `pytest -n` (--dist loadgroup): its served world is built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("llama_cpp"), pytest.mark.skipif(not llama_cpp.available(), reason=(
     f"llama.cpp is not built at {llama_cpp.home()}: `make llama-cpp` (make test builds it)"))]
 
 TARGET = "toyworld://tiny_deep/target"
