@@ -99,6 +99,9 @@ class ToyWorldConfig:
     codebase_size: int = 0  # functions in the company's codebase
     wiki_repeats: int = 0  # copies of the directory and codebase in the target's text
     agent: bool = False  # traffic gains the `agent` category (tool-calling conversations)
+    # The models' context (max_position_embeddings); 0 = 4 × seq_len, the recipe of every world before it.
+    # RoPE has no position table, so this changes no weight: only how long a prompt plus its answer may be.
+    context: int = 0
 
     @property
     def has_wiki(self) -> bool:
@@ -113,6 +116,8 @@ class ToyWorldConfig:
                 del fields[name]
         if not self.agent:  # likewise for worlds built before agent traffic existed
             del fields["agent"]
+        if not self.context:  # and before the context was set
+            del fields["context"]
         return fields
 
     def digest(self) -> str:
@@ -124,6 +129,7 @@ PRESETS = {
     "tiny": ToyWorldConfig(
         vocab_size=320,
         seq_len=96,
+        context=768,  # its longest held-out prompt (332 tokens) plus the evaluation's 64 new tokens, with room
         records_per_category=60,
         target=LMSpec(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128, steps=60, batch_size=8),
         draft=LMSpec(hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64, steps=30, batch_size=8),
@@ -278,7 +284,7 @@ def _train_piece(piece: str, spec: LMSpec, stream: torch.Tensor, tokenizer, conf
     # Seed the initialisation too: otherwise the weights would depend on whatever used the global
     # RNG earlier in the process (a test session, the training entry point's own seeding).
     torch.manual_seed(config.seed + (piece == "draft"))
-    model = _llama(spec, tokenizer, config.seq_len)
+    model = _llama(spec, tokenizer, config.context or 4 * config.seq_len)
     loss = train_lm(model, stream, spec, config.seq_len, seed=config.seed, desc=f"toyworld {piece}",
                     checkpoints=checkpoints)
     model.save_pretrained(out)
@@ -622,13 +628,13 @@ def _encode(tokenizer, docs: list[str], seed: int) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _llama(spec: LMSpec, tokenizer, seq_len: int):
+def _llama(spec: LMSpec, tokenizer, context: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=4 * seq_len, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        max_position_embeddings=context, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config)

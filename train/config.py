@@ -32,6 +32,15 @@ class RegenerateConfig:
     # Sized with trainer=cpu (max_length 384) for the toy world, whose code answers rarely end: 128 covers
     # the evaluation's 64 new tokens twice. For real traffic raise it with trainer.max_length (e.g. 1024).
     max_new_tokens: int = 128
+    # What writes the answers: torch (the target in PyTorch) | llamacpp (llama-server on the target's GGUF: the
+    # file itself when target.name_or_path names one; the deployed quantization, several times faster on a CPU)
+    engine: str = "torch"
+    # Or an OpenAI-compatible server already serving the target (vLLM, SGLang, llama-server): its base URL.
+    # API key from $OPENAI_API_KEY when the server wants one.
+    endpoint: Optional[str] = None
+    endpoint_model: Optional[str] = None  # the served model's name (null: the one the server lists)
+    parallel: int = 4  # engine, endpoint: requests in flight (llama-server: its slots)
+    threads: Optional[int] = None  # engine=llamacpp: llama-server threads (null: every core)
 
 
 @dataclass

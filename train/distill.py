@@ -134,6 +134,7 @@ class DistillRecipe:
         from drafters.sampling import Sampling
         from traffic.records import load_records
         from train.prepare import prepare
+        from train.regenerate import answer_writer
 
         cfg = self.cfg
         # The held-out examples that choose the best checkpoint are the last `trainer.eval_examples`
@@ -170,9 +171,13 @@ class DistillRecipe:
             self.data_dirs[split] = directory
             with self.acc.main_process_first():  # rank 0 regenerates; the others then read its cache
                 if not (directory / "prepare.json").exists():
-                    prepare(chosen, self.target, self.tokenizer, directory, sampling=sampling,
-                            regenerate_responses=regen["enabled"], max_new_tokens=regen["max_new_tokens"],
-                            on_bad_record=cfg.data.on_bad_record, progress=cfg.progress and self.is_main)
+                    with answer_writer(regen, self.tokenizer, target_source(cfg.target), chosen, work=directory,
+                                       max_new_tokens=regen["max_new_tokens"]) \
+                            if regen["enabled"] else contextlib.nullcontext() as writer:
+                        prepare(chosen, self.target, self.tokenizer, directory, sampling=sampling,
+                                regenerate_responses=regen["enabled"], max_new_tokens=regen["max_new_tokens"],
+                                on_bad_record=cfg.data.on_bad_record, progress=cfg.progress and self.is_main,
+                                writer=writer)
         self.train_set = datasets.load_from_disk(str(self.data_dirs["train"] / "tokenized"))
         held_out = datasets.load_from_disk(str(self.data_dirs["eval"] / "tokenized"))
         self.eval_set = held_out.select(range(min(len(held_out), cfg.trainer.eval_examples)))

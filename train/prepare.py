@@ -10,6 +10,7 @@ Every stage is resumable: regeneration through its cache, hidden states shard by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -17,14 +18,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from drafters.sampling import Sampling
 from traffic.records import Example, Record, RecordError, tokenize_record
 from train.config import register
 from train.hidden_states import bytes_per_token, write_shards
-from train.regenerate import regenerate, summary, write_records
+from train.regenerate import TorchWriter, Writer, answer_writer, regenerate, summary, write_records
 
 log = logging.getLogger(__name__)
 register()
@@ -41,6 +42,7 @@ class PrepareSummary:
     assistant_tokens: int
     regen_turns: int
     regen_tokens_per_s: float | None
+    regenerated_by: str | None  # what wrote the answers: torch, llama.cpp on a GGUF, a server at a URL
     hidden_layers: list[int] | None
     hidden_bytes_per_token: int | None
     hidden_bytes: int | None
@@ -79,9 +81,11 @@ def prepare(
     hidden_max_bytes: int | None = None,
     progress: bool = True,
     data: dict | None = None,
+    writer: Writer | None = None,
 ) -> PrepareSummary:
-    """Regenerate, tokenize and (optionally) cache hidden states into out_dir; return what was made.
-    `data` describes where the records came from ({path, records}) for prepare.json."""
+    """Regenerate (with `writer`: train/regenerate.py; None: the target in PyTorch), tokenize and (optionally)
+    cache hidden states into out_dir; return what was made. `data` describes where the records came from
+    ({path, records}) for prepare.json."""
     import datasets
 
     out = Path(out_dir)
@@ -89,7 +93,7 @@ def prepare(
     max_length = max_length or target.config.max_position_embeddings
     regen, stats = regenerate(records, target, tokenizer, out / "regen_cache.jsonl", sampling=sampling,
                               max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-                              keep_logged=not regenerate_responses, progress=progress)
+                              keep_logged=not regenerate_responses, progress=progress, writer=writer)
     if regenerate_responses:
         log.info("regeneration: %s", summary(stats))
     write_records(regen, out / "regenerated.jsonl")
@@ -106,6 +110,7 @@ def prepare(
         records=len(records), examples=len(examples), skipped=skipped,
         tokens=sum(len(e.input_ids) for e in examples), assistant_tokens=sum(sum(e.loss_mask) for e in examples),
         regen_turns=stats.jobs, regen_tokens_per_s=stats.tokens_per_s if regenerate_responses else None,
+        regenerated_by=(writer.name if writer else TorchWriter.name) if regenerate_responses else None,
         hidden_layers=list(hidden_layers) if hidden_layers else None,
         hidden_bytes_per_token=bytes_per_token(target.config.hidden_size, len(hidden_layers), hidden_dtype)
         if hidden_layers else None,
@@ -131,15 +136,18 @@ def run(cfg: DictConfig) -> PrepareSummary:
     layers = None
     if hs.kind or hs.layers:
         layers = list(hs.layers) if hs.layers else default_layers(hs.kind, target.config.num_hidden_layers)
-    result = prepare(
-        records, target, tokenizer, cfg.out_dir,
-        sampling=Sampling(cfg.regenerate.temperature, cfg.regenerate.top_k, cfg.regenerate.top_p),
-        regenerate_responses=cfg.regenerate.enabled, max_new_tokens=cfg.regenerate.max_new_tokens,
-        batch_size=cfg.batch_size, seed=cfg.seed, max_length=cfg.max_length, on_bad_record=cfg.data.on_bad_record,
-        hidden_layers=layers, hidden_dtype=hs.dtype,
-        hidden_max_bytes=int(hs.max_gib * 2**30) if hs.max_gib is not None else None, progress=cfg.progress,
-        data={"path": cfg.data.path, "records": len(records)},
-    )
+    regen = OmegaConf.to_container(cfg.regenerate, resolve=True)
+    with answer_writer(regen, tokenizer, target_source(cfg.target), records, max_new_tokens=regen["max_new_tokens"],
+                       work=Path(cfg.out_dir)) if regen["enabled"] else contextlib.nullcontext() as writer:
+        result = prepare(
+            records, target, tokenizer, cfg.out_dir,
+            sampling=Sampling(regen["temperature"], regen["top_k"], regen["top_p"]),
+            regenerate_responses=regen["enabled"], max_new_tokens=regen["max_new_tokens"],
+            batch_size=cfg.batch_size, seed=cfg.seed, max_length=cfg.max_length, on_bad_record=cfg.data.on_bad_record,
+            hidden_layers=layers, hidden_dtype=hs.dtype,
+            hidden_max_bytes=int(hs.max_gib * 2**30) if hs.max_gib is not None else None, progress=cfg.progress,
+            data={"path": cfg.data.path, "records": len(records)}, writer=writer,
+        )
     print(json.dumps(asdict(result), indent=2))
     print(f"prepared data: {cfg.out_dir}")
     return result

@@ -1,0 +1,100 @@
+"""A client for the OpenAI-compatible completions API that serving engines expose (vLLM, SGLang, llama-server,
+or a gateway in front of them): what draftsmith uses to have a team's own deployment write answers.
+
+Prompts go out as token ids (`/v1/completions` takes a list of ids in vLLM, SGLang and llama-server), so no
+second tokenizer stands between draftsmith's chat template and the server. The API key, when the server
+wants one, is read from the environment at each request and never printed or logged; a request that fails
+is retried a bounded number of times and then surfaces with the URL and the server's own words; a server
+that serves another model than the one configured is an error before any traffic is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+@dataclass
+class EndpointAnswer:
+    """One completion: its text, how many tokens the server generated, and why it stopped."""
+
+    text: str
+    tokens: int
+    finish_reason: str | None
+
+
+class EndpointError(ConnectionError):
+    """A server that could not be reached or kept failing, named by its URL."""
+
+
+class Endpoint:
+    """An OpenAI-compatible server at `url` (its base, with or without `/v1`), serving `model` (None: the one
+    model its `/v1/models` lists). `api_key_env` names the environment variable holding its API key (unset:
+    no key is sent); `timeout` is per request, in seconds; a request that fails with a connection error, a
+    timeout or a 5xx answer is tried `retries` more times, a second apart and then longer."""
+
+    def __init__(self, url: str, *, model: str | None = None, api_key_env: str = "OPENAI_API_KEY",
+                 timeout: float = 600.0, retries: int = 2) -> None:
+        base = url.rstrip("/")
+        self.base = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.model, self.api_key_env, self.timeout, self.retries = model, api_key_env, timeout, retries
+
+    def __repr__(self) -> str:  # never the key
+        return f"Endpoint({self.base!r}, model={self.model!r})"
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(self.api_key_env)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        url = self.base + path
+        data = json.dumps(body).encode() if body is not None else None
+        last = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(2.0 ** (attempt - 1), 8.0))
+            request = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as r:
+                    return json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode("utf-8", "replace")[:500]
+                if e.code < 500:  # the request itself is wrong: retrying will not help
+                    raise ValueError(f"{url} answered {e.code}: {detail}") from None
+                last = f"{e.code}: {detail}"
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                last = str(getattr(e, "reason", e))
+        raise EndpointError(f"{url} failed {self.retries + 1} times; the last: {last}")
+
+    def check(self) -> str:
+        """The model this server serves, checked against the configured one; an unreachable server or one
+        serving another model is an error naming the URL."""
+        served = [m["id"] for m in self._request("/v1/models").get("data", [])]
+        if self.model is None:
+            if len(served) != 1:
+                raise ValueError(f"{self.base} serves {served or 'no model'}: name the one to use")
+            self.model = served[0]
+        elif self.model not in served:
+            raise ValueError(f"{self.base} serves {served}, not {self.model!r}")
+        return self.model
+
+    def complete(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None) -> EndpointAnswer:
+        """One completion of the token ids: greedy at temperature 0, else sampled with `seed`; ends at the
+        model's end of turn or after max_tokens."""
+        body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": temperature,
+                "top_p": top_p}
+        if top_k:
+            body["top_k"] = top_k  # an extension vLLM, SGLang and llama-server all take
+        if seed is not None:
+            body["seed"] = seed
+        out = self._request("/v1/completions", body)
+        choice = out["choices"][0]
+        tokens = (out.get("usage") or {}).get("completion_tokens")
+        if tokens is None:
+            raise ValueError(f"{self.base}/v1/completions gave no usage.completion_tokens")
+        return EndpointAnswer(choice["text"], int(tokens), choice.get("finish_reason"))
