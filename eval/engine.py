@@ -68,7 +68,7 @@ SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3"}
 # Fields every result row gets (None where a drafter or a temperature has no engine figure).
 FIELDS = ("engine", "engine_acceptance_length", "engine_ar_tokens_per_s", "engine_sd_tokens_per_s",
           "engine_speedup", "engine_speedup_ci", "engine_verdict", "engine_lossless", "engine_cost_ratio",
-          "engine_verify_overhead", "engine_predicted_speedup", "engine_note")
+          "engine_verify_overhead", "engine_predicted_speedup", "engine_ceiling", "engine_tau_ceiling", "engine_note")
 
 
 @dataclass
@@ -110,6 +110,7 @@ def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | N
             predicted = predicted_speedup(r["acceptance_length"], r["mean_proposed"], c, costs.beta)
             figures.update(engine_predicted_speedup=predicted,
                            engine_verdict=("pays off" if predicted >= pays_off_at else "turn it off") + " (predicted)")
+        figures.update(ceilings(r["k"], r["acceptance_length"], costs.beta))
         r.update(figures)
 
 
@@ -384,7 +385,18 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
                 engine_lossless=all(runs[rep, c, i].tokens == plain[rep, c, i].tokens
                                     for rep in range(repeats) for c, i in keys),
                 engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted)
+            figures.update(ceilings(r["k"], figures["engine_acceptance_length"], beta))
         r.update(figures)
+
+
+def ceilings(k: int, tau: float | None, beta: float | None) -> dict:
+    """What the engine allows at zero draft cost, from its own β (verifying k+1 positions over one step, minus
+    1): `engine_ceiling` = (k+1)/(1+β), a perfect drafter's speed-up; `engine_tau_ceiling` = τ/(1+β), the
+    speed-up the engine's measured τ allows. Below the first, the hardware limits (a quantization whose
+    verification is compute-bound, a CPU); between the measured speed-up and the second, the draft's cost."""
+    if beta is None:
+        return {"engine_ceiling": None, "engine_tau_ceiling": None}
+    return {"engine_ceiling": (k + 1) / (1 + beta), "engine_tau_ceiling": tau / (1 + beta) if tau else None}
 
 
 @dataclass

@@ -190,11 +190,12 @@ ENGINE_COLUMNS = [
     ("τ engine", "engine_acceptance_length"), ("plain tok/s", "engine_ar_tokens_per_s"),
     ("spec tok/s", "engine_sd_tokens_per_s"), ("c", "engine_cost_ratio"), ("β", "engine_verify_overhead"),
     ("pred ×", "engine_predicted_speedup"), ("speed-up ×", "engine_speedup"), ("95 % interval", "engine_speedup_ci"),
-    ("lossless", "engine_lossless"), ("verdict here", "verdict"), ("verdict in the engine", "engine_verdict"),
+    ("ceiling ×", "engine_ceiling"), ("τ ceiling ×", "engine_tau_ceiling"), ("lossless", "engine_lossless"), ("verdict here", "verdict"), ("verdict in the engine", "engine_verdict"),
 ]
 PREDICTED_COLUMNS = [
     ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("τ", "acceptance_length"), ("prop", "mean_proposed"),
     ("c", "engine_cost_ratio"), ("β", "engine_verify_overhead"), ("pred ×", "engine_predicted_speedup"),
+    ("ceiling ×", "engine_ceiling"), ("τ ceiling ×", "engine_tau_ceiling"),
     ("verdict here", "verdict"), ("verdict predicted", "engine_verdict"),
 ]
 
@@ -210,7 +211,9 @@ def engine_section(rows: list[dict]) -> list[str]:
     if name.endswith("(predicted)"):
         out = ["", f"## Predicted for {name.removesuffix(' (predicted)')}", "",
                "A prediction, not a measurement: draftsmith's τ per category with the c and β measured in that engine,"
-               " pred × = τ / (1 + prop·c + β). Acceptance carries over between engines; cost is the engine's.", "",
+               " pred × = τ / (1 + prop·c + β); ceiling × = (k+1) / (1 + β) and τ ceiling × = τ / (1 + β), what a"
+               " drafter costing nothing could reach there. Acceptance carries over between engines; cost is the"
+               " engine's.", "",
                table(rows, PREDICTED_COLUMNS)]
     else:
         measured = [r for r in rows if r.get("engine_speedup") is not None]
@@ -220,7 +223,10 @@ def engine_section(rows: list[dict]) -> list[str]:
                " over repeats; speed-up × pooled over repeats and prompts, with a 95 % interval over prompts; c and β"
                " from the same drafter and k keeping none of its drafts (llama.cpp's synthetic acceptance): c = its"
                " drafting time per drafted token, β = the rest of its round minus 1, both over the plain time per token;"
-               " pred × = draftsmith's τ / (1 + prop·c + β); lossless = its greedy output equals its"
+               " pred × = draftsmith's τ / (1 + prop·c + β); ceiling × = (k+1) / (1 + β), what a perfect drafter"
+               " costing nothing could reach in this engine on this hardware, τ ceiling × = τ engine / (1 + β), what"
+               " the measured τ allows at no draft cost (a speed-up far below it: the draft costs too much; a low"
+               " ceiling: the hardware, the quantization or k limits); lossless = its greedy output equals its"
                " plain output.", ""]
         columns = ENGINE_COLUMNS
         if len(batch_sizes(rows)) > 1:
@@ -304,12 +310,14 @@ def console_summary(report: dict) -> str:
     if engine:
         measured = any(r.get("engine_speedup") is not None for r in engine)
         lines += ["", f"In {engine[0]['engine']}:" if measured else f"For {engine[0]['engine']}:",
-                  f"{'category':<14}{'drafter':<18}{'k':>3}{'B':>4}{'tau':>7}{'tau eng':>9}{'x eng':>8}{'pred':>7}  verdict"]
+                  f"{'category':<14}{'drafter':<18}{'k':>3}{'B':>4}{'tau':>7}{'tau eng':>9}{'x eng':>8}{'pred':>7}"
+                  f"{'ceil':>7}  verdict"]
         for r in engine:
             tau_e, x_e = r.get("engine_acceptance_length"), r.get("engine_speedup")
             lines.append(f"{r['category'][:13]:<14}{r['drafter'][:17]:<18}{r['k']:>3}{r.get('batch_size', 1):>4}"
                          f"{r['acceptance_length']:>7.2f}{_fmt(tau_e):>9}{_fmt(x_e):>8}"
-                         f"{_fmt(r['engine_predicted_speedup']):>7}  {r['engine_verdict']}")
+                         f"{_fmt(r['engine_predicted_speedup']):>7}{_fmt(r.get('engine_ceiling')):>7}"
+                         f"  {r['engine_verdict']}")
     return "\n".join(lines)
 
 

@@ -70,7 +70,9 @@ def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remot
     stop_below = spec.get("stop_below") or 0.0
     if kind == "draft_lm":
         if not spec.get("path"):
-            raise ValueError(f"drafter {name!r} (kind draft_lm) needs a path: a hub id or a directory")
+            raise ValueError(f"drafter {name!r} (kind draft_lm) needs a path: a hub id or a directory (a target "
+                             "without an off-the-shelf draft leaves target.off_the_shelf_draft null: list the drafters "
+                             "to measure instead, e.g. 'drafters=[{name: ngram, kind: ngram}]')")
         return DraftLM.from_pretrained(models.resolve(spec["path"]), target=target, target_tokenizer=tokenizer,
                                        name=name, trust_remote_code=trust_remote_code, lean=spec.get("lean", True),
                                        stop_below=stop_below)

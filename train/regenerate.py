@@ -53,8 +53,19 @@ class RegenStats:
 
 
 def _jobs(records: list[Record]) -> list[tuple[str, int]]:
-    """(record id, message index) of every assistant turn, in record order."""
-    return [(r.id, i) for r in records for i, m in enumerate(r.messages) if m["role"] == "assistant"]
+    """(record id, message index) of every assistant turn, in record order, and of the answer a record that
+    ends with a user turn is missing (benchmark prompts, logs of requests without their responses)."""
+    return [(r.id, i) for r in records for i, m in enumerate(r.messages + _missing_answer(r))
+            if m["role"] == "assistant"]
+
+
+def _missing_answer(record: Record) -> list[dict]:
+    return [{"role": "assistant", "content": ""}] if record.messages[-1]["role"] == "user" else []
+
+
+def _prompt(record: Record, turn: int, tokenizer) -> list[int]:
+    """The token ids the target answers turn `turn` of the record from: the conversation before it."""
+    return tokenizer.encode(render(tokenizer, record.messages[:turn], True, record.tools), add_special_tokens=False)
 
 
 def _read_cache(path: Path, batch_size: int, jobs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
@@ -192,8 +203,8 @@ def answer_writer(settings: dict, tokenizer, target_source: str, records: list[R
         gguf = Path(work) / "target-f32.gguf"
         if not gguf.exists():
             llama_cpp.convert_to_gguf(target_directory(target_source), gguf)
-    longest = max((len(tokenizer.encode(render(tokenizer, r.messages[:i], True, r.tools), add_special_tokens=False))
-                   for r in records for i, m in enumerate(r.messages) if m["role"] == "assistant"), default=0)
+    by_id = {r.id: r for r in records}
+    longest = max((len(_prompt(by_id[rid], turn, tokenizer)) for rid, turn in _jobs(records)), default=0)
     ctx = -(-(longest + max_new_tokens + 1) // 256) * 256
     with llama_cpp_writer(gguf, parallel=parallel, ctx_size=ctx, threads=settings.get("threads") or os.cpu_count()) \
             as writer:
@@ -246,8 +257,7 @@ def regenerate(
         with open(cache_path, "ab") as out:
             for b in range(first, n_batches):
                 batch = jobs[b * batch_size: (b + 1) * batch_size]
-                prompts = [tokenizer.encode(render(tokenizer, by_id[rid].messages[:turn], True, by_id[rid].tools),
-                                            add_special_tokens=False) for rid, turn in batch]
+                prompts = [_prompt(by_id[rid], turn, tokenizer) for rid, turn in batch]
                 answers = writer(prompts, b, sampling=sampling, max_new_tokens=max_new_tokens, seed=seed)
                 lines = []
                 for (rid, turn), answer in zip(batch, answers):
@@ -267,7 +277,7 @@ def regenerate(
         # A regenerated turn is the target's text as it wrote it: tool calls and reasoning included, in its
         # own syntax, so the logged tool_calls and reasoning_content of that turn go.
         messages = [{"role": "assistant", "content": done[r.id, i]["content"]} if (r.id, i) in done else dict(m)
-                    for i, m in enumerate(r.messages)]
+                    for i, m in enumerate(r.messages + _missing_answer(r))]
         regenerated.append(Record(messages, r.category, r.id, r.source, r.line, r.tools))
     return regenerated, stats
 

@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 
 import eval.__main__ as entry
 from eval import engine, llama_cpp
+from eval.compare import verdict
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 needs_llama_cpp = pytest.mark.skipif(not llama_cpp.available(), reason=(
@@ -121,6 +122,9 @@ def test_costs_from_another_engine_give_a_predicted_verdict_per_category(tiny_wo
     for r in report["results"]:
         c = 0.001 if r["drafter"] == "ngram" else 0.02
         assert r["engine_predicted_speedup"] == pytest.approx(r["acceptance_length"] / (1 + r["mean_proposed"] * c + 0.05))
+        # What a drafter costing nothing could reach there: with every guess kept, and with the measured τ.
+        assert r["engine_ceiling"] == pytest.approx((r["k"] + 1) / 1.05)
+        assert r["engine_tau_ceiling"] == pytest.approx(r["acceptance_length"] / 1.05)
     md = (tmp_path / "report.md").read_text()
     assert "## Predicted for vLLM on 1x H100" in md and "A prediction, not a measurement" in md
 
@@ -158,10 +162,13 @@ def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny
             assert r["engine_speedup"] is None and "no llama.cpp counterpart" in r["engine_note"]
             continue
         assert r["engine_lossless"] is True, (drafter, k, category)  # greedy output = the engine's plain output
-        assert r["engine_speedup"] > 0 and r["engine_verdict"] in ("pays off", "turn it off")
+        assert r["engine_speedup"] > 0
+        assert r["engine_verdict"] == verdict(r["engine_speedup"], r["engine_speedup_ci"], 1.05)
         assert r["engine_cost_ratio"] > 0 and r["engine_verify_overhead"] > -1
         assert r["engine_predicted_speedup"] == pytest.approx(
             r["acceptance_length"] / (1 + r["mean_proposed"] * r["engine_cost_ratio"] + r["engine_verify_overhead"]))
+        assert r["engine_ceiling"] == pytest.approx((r["k"] + 1) / (1 + r["engine_verify_overhead"]))
+        assert r["engine_tau_ceiling"] == pytest.approx(r["engine_acceptance_length"] / (1 + r["engine_verify_overhead"]))
         assert r["engine_ar_tokens_per_s"] > 0 and r["engine_sd_tokens_per_s"] > 0
     for k in (2, 4):  # the same head, features and prompts in both loops: acceptance carries over
         ours, theirs = rows["head", k, "all"]["acceptance_length"], rows["head", k, "all"]["engine_acceptance_length"]

