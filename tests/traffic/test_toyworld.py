@@ -192,7 +192,7 @@ def test_training_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
 
     def model():
         torch.manual_seed(0)
-        return toyworld._llama(spec, Tok(), seq_len=16)
+        return toyworld._llama(spec, Tok(), context=64)
 
     whole = model()
     loss = toyworld.train_lm(whole, stream, spec, 16, seed=0, desc="whole")

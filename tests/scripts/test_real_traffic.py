@@ -1,0 +1,85 @@
+"""scripts/real_traffic.py: public benchmark prompts into the five categories a chat model serves, as records
+draftsmith reads; on the real files of ../shared/data where they are, on a small copy of their formats here."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import load_script
+from traffic import models
+from traffic.records import load_records
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def _jsonl(path: Path, rows: list[dict], opener=open) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with opener(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+@pytest.fixture
+def data(tmp_path):
+    """Each source's format, a few records each (HumanEval's stubs, GSM8K's splits, the two question files,
+    TinyStories' paragraphs)."""
+    d = tmp_path / "data"
+    _jsonl(d / "humaneval" / "HumanEval.jsonl.gz",
+           [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x + {i}.\"\"\"\n"} for i in range(6)],
+           gzip.open)
+    _jsonl(d / "gsm8k" / "test.jsonl", [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(5)])
+    _jsonl(d / "gsm8k" / "train.jsonl", [{"question": f"What is {i} * 2?", "answer": "x"} for i in range(9)])
+    _jsonl(d / "vicuna_bench" / "question.jsonl", [{"question_id": i, "category": c, "turns": [f"vicuna {c} {i}"]}
+                                                   for i, c in enumerate(["generic", "writing", "knowledge", "roleplay"])])
+    _jsonl(d / "mt_bench" / "question.jsonl", [{"question_id": 80 + i, "category": c, "turns": [f"mt {c} {i}", "more"]}
+                                               for i, c in enumerate(["writing", "math", "coding", "stem"])])
+    (d / "tinystories").mkdir()
+    (d / "tinystories" / "tinystories_val.txt").write_text(
+        "\n\n".join(f"Once upon a time, there was a cat named Tom{i}. Tom liked milk." for i in range(4))
+        + "\n\nThey played all day. Then they slept.")
+    return d
+
+
+def test_each_category_holds_out_its_first_prompts_and_trains_on_the_rest(data, tmp_path, monkeypatch, capsys):
+    script = load_script("real_traffic")
+    monkeypatch.setattr("sys.argv", ["real_traffic.py", str(data), str(tmp_path / "out"), "--eval-per-category", "2",
+                                     "--train-per-category", "3"])
+    script.main()
+    held, _ = load_records(str(tmp_path / "out" / "eval.jsonl"))
+    trained, _ = load_records(str(tmp_path / "out" / "train.jsonl"))
+    by = lambda records: {c: [r for r in records if r.category == c] for c in {r.category for r in records}}  # noqa: E731
+    assert {c: len(r) for c, r in by(held).items()} == {"code": 2, "maths": 2, "chat": 2, "writing": 2, "stories": 2}
+    # Training takes the rest, at most 3 each; maths trains on GSM8K's train split; writing has 3 in all.
+    assert {c: len(r) for c, r in by(trained).items()} == {"code": 3, "maths": 3, "chat": 3, "writing": 1, "stories": 2}
+    assert all(r.messages[-1]["role"] == "user" and len(r.messages) == 1 for r in held + trained)  # answers: the target's
+    texts = lambda records: {r.messages[0]["content"] for r in records}  # noqa: E731
+    assert not texts(held) & texts(trained)
+    assert {t.split()[1] for t in texts(by(held)["writing"] + by(trained)["writing"])} == {"writing", "roleplay"}
+    assert all(t.startswith("Complete this Python function.\n\n```python\ndef f") for t in texts(by(held)["code"]))
+    assert all("Once upon a time, there was a cat named Tom" in t and "milk" not in t for t in texts(by(held)["stories"]))
+    assert "code 2, maths 2, chat 2, writing 2, stories 2" in capsys.readouterr().out
+
+
+def test_a_missing_source_is_skipped_and_humaneval_comes_from_its_wheel(data, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    script = load_script("real_traffic")
+    shutil.rmtree(data / "gsm8k")
+    wheel_copy = tmp_path / "HumanEval.jsonl.gz"
+    (data / "humaneval" / "HumanEval.jsonl.gz").rename(wheel_copy)
+    monkeypatch.setattr(models, "fetch", lambda name: {"humaneval": wheel_copy}[name])
+    found = script.sources(data)
+    assert sorted(found) == ["chat", "code", "stories", "writing"] and len(found["code"][0]) == 6
+    assert "maths: skipped" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (SHARED / "gsm8k").exists(), reason=f"the real benchmark files are not at {SHARED}")
+def test_the_real_benchmark_files_give_every_category(tmp_path, monkeypatch):
+    script = load_script("real_traffic")
+    monkeypatch.setattr("sys.argv", ["real_traffic.py", str(SHARED), str(tmp_path)])
+    script.main()
+    held, _ = load_records(str(tmp_path / "eval.jsonl"))
+    trained, _ = load_records(str(tmp_path / "train.jsonl"))
+    assert len(held) == 80 and {r.category for r in held} == {"code", "maths", "chat", "writing", "stories"}
+    assert len(trained) > 500
