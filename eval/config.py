@@ -53,12 +53,16 @@ class DataConfig:
 
 @dataclass
 class DrafterSpec:
-    """A drafter to measure. kind: draft_lm (a causal LM at `path`), head (a trained EAGLE / MTP /
-    Medusa head at `path`, as `python -m train` saves it) or ngram (prompt lookup)."""
+    """A drafter to measure. kind: draft_lm (a causal LM at `path`, or with `layers` and no path the target's
+    own first layers: a layer-skip self-draft), head (a trained EAGLE / MTP / Medusa head at `path`, as
+    `python -m train` saves it), ngram (prompt lookup) or llamacpp (one of llama.cpp's own model-free n-gram
+    modes, `spec_type`, measured in the engine only: needs engine=llamacpp)."""
 
     name: str = MISSING
     kind: str = MISSING
     path: Optional[str] = None
+    layers: Optional[int] = None  # draft_lm without a path: the target's first `layers` layers, its head kept
+    spec_type: Optional[str] = None  # llamacpp: ngram-simple | ngram-map-k | ngram-map-k4v | ngram-mod | ngram-cache
     lean: bool = True  # draft_lm: Llama-family models draft on the lean decode path (false: Hugging Face's forward)
     # draft_lm, head: end a round at the first guess the drafter gives a probability below this (the guess
     # is still proposed); 0 = always draft k. Lossless either way (drafters/base.py).

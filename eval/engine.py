@@ -119,17 +119,29 @@ def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | N
 
 @dataclass
 class Served:
-    """A drafter as llama.cpp serves it: its GGUF and spec type, or why it has none."""
+    """A drafter as llama.cpp serves it: its GGUF (none for llama.cpp's n-gram modes) and spec type, or why it
+    has none."""
 
     name: str
     gguf: Path | None = None
     spec_type: str | None = None
     note: str | None = None
 
+    @property
+    def engine_only(self) -> bool:
+        """llama.cpp's own model-free speculation: measured in the engine only, draftsmith has no loop for it."""
+        return self.spec_type in llama_cpp.NGRAM_TYPES
+
 
 def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) -> Served:
-    """The drafter of an eval spec ({name, kind, path}) converted for llama.cpp by its own converter."""
+    """The drafter of an eval spec ({name, kind, path}) converted for llama.cpp by its own converter; kind
+    `llamacpp` is one of llama.cpp's model-free n-gram modes (`spec_type`), which needs no conversion."""
     name, kind = spec["name"], spec["kind"]
+    if kind == "llamacpp":
+        if spec.get("spec_type") not in llama_cpp.NGRAM_TYPES:
+            raise ValueError(f"drafter {name!r} (kind llamacpp): spec_type must be one of "
+                             f"{sorted(llama_cpp.NGRAM_TYPES)}, got {spec.get('spec_type')!r}")
+        return Served(name, spec_type=spec["spec_type"])
     out = work / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.gguf"
     if kind == "draft_lm":
         return Served(name, llama_cpp.convert_to_gguf(target_directory(spec["path"]), out), SPEC_TYPES["draft_lm"])
@@ -282,8 +294,9 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
     category's first prompt, and the costs are measured at batch 1 only."""
     items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
     cost_items = [(c, i, p) for c, i, p in items if i < cost_prompts] if batch == 1 else []
-    configs = [None] + [(s, k) for s in served if s.gguf is not None for k in ks]
-    bar = tqdm(total=repeats * (len(items) + (len(configs) - 1) * (len(items) + len(cost_items))),
+    configs = [None] + [(s, k) for s in served if s.spec_type is not None for k in ks]
+    calibrated = sum(1 for config in configs[1:] if not config[0].engine_only)
+    bar = tqdm(total=repeats * (len(items) * len(configs) + calibrated * len(cost_items)),
                desc="llama.cpp" if batch == 1 else f"llama.cpp (batch {batch})", unit="gen", disable=not progress)
     completions: dict = {}
     counters: dict = {}
@@ -331,7 +344,9 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
                 completions.setdefault(key, {})[rep, category, i] = completion
                 if stats is not None:
                     counters.setdefault(key, {})[rep, category, i] = stats
-            if config is not None and cost_items:
+            # llama.cpp's n-gram modes draft only where the text repeats, so a server that keeps none of their
+            # drafts says little of a round's cost: c and β are measured for drafters that always draft.
+            if config is not None and cost_items and not config[0].engine_only:
                 for completion, stats in serve(config, rep, cost_items, accept_none=True):
                     costs[key] = costs.get(key, RoundCosts()).add(completion, stats)
     bar.close()
@@ -345,48 +360,60 @@ def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
 
 
 def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, repeats: int, pays_off_at: float,
-                   seed: int = 0, batch: int = 1) -> None:
+                   seed: int = 0, batch: int = 1) -> list[dict]:
     """Rows of draftsmith's report at batch size `batch` gain llama.cpp's figures for the same (drafter, k,
     category) at that batch size; rows at temperature > 0 and drafters llama.cpp cannot serve get a note
     instead. At batch > 1 the engine's τ is the server's over each category's stream, and c and β (measured
-    at batch 1) and the prediction are left out."""
+    at batch 1) and the prediction are left out. Returns the rows of the drafters only the engine runs
+    (llama.cpp's n-gram modes), one per category and k as draftsmith's rows have them, with the engine's
+    figures alone."""
     completions, counters, items = measured["completions"], measured["counters"], measured["items"]
     plain = completions["plain"]
     step_ms = statistics.median(sum(g.predicted_ms for (r, _, _), g in plain.items() if r == rep)
                                 / sum(len(g.tokens) for (r, _, _), g in plain.items() if r == rep)
                                 for rep in range(repeats))
-    notes = {s.name: s.note for s in served if s.gguf is None}
+    notes = {s.name: s.note for s in served if s.note}
     costs = {key: (rc.c(step_ms), rc.beta(step_ms)) for key, rc in measured["costs"].items()}
+
+    def figures_of(drafter: str, k: int, category: str, tau: float | None, proposed: float | None) -> dict:
+        """The engine's figures for one drafter, k and category (`tau`, `proposed`: draftsmith's, if any)."""
+        key = (drafter, k)
+        runs = completions[key]
+        keys = [(c, i) for c, i in items if category in (ALL, c)]
+        spec_t, plain_t = _timings(runs, keys, repeats), _timings(plain, keys, repeats)
+        vs_plain = compare(spec_t, plain_t, [c for c, _ in keys], seed=seed)
+        chosen = sum((counters[key][rep, c, i] for rep in range(repeats) for c, i in keys), DraftStats()) \
+            if key in counters else DraftStats()
+        c, beta = costs.get(key, (None, None))
+        predicted = (predicted_speedup(tau, proposed, c, beta)
+                     if None not in (tau, proposed, c, beta) else None)
+        tau_engine = 1 + chosen.accepted / chosen.verifications if chosen.verifications else None
+        return dict(
+            engine=ENGINES["llamacpp"], engine_acceptance_length=tau_engine,
+            engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_sd_tokens_per_s=spec_t.median_tokens_per_s(),
+            engine_speedup=vs_plain.ratio, engine_speedup_ci=vs_plain.interval,
+            engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at),
+            engine_lossless=all(runs[rep, c, i].tokens == plain[rep, c, i].tokens
+                                for rep in range(repeats) for c, i in keys),
+            engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted,
+            **ceilings(k, tau_engine, beta))
+
+    greedy = [r for r in rows if r.get("batch_size", 1) == batch and r["temperature"] == 0]
     for r in rows:
         if r.get("batch_size", 1) != batch:
             continue
-        figures = dict.fromkeys(FIELDS)
-        figures["engine"] = ENGINES["llamacpp"]
+        figures = {**dict.fromkeys(FIELDS), "engine": ENGINES["llamacpp"]}
         if r["temperature"] != 0:
             figures["engine_note"] = "the engine is measured greedy (temperature 0) only"
         elif r["drafter"] in notes:
             figures["engine_note"] = notes[r["drafter"]]
         else:
-            key = (r["drafter"], r["k"])
-            runs = completions[key]
-            keys = [(c, i) for c, i in items if r["category"] in (ALL, c)]
-            spec_t, plain_t = _timings(runs, keys, repeats), _timings(plain, keys, repeats)
-            vs_plain = compare(spec_t, plain_t, [c for c, _ in keys], seed=seed)
-            chosen = sum((counters[key][rep, c, i] for rep in range(repeats) for c, i in keys), DraftStats()) \
-                if key in counters else DraftStats()
-            c, beta = costs.get(key, (None, None))
-            predicted = (predicted_speedup(r["acceptance_length"], r["mean_proposed"], c, beta)
-                         if c is not None and beta is not None else None)
-            figures.update(
-                engine_acceptance_length=1 + chosen.accepted / chosen.verifications if chosen.verifications else None,
-                engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_sd_tokens_per_s=spec_t.median_tokens_per_s(),
-                engine_speedup=vs_plain.ratio, engine_speedup_ci=vs_plain.interval,
-                engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at),
-                engine_lossless=all(runs[rep, c, i].tokens == plain[rep, c, i].tokens
-                                    for rep in range(repeats) for c, i in keys),
-                engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted)
-            figures.update(ceilings(r["k"], figures["engine_acceptance_length"], beta))
+            figures.update(figures_of(r["drafter"], r["k"], r["category"], r["acceptance_length"], r["mean_proposed"]))
         r.update(figures)
+    cells = list(dict.fromkeys((r["category"], r["k"]) for r in greedy))
+    return [{"category": category, "drafter": s.name, "k": k, "batch_size": batch, "temperature": 0.0,
+             "engine_only": s.spec_type, **dict.fromkeys(FIELDS), **figures_of(s.name, k, category, None, None)}
+            for s in served if s.engine_only for category, k in cells]
 
 
 def ceilings(k: int, tau: float | None, beta: float | None) -> dict:
@@ -427,17 +454,20 @@ def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, lis
                   cost_prompts: int = 4, seed: int = 0, progress: bool = True, batch_sizes=(1,)) -> dict:
     """Everything `engine=llamacpp` adds once the models are converted: measure them in llama.cpp at each
     batch size (calibrating c and β at batch 1), and add the engine's figures to `rows`. Returns the
-    settings to report."""
+    settings to report, with the rows of the drafters only the engine runs under `engine_only` (the caller
+    reports them apart: report.json's `engine_results`)."""
     target_gguf, served = converted.target_gguf, converted.served
+    engine_only = []
     for batch in batch_sizes:
         measured = measure_llama_cpp(target_gguf, served, prompts, ks, max_new_tokens=max_new_tokens, repeats=repeats,
                                      threads=threads, log_dir=work, cost_prompts=cost_prompts, progress=progress,
                                      batch=batch)
-        engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed, batch=batch)
+        engine_only += engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed,
+                                      batch=batch)
     return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "target_gguf": str(target_gguf),
             "threads": threads, "work_dir": str(work),
             "cost_prompts_per_category": cost_prompts, "served": {s.name: s.spec_type or s.note for s in served},
-            "batch_sizes": list(batch_sizes)}
+            "batch_sizes": list(batch_sizes), "engine_only": engine_only}
 
 
 # --- what python -m eval and the training recipes call ---------------------------------------------------

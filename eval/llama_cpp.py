@@ -166,10 +166,17 @@ class LogReader:
         self._file.close()
 
 
+# llama.cpp's own model-free speculation (common/speculative.cpp), and the flag that sets how many tokens
+# each drafts: what a llama.cpp user has without any draft model. Their lookup lengths stay llama.cpp's.
+NGRAM_TYPES = {"ngram-simple": "--spec-ngram-simple-size-m", "ngram-map-k": "--spec-ngram-map-k-size-m",
+               "ngram-map-k4v": "--spec-ngram-map-k4v-size-m", "ngram-mod": "--spec-ngram-mod-n-max",
+               "ngram-cache": "--spec-draft-n-max"}
+
+
 class LlamaServer:
     """`llama-server` serving `model` (a GGUF) on 127.0.0.1 at a free port, optionally with a drafter:
     `draft` (a GGUF) and `spec_type` (`draft-simple` for a draft LM, `draft-eagle3` for an EAGLE-3 head),
-    drafting `k` tokens per round. Greedy, deterministic; `parallel` slots of `ctx_size` tokens each, whose
+    or one of llama.cpp's model-free `NGRAM_TYPES` without a draft, drafting `k` tokens per round. Greedy, deterministic; `parallel` slots of `ctx_size` tokens each, whose
     requests the server decodes together (one slot: a request at a time). Use as a context manager.
 
     log_verbosity 4 makes it log its drafting statistics (eval/engine.py reads its drafting timer there).
@@ -181,9 +188,12 @@ class LlamaServer:
                  k: int = 4, ctx_size: int = 2048, threads: int = 1, timeout: float = 120.0,
                  log_file: str | Path | None = None, log_verbosity: int | None = None,
                  accept_none: bool = False, parallel: int = 1) -> None:
-        if (draft is None) != (spec_type is None):
+        if spec_type in NGRAM_TYPES:
+            if draft is not None:
+                raise ValueError(f"{spec_type} drafts without a model: no `draft`")
+        elif (draft is None) != (spec_type is None):
             raise ValueError("a drafter needs both `draft` (its GGUF) and `spec_type`")
-        if accept_none and draft is None:
+        if accept_none and spec_type is None:
             raise ValueError("accept_none needs a drafter")
         self.model, self.draft, self.spec_type, self.k = Path(model), draft, spec_type, k
         self.ctx_size, self.threads, self.timeout, self.log_file = ctx_size, threads, timeout, log_file
@@ -197,11 +207,15 @@ class LlamaServer:
                "--port", str(port), "-c", str(self.ctx_size * self.parallel), "-np", str(self.parallel), "-t",
                str(self.threads), "-tb",
                str(self.threads), "--temp", "0", "--top-k", "1", "--seed", "0", "--no-webui"]
-        if self.draft is not None:
+        if self.spec_type in NGRAM_TYPES:
+            cmd += ["--spec-type", self.spec_type, NGRAM_TYPES[self.spec_type], str(self.k)]
+            if self.spec_type == "ngram-mod":  # its minimum draft (48 by default) must not exceed the maximum
+                cmd += ["--spec-ngram-mod-n-min", "1"]
+        elif self.draft is not None:
             cmd += ["-md", str(self.draft), "--spec-type", self.spec_type, "--spec-draft-n-max", str(self.k),
                     "--spec-draft-n-min", "0", "-td", str(self.threads)]
-            if self.accept_none:
-                cmd += ["--spec-synth-len", "1"]
+        if self.accept_none:
+            cmd += ["--spec-synth-len", "1"]
         if self.log_verbosity is not None:
             cmd += ["-lv", str(self.log_verbosity)]
         return cmd

@@ -37,8 +37,10 @@ def hardware() -> dict:
     return info
 
 
-def build_report(rows: list[dict], *, target: str, baseline: str, settings: dict) -> dict:
-    """The report.json document."""
+def build_report(rows: list[dict], *, target: str, baseline: str, settings: dict,
+                 engine_rows: list[dict] | None = None) -> dict:
+    """The report.json document: `results`, draftsmith's rows (with the engine's figures where measured), and
+    `engine_results`, the rows of drafters only the engine runs (llama.cpp's n-gram modes)."""
     return {
         "schema": SCHEMA,
         "target": target,
@@ -46,6 +48,7 @@ def build_report(rows: list[dict], *, target: str, baseline: str, settings: dict
         "hardware": hardware(),
         "settings": settings,
         "results": rows,
+        "engine_results": engine_rows or [],
     }
 
 
@@ -176,7 +179,7 @@ def markdown(report: dict) -> str:
                 " table.", "",
                 *_pays_up_to(rows), "", *(f"![{p}]({p})" for p in report.get("plots", [])), "",
                 table([r for r in rows if r["k"] == r["best_k"]], BATCH_COLUMNS)]
-    out += engine_section(rows)
+    out += engine_section(rows + report.get("engine_results", []))
     return "\n".join(out) + "\n"
 
 
@@ -235,6 +238,12 @@ def engine_section(rows: list[dict]) -> list[str]:
                     " constant load (a client per slot sends the next prompt when its answer is back; extra requests"
                     " keep every slot busy until every prompt is answered), plain and speculative alike; τ engine is"
                     " the server's over each category's stream (extra requests included); c and β are batch-1 figures.",
+                    ""]
+        own = sorted({f"{r['drafter']} ({r['engine_only']})" for r in rows if r.get("engine_only")})
+        if own:
+            out += [f"{', '.join(own)}: {name}'s own model-free speculation, what its users have without a draft"
+                    " model; draftsmith has no loop for it (τ –), and as it drafts only where the text repeats, c and β"
+                    " are not calibrated for it.",
                     ""]
         out.append(table(measured, columns))
     if notes:
@@ -306,7 +315,7 @@ def console_summary(report: dict) -> str:
     if len(batch_sizes(rows)) > 1:
         lines += ["", "Up to which batch size speculation pays (each drafter at its best k per batch size):",
                   *_pays_up_to(rows)]
-    engine = [r for r in rows if r.get("engine_verdict")]
+    engine = [r for r in rows + report.get("engine_results", []) if r.get("engine_verdict")]
     if engine:
         measured = any(r.get("engine_speedup") is not None for r in engine)
         lines += ["", f"In {engine[0]['engine']}:" if measured else f"For {engine[0]['engine']}:",
@@ -315,7 +324,7 @@ def console_summary(report: dict) -> str:
         for r in engine:
             tau_e, x_e = r.get("engine_acceptance_length"), r.get("engine_speedup")
             lines.append(f"{r['category'][:13]:<14}{r['drafter'][:17]:<18}{r['k']:>3}{r.get('batch_size', 1):>4}"
-                         f"{r['acceptance_length']:>7.2f}{_fmt(tau_e):>9}{_fmt(x_e):>8}"
+                         f"{_fmt(r.get('acceptance_length')):>7}{_fmt(tau_e):>9}{_fmt(x_e):>8}"
                          f"{_fmt(r['engine_predicted_speedup']):>7}{_fmt(r.get('engine_ceiling')):>7}"
                          f"  {r['engine_verdict']}")
     return "\n".join(lines)

@@ -24,7 +24,7 @@ from traffic.records import LoadSummary, Record, RecordError, load_records, prom
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DRAFTER_KINDS = ("draft_lm", "head", "ngram")
+DRAFTER_KINDS = ("draft_lm", "head", "ngram", "llamacpp")
 # The built-in world's company traffic: training records, and the held-out records evaluation measures.
 TOY_TRAIN, TOY_EVAL = "/company_logs/train.jsonl", "/company_logs/eval.jsonl"
 
@@ -63,6 +63,25 @@ def target_source(target) -> str:
     return models.source(target["name_or_path"], target.get("gguf_file"))
 
 
+def resolve_specs(specs: list[dict], target_source: str, engine: str | None) -> list[dict]:
+    """The drafter specs with what they stand for made concrete: a self-draft (`kind: draft_lm`, `layers`, no
+    path) gets the path of the target's first layers (built once, traffic/models.py); llama.cpp's own
+    drafters (`kind: llamacpp`) are checked to have an engine that runs them."""
+    out = []
+    for spec in specs:
+        spec = dict(spec)
+        if spec.get("kind") == "draft_lm" and spec.get("layers") and not spec.get("path"):
+            spec["path"] = str(models.self_draft(models.resolve(target_source), spec["layers"]))
+        if spec.get("kind") == "llamacpp" and engine != "llamacpp":
+            raise ValueError(f"drafter {spec.get('name')!r} (kind llamacpp) is llama.cpp's own speculation: it is "
+                             "measured in the engine only, set engine=llamacpp")
+        out.append(spec)
+    if out and out[0].get("kind") == "llamacpp":
+        raise ValueError("the first drafter is the baseline draftsmith's loop measures against: list a drafter "
+                         "it runs (draft_lm, head, ngram) before llama.cpp's own")
+    return out
+
+
 def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remote_code: bool = False) -> Drafter:
     """One drafter from its spec: {name, kind, path (draft_lm, head), lean (draft_lm), stop_below (draft_lm,
     head), max_ngram / min_ngram (ngram)}."""
@@ -85,6 +104,8 @@ def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remot
     if stop_below:
         raise ValueError(f"drafter {name!r}: stop_below needs a drafter with probabilities (draft_lm or head); "
                          f"kind {kind!r} guesses without them")
+    if kind == "llamacpp":
+        raise ValueError(f"drafter {name!r}: kind llamacpp is llama.cpp's own speculation, measured in the engine only")
     if kind == "ngram":
         return NgramDrafter(max_ngram=spec.get("max_ngram", 3), min_ngram=spec.get("min_ngram", 1), name=name)
     raise ValueError(f"drafter {name!r}: unknown kind {kind!r}; known kinds: {list(DRAFTER_KINDS)}")

@@ -39,6 +39,8 @@ from tokenizers import Tokenizer, decoders, normalizers
 from tokenizers.models import BPE
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from traffic import models
+
 BOS, EOS, UNK = 1, 2, 0
 PLAIN_TEXT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
@@ -141,17 +143,9 @@ def convert(model: Path, tokenizer: Path, out: Path) -> Path:
 
 
 def self_draft(model_dir: Path, layers: int, out: Path) -> Path:
-    """The model at `model_dir` cut to its first `layers` layers (norm and classifier kept), with its tokenizer."""
-    model = LlamaForCausalLM.from_pretrained(model_dir)
-    if not 1 <= layers < model.config.num_hidden_layers:
-        raise ValueError(f"--draft-layers must be in 1..{model.config.num_hidden_layers - 1}, got {layers}")
-    model.model.layers = model.model.layers[:layers]
-    model.config.num_hidden_layers = layers
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:layers]
-    model.save_pretrained(out)
-    PreTrainedTokenizerFast.from_pretrained(model_dir).save_pretrained(out)
-    return out
+    """The model at `model_dir` cut to its first `layers` layers (norm and classifier kept), with its tokenizer
+    (traffic/models.py `self_draft`)."""
+    return models.self_draft(model_dir, layers, out)
 
 
 def main() -> None:

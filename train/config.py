@@ -14,7 +14,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from eval.config import DataConfig, TargetConfig, TrackingConfig
+from eval.config import DataConfig, DrafterSpec, TargetConfig, TrackingConfig
 from train.export import ExportSettings
 
 
@@ -167,6 +167,9 @@ class FinalEvalConfig:
     repeats: int = 3
     prompts_per_category: int = 8
     engine: Optional[str] = None  # llamacpp: also measure the drafters in llama.cpp (eval/engine.py)
+    # More drafters measured beside the trained one (python -m eval's specs), after the off-the-shelf draft: the
+    # baselines of a target without one (n-gram, a layer-skip self-draft, llama.cpp's own n-gram modes).
+    drafters: list[DrafterSpec] = field(default_factory=list)
 
 
 @dataclass

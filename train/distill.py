@@ -481,9 +481,12 @@ class DistillRecipe:
 
     def _final_specs(self) -> list[dict]:
         """The final evaluation's drafters as `python -m eval` specs: baseline first, the off-the-shelf draft,
-        then the best trained one (reloaded from disk)."""
-        return [{"name": "off_the_shelf", "kind": "draft_lm", "path": str(self.init_path)},
+        then `evaluate.drafters`, then the best trained one (reloaded from disk)."""
+        return [{"name": "off_the_shelf", "kind": "draft_lm", "path": str(self.init_path)}, *self._extra_specs(),
                 {"name": f"trained_{self.cfg.drafter.loss}", "kind": "draft_lm", "path": str(self.out / "best")}]
+
+    def _extra_specs(self) -> list[dict]:
+        return [OmegaConf.to_container(spec, resolve=True) for spec in self.cfg.evaluate.drafters]
 
     def _final_eval_traffic(self):
         """The traffic the final evaluation measures: the held-out file, or the records training held out."""
@@ -503,15 +506,16 @@ class DistillRecipe:
         from eval import engine
         from eval.evaluate import EvalPlan, evaluate
         from eval.report import build_report, console_summary, write_report
-        from eval.run import build_drafter, prompt_budget, target_source, tokenize_prompts
+        from eval.run import build_drafter, prompt_budget, resolve_specs, target_source, tokenize_prompts
 
         e, cfg, traffic = self.cfg.evaluate, self.cfg, self.eval_traffic
         self.target.eval()
         limit, why = prompt_budget(self.target.config, e.max_new_tokens, cfg.data.max_prompt_tokens)
         prompts = tokenize_prompts(traffic, self.tokenizer, device=self.device, max_per_category=e.prompts_per_category,
                                    max_prompt_tokens=limit, why=why, on_bad_record=cfg.data.on_bad_record)
-        specs = self._final_specs()
-        drafters = [build_drafter(spec, target=self.target, tokenizer=self.tokenizer) for spec in specs]
+        specs = resolve_specs(self._final_specs(), target_source(cfg.target), e.engine)
+        drafters = [build_drafter(spec, target=self.target, tokenizer=self.tokenizer) for spec in specs
+                    if spec["kind"] != "llamacpp"]
         plan = EvalPlan(ks=list(e.ks), batch_sizes=list(e.batch_sizes), max_new_tokens=e.max_new_tokens,
                         repeats=e.repeats, seed=cfg.trainer.seed)
         rows = evaluate(self.target, drafters, prompts, plan, eos_token_id=self.tokenizer.eos_token_id,
@@ -519,7 +523,8 @@ class DistillRecipe:
         in_engine = engine.add_figures(rows, specs, self.target, target_source(cfg.target), prompts, plan, engine=e.engine,
                                        costs=engine.EngineCosts(), threads=torch.get_num_threads(),
                                        work=self.out / "engine", progress=cfg.progress)
-        report = build_report(rows, target=target_source(cfg.target), baseline=drafters[0].name,
+        engine_rows = in_engine.pop("engine_only", []) if in_engine else []
+        report = build_report(rows, target=target_source(cfg.target), baseline=drafters[0].name, engine_rows=engine_rows,
                               settings={"data": traffic.describe(prompts), "trained_on": self.trained_on,
                                         "ks": list(e.ks), "batch_sizes": list(e.batch_sizes),
                                         "max_new_tokens": e.max_new_tokens, "repeats": e.repeats,

@@ -326,6 +326,7 @@ class HeadRecipe(DistillRecipe):
         specs = []
         if cfg.target.off_the_shelf_draft:
             specs.append({"name": "off_the_shelf", "kind": "draft_lm", "path": cfg.target.off_the_shelf_draft})
+        specs += self._extra_specs()
         specs.append({"name": f"trained_{cfg.drafter.kind}", "kind": "head", "path": str(self.out / "best")})
         return specs
 

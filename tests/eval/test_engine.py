@@ -240,3 +240,51 @@ def test_a_stream_answers_every_prompt_in_order_and_keeps_the_slots_busy():
 def test_a_failed_request_stops_the_stream_with_its_error():
     with pytest.raises(ConnectionError, match="went away"):
         engine.stream(_Server(3, fail_at=4), [[i] for i in range(20)], 8)
+
+
+@pytest.mark.slow
+@needs_llama_cpp
+def test_a_target_without_a_draft_is_measured_against_llama_cpps_own_speculation_and_a_self_draft(tiny_world,
+                                                                                                   tmp_path):
+    """The baselines of a team without an off-the-shelf draft: draftsmith's n-gram drafter, the target's first
+    layers as a self-draft (built once, served by llama.cpp too), and llama.cpp's own n-gram modes, measured
+    in the engine only (report.json's engine_results): lossless, with the engine's τ, speed-up and ceiling."""
+    out = tmp_path / "report"
+    cfg = make_cfg("target=tiny_deep", "target.off_the_shelf_draft=null", "engine=llamacpp", "ks=[3]", "repeats=1",
+                   "max_new_tokens=24", "data.max_prompts_per_category=3", "progress=false", "threads=1",
+                   "drafters=[{name: ngram, kind: ngram}, {name: self_draft, kind: draft_lm, layers: 2}, "
+                   "{name: simple, kind: llamacpp, spec_type: ngram-simple}, "
+                   "{name: mod, kind: llamacpp, spec_type: ngram-mod}]", f"out_dir={out}")
+    report = entry.run(cfg)
+    assert report["settings"]["engine"]["served"] == {
+        "ngram": report["settings"]["engine"]["served"]["ngram"], "self_draft": "draft-simple",
+        "simple": "ngram-simple", "mod": "ngram-mod"}
+    self_rows = [r for r in report["results"] if r["drafter"] == "self_draft"]
+    assert self_rows and all(r["lossless"] and r["engine_lossless"] for r in self_rows)
+    assert all(r["engine_acceptance_length"] > 1 for r in self_rows)  # half the target's layers guess some
+    own = report["engine_results"]
+    assert {(r["drafter"], r["category"]) for r in own} == {(d, c) for d in ("simple", "mod")
+                                                          for c in ("code", "json", "prose", "all")}
+    for r in own:
+        assert r["engine_only"] in ("ngram-simple", "ngram-mod") and "acceptance_length" not in r  # no loop of ours
+        assert r["engine_lossless"] is True and r["engine_speedup"] > 0
+        assert r["engine_verify_overhead"] is None and r["engine_ceiling"] is None  # not calibrated: drafts sometimes
+        assert r["engine_acceptance_length"] is None or 1 <= r["engine_acceptance_length"] <= 4
+        assert r["engine_verdict"] == verdict(r["engine_speedup"], r["engine_speedup_ci"], 1.05)
+    md = (out / "report.md").read_text()
+    assert "mod (ngram-mod), simple (ngram-simple): llama.cpp's own model-free speculation" in md
+    assert "| prose | mod | 3 | – |" in md
+
+
+def test_llama_cpps_own_drafters_need_the_engine_and_cannot_be_the_baseline(tiny_world, tmp_path):
+    from eval.run import resolve_specs
+
+    simple = {"name": "simple", "kind": "llamacpp", "spec_type": "ngram-simple"}
+    with pytest.raises(ValueError, match="measured in the engine only, set engine=llamacpp"):
+        resolve_specs([{"name": "ngram", "kind": "ngram"}, simple], "toyworld://tiny/target", None)
+    with pytest.raises(ValueError, match="the first drafter is the baseline"):
+        resolve_specs([simple], "toyworld://tiny/target", "llamacpp")
+    with pytest.raises(ValueError, match="spec_type must be one of"):
+        engine.llama_cpp_drafter({"name": "x", "kind": "llamacpp", "spec_type": "ngram-magic"}, None, "", tmp_path)
+    spec, = resolve_specs([{"name": "self", "kind": "draft_lm", "layers": 1}], "toyworld://tiny/target", None)
+    assert json.loads((Path(spec["path"]) / "config.json").read_text())["num_hidden_layers"] == 1

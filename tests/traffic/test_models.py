@@ -178,5 +178,42 @@ def test_the_real_smollm2_answers_a_code_prompt_as_llama_cpp_does(tmp_path):
     if llama_cpp.available():
         with llama_cpp.LlamaServer(SMOLLM2) as server:
             theirs = server.complete(ids, 12).tokens
+            # The tokenizer transformers rebuilt from the file splits text as llama.cpp's does (its `smollm`
+            # pre-tokenizer): digits, code indentation, unicode, the chat template's special tokens.
+            for text in ["The answer is 12345, or 3.14 and -0.5e10.", "def f(x):\n    return x ** 2  # sq\n\tpass",
+                         "<|im_start|>user\nhi  there<|im_end|>\n", "unicode: héllo ñ 🦙 日本語", "a\n\n\nb   c"]:
+                assert server._post("/tokenize", {"content": text, "add_special": False, "parse_special": True}
+                                    )["tokens"] == tok(text, add_special_tokens=False)["input_ids"], text
         # Q4_1 dequantized in float32 against llama.cpp's own Q4_1 kernels: the same first tokens.
         assert ours[:4] == theirs[:4], (tok.decode(ours), tok.decode(theirs))
+
+
+@needs_llama_cpp
+@pytest.mark.slow
+def test_a_gguf_target_without_a_draft_trains_a_head_on_llama_cpps_answers_and_is_measured_against_the_baselines(
+        gguf, tmp_path):
+    """What make demo-real does on a real model, on the tiny GGUF: llama-server on the file writes the answers,
+    an EAGLE-3 head trains on them, the final evaluation measures it in draftsmith's loop and in llama.cpp
+    beside the baselines of a target without a draft (n-gram, self-draft, llama.cpp's own n-gram mode), and
+    the run exports for llama.cpp."""
+    from helpers import train_tiny_deep
+    from train.export import ExportSettings, export
+
+    run = train_tiny_deep(
+        tmp_path / "run", f"target.name_or_path={gguf}", "target.off_the_shelf_draft=null", "drafter=eagle",
+        "regenerate.engine=llamacpp", "regenerate.threads=1", "trainer.max_steps=60", "trainer.eval_every=30",
+        "trainer.checkpoint_every=30", "trainer.lr=5e-3", "trainer.select_by=top1", "drafter.label_temperature=0", "evaluate.enabled=true", "evaluate.engine=llamacpp", "evaluate.ks=[2]",
+        "evaluate.prompts_per_category=2", "evaluate.max_new_tokens=12",
+        "evaluate.drafters=[{name: ngram, kind: ngram}, {name: self_draft, kind: draft_lm, layers: 2}, "
+        "{name: mod, kind: llamacpp, spec_type: ngram-mod}]")
+    prepared = [json.loads(p.read_text()) for p in (tmp_path / "data").glob("*/prepare.json")]
+    assert prepared and all(p["regenerated_by"] == f"llama.cpp {llama_cpp.VERSION} ({gguf.name})" for p in prepared)
+    report = json.loads((run / "report.json").read_text())
+    assert report["target"] == str(gguf) and report["baseline"] == "ngram"
+    assert {r["drafter"] for r in report["results"]} == {"ngram", "self_draft", "trained_eagle"}
+    head = [r for r in report["results"] if r["drafter"] == "trained_eagle"]
+    assert all(r["lossless"] and r["engine_lossless"] and r["engine_acceptance_length"] for r in head)
+    assert {r["drafter"] for r in report["engine_results"]} == {"mod"}
+    written = export(run, tmp_path / "export", ExportSettings(formats=["gguf"]))
+    with llama_cpp.LlamaServer(gguf, draft=written["gguf"], spec_type="draft-eagle3", k=2) as server:
+        assert server.complete([1, 4, 20, 30], 8).tokens
