@@ -38,10 +38,13 @@ class Endpoint:
     timeout or a 5xx answer is tried `retries` more times, a second apart and then longer."""
 
     def __init__(self, url: str, *, model: str | None = None, api_key_env: str = "OPENAI_API_KEY",
-                 timeout: float = 600.0, retries: int = 2) -> None:
+                 timeout: float = 600.0, retries: int = 2, top_k_off: int | None = None) -> None:
         base = url.rstrip("/")
         self.base = base[: -len("/v1")] if base.endswith("/v1") else base
         self.model, self.api_key_env, self.timeout, self.retries = model, api_key_env, timeout, retries
+        # The value this server reads as "no top-k", sent when a request has none; None: the field is left out
+        # and the server's default holds (a llama-server started greedy has top-k 1 until a request says 0).
+        self.top_k_off = top_k_off
 
     def __repr__(self) -> str:  # never the key
         return f"Endpoint({self.base!r}, model={self.model!r})"
@@ -88,8 +91,8 @@ class Endpoint:
         model's end of turn or after max_tokens."""
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": top_p}
-        if top_k:
-            body["top_k"] = top_k  # an extension vLLM, SGLang and llama-server all take
+        if top_k or self.top_k_off is not None:
+            body["top_k"] = top_k or self.top_k_off  # an extension vLLM, SGLang and llama-server all take
         if seed is not None:
             body["seed"] = seed
         out = self._request("/v1/completions", body)

@@ -33,7 +33,7 @@ class RegenerateConfig:
     # the evaluation's 64 new tokens twice. For real traffic raise it with trainer.max_length (e.g. 1024).
     max_new_tokens: int = 128
     # What writes the answers: torch (the target in PyTorch) | llamacpp (llama-server on the target's GGUF: the
-    # file itself when target.name_or_path names one; the deployed quantization, several times faster on a CPU)
+    # file itself when target.name_or_path names one; the deployed quantization; 1.6x PyTorch on SmolLM2 Q4_1, 2 cores)
     engine: str = "torch"
     # Or an OpenAI-compatible server already serving the target (vLLM, SGLang, llama-server): its base URL.
     # API key from $OPENAI_API_KEY when the server wants one.

@@ -235,6 +235,9 @@ def test_the_endpoint_client_retries_checks_the_model_and_never_shows_the_key(mo
         assert posts[-1][2]["Authorization"] == "Bearer sk-secret-123"
         assert posts[-1][3] == {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0.0,
                                 "top_p": 1.0, "seed": 7}
+        # A server whose default top-k is not "none" is told so when a request has no top-k.
+        Endpoint(server.url, model="smol", top_k_off=0).complete([1], max_tokens=1, temperature=1.0)
+        assert server.requests[-1][3]["top_k"] == 0
         with pytest.raises(ValueError, match=r"serves \['smol'\], not 'other'"):
             Endpoint(server.url, model="other").check()
     with _Server(failures=5) as server:
