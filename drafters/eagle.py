@@ -28,7 +28,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from drafters.base import Proposal, confidence
 from drafters.heads import ChainBatch, FeatureDrafter
 from drafters.layers import (Attention, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
-                             last_entries, mlp_decode, norm, soft_cross_entropy, step_stats)
+                             last_entries, label_cross_entropy, label_stats, mlp_decode, norm, soft_cross_entropy,
+                             step_stats)
 from drafters.sampling import Sampling, draw
 
 
@@ -197,6 +198,10 @@ class Eagle3(nn.Module):
         Step s, entry e: the head's (s+1)-th draft after position e, i.e. its guess for token e+s+2,
         given the target's features at 0..e, tokens through e+s+1 and its own outputs of steps < s.
         """
+        return [self.draft_logits(out) for out in self.unroll_states(features, input_ids, attention_mask)]
+
+    def unroll_states(self, features, input_ids, attention_mask):
+        """`unroll`'s steps before the output head: the layer's outputs (B, T-1, d), one step at a time."""
         B, T = input_ids.shape
         S, E = self.config.ttt_steps, T - 1
         ids = torch.cat([input_ids, input_ids.new_zeros(B, S)], dim=1)  # tokens past the end: padding
@@ -204,7 +209,7 @@ class Eagle3(nn.Module):
         key_valid[:, 0] = True  # never a query with no key at all (padding rows are masked out of the loss)
         mask = causal_mask(E, 0, input_ids.device, key_valid)
         hidden = self.fc(features[:, :-1])
-        base, diagonal, logits = None, [], []
+        base, diagonal = None, []
         for s in range(S):
             cos, sin = self.rotary(hidden, s, E)
             embeds = self.shared.embed_tokens(ids[:, 1 + s: 1 + s + E], hidden.dtype)
@@ -213,32 +218,43 @@ class Eagle3(nn.Module):
                 base = kv
             else:
                 diagonal = [*diagonal, kv]
-            logits.append(self.draft_logits(out))
+            yield out
             hidden = out
-        return logits
 
     def forward(self, features, input_ids, attention_mask, loss_mask, target_probs):
         """Training loss: features (B, T, L*d_target); input_ids, attention_mask, loss_mask (B, T);
-        target_probs (B, T, V), the target's next-token distribution at each position.
-        Returns (loss, [stats per step])."""
+        target_probs (B, T, V), the target's next-token distribution at each position, or (B, T) integer
+        labels, the token it gives all its probability to (its argmax: a label temperature of 0).
+        Returns (loss, [stats per step]).
+
+        The output head runs only where the loss reads it (the assistant tokens): over a draft
+        vocabulary of N tokens that matmul, (positions x d x N) per step, is most of a step's work."""
         B, T = input_ids.shape
         S, E = self.config.ttt_steps, T - 1
-        pad = lambda t: torch.cat([t, t.new_zeros((B, S + 1, *t.shape[2:]))], dim=1)  # noqa: E731
-        lmask, valid, probs = pad(loss_mask), pad(attention_mask), pad(target_probs)
+        pad = lambda t: torch.cat([t, t.new_zeros((B, S + 1))], dim=1)  # noqa: E731
+        lmask, valid = pad(loss_mask), pad(attention_mask)
         target_ids = self.target_ids() if self.reduced else None
+        labels = not target_probs.is_floating_point()
+        if labels:  # a label's index in the draft vocabulary, -1 where the head cannot propose it
+            where = torch.cumsum(self.t2d.long(), 0) - 1
+            draft_index = torch.where(self.t2d, where, -1)
         loss, stats = 0.0, []
-        for s, logits in enumerate(self.unroll(features, input_ids, attention_mask)):
-            p = probs[:, 1 + s: 1 + s + E]  # the target's distribution of token e+s+2
-            m = lmask[:, 2 + s: 2 + s + E].bool() & valid[:, 2 + s: 2 + s + E].bool()
+        for s, out in enumerate(self.unroll_states(features, input_ids, attention_mask)):
+            # Entry e of step s guesses token e+s+2, whose distribution the target gave at position e+s+1.
+            rows, entries = (lmask[:, 2 + s: 2 + s + E].bool() & valid[:, 2 + s: 2 + s + E].bool()).nonzero(as_tuple=True)
+            logits = self.draft_logits(out[rows, entries])
+            p = target_probs[rows, entries + 1 + s]
+            decay = self.config.ttt_decay ** s
+            if labels:
+                loss = loss + decay * label_cross_entropy(logits, draft_index[p])
+                stats.append(label_stats(logits.detach(), p, draft_index[p], target_ids))
+                continue
             p_draft = p
             if target_ids is not None:  # the target's distribution restricted to the draft vocabulary
-                p_draft = p[..., target_ids]
+                p_draft = p[:, target_ids]
                 p_draft = p_draft / p_draft.sum(-1, keepdim=True).clamp_min(1e-12)
-            loss = loss + self.config.ttt_decay ** s * soft_cross_entropy(logits, p_draft, m)
-            q = torch.softmax(logits.detach().float(), -1)
-            if target_ids is not None:
-                q = q.new_zeros(p.shape).index_copy_(-1, target_ids, q)
-            stats.append(step_stats(q, p, m))
+            loss = loss + decay * soft_cross_entropy(logits, p_draft, torch.ones_like(rows))
+            stats.append(step_stats(torch.softmax(logits.detach().float(), -1), p, draft_ids=target_ids))
         return loss, stats
 
     def drafter(self, name: str = "eagle", stop_below: float = 0.0) -> "Eagle3Drafter":

@@ -519,11 +519,43 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, mask: t
     return (per_pos * mask).sum() / mask.sum().clamp_min(1.0)
 
 
+def label_cross_entropy(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`soft_cross_entropy` against one-hot labels, over rows (N, V): the mean of -log q(label), where
+    `index` is the label's column, or -1 for a label the logits cannot express (it adds 0, as a one-hot
+    row with no mass on these columns would, and still counts in the mean)."""
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, index.clamp_min(0)[:, None])[:, 0]
+    return -(logp * (index >= 0)).sum() / max(index.numel(), 1)
+
+
 @torch.no_grad()
-def step_stats(draft_probs_full: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums (over masked positions) of the sampling acceptance estimate sum_x min(p, q) and of greedy
-    top-1 agreement, plus the count: summed across batches and processes, then divided."""
-    mask = mask.bool()
-    accept = torch.minimum(draft_probs_full, target_probs).sum(-1)
-    agree = (draft_probs_full.argmax(-1) == target_probs.argmax(-1)).float()
-    return {"accept": accept[mask].sum(), "top1": agree[mask].sum(), "count": mask.sum().float()}
+def label_stats(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor,
+                draft_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """`step_stats` against one-hot labels (target ids, (N,)): sum_x min(p, q) is q(label); `index` is the
+    label's column in the logits (-1: none), `draft_ids` the target ids of the logits' columns."""
+    q = torch.softmax(logits.float(), -1)
+    accept = q.gather(-1, index.clamp_min(0)[:, None])[:, 0] * (index >= 0)
+    guess = q.argmax(-1)
+    if draft_ids is not None:
+        guess = draft_ids[guess]
+    return {"accept": accept.sum(), "top1": (guess == labels).float().sum(),
+            "count": torch.tensor(float(labels.numel()), device=labels.device)}
+
+
+@torch.no_grad()
+def step_stats(draft_probs: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor | None = None,
+               draft_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Sums (over masked positions, or every row without a mask) of the sampling acceptance estimate
+    sum_x min(p, q) and of greedy top-1 agreement, plus the count: summed across batches and processes,
+    then divided. `draft_ids`: the target ids of draft_probs' last dimension (a draft vocabulary; q is 0
+    elsewhere, so the sum runs over those ids alone)."""
+    if mask is not None:
+        mask = mask.bool()
+        draft_probs, target_probs = draft_probs[mask], target_probs[mask]
+    guess = draft_probs.argmax(-1)
+    if draft_ids is not None:
+        guess = draft_ids[guess]
+        accept = torch.minimum(draft_probs, target_probs[..., draft_ids]).sum(-1)
+    else:
+        accept = torch.minimum(draft_probs, target_probs).sum(-1)
+    agree = (guess == target_probs.argmax(-1)).float()
+    return {"accept": accept.sum(), "top1": agree.sum(), "count": torch.tensor(float(agree.numel()), device=agree.device)}

@@ -12,8 +12,8 @@
 Each record is a user turn without an answer (README "Company logs", the `chat` format): `python -m train`
 has the target write the answers (train/regenerate.py), `python -m eval` measures the prompts. Writes
 DEST/train.jsonl and DEST/eval.jsonl; every category holds out its first `--eval-per-category` prompts in a
-fixed shuffled order, and trains on at most `--train-per-category` of the rest. A source that is missing is
-skipped with a message.
+fixed shuffled order, and trains on at most `--train-per-category` of the rest, the categories interleaved in
+train.jsonl. A source that is missing is skipped with a message.
 """
 
 from __future__ import annotations
@@ -89,6 +89,10 @@ def split(found: dict, eval_per_category: int, train_per_category: int, seed: in
         rest = chosen[eval_per_category:] if train_prompts is None else train_prompts
         held += [(category, f"{category}-eval-{i:04d}", p) for i, p in enumerate(chosen[:eval_per_category])]
         trained += [(category, f"{category}-train-{i:05d}", p) for i, p in enumerate(rest[:train_per_category])]
+    # Interleaved as a gateway's log is: training holds out its file's last records to choose the best
+    # checkpoint, and `data.max_records` keeps the first ones, so a file sorted by category would hold out one
+    # category alone and train on too few of the last.
+    random.Random(f"{seed}-train").shuffle(trained)
     return held, trained
 
 

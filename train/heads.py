@@ -251,14 +251,23 @@ class HeadRecipe(DistillRecipe):
 
     def _features(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's input features (B, T, L*d) and the target's next-token distribution (B, T, V) at
-        `temperature` (0: one-hot on its argmax)."""
+        `temperature` (0: one-hot on its argmax). An EAGLE-3 head at temperature 0 gets the argmax itself,
+        (B, T) token ids, computed only where the loss reads it (before each assistant token): the full
+        vocabulary's logits and one-hot rows at every position were most of a step's work."""
         if "features" in batch:
             states = batch["features"].to(self.target.dtype)
         else:
             states = capture(self.target, batch["input_ids"], batch["attention_mask"], self.capture_layers)
         head_states = states[:, :, : len(self.layers)].flatten(2).float()
+        head = self.target.get_output_embeddings()
         with torch.no_grad():
-            logits = finish_logits(self.target.config, self.target.get_output_embeddings()(states[:, :, -1]).float())
+            if temperature == 0 and self.cfg.drafter.kind == "eagle":
+                read = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
+                read[:, :-1] = batch["loss_mask"][:, 1:].bool()
+                labels = torch.full(read.shape, -1, dtype=torch.long, device=read.device)
+                labels[read] = finish_logits(self.target.config, head(states[:, :, -1][read]).float()).argmax(-1)
+                return head_states, labels
+            logits = finish_logits(self.target.config, head(states[:, :, -1]).float())
             probs = label_distribution(logits, temperature)
         return head_states, probs
 

@@ -95,6 +95,57 @@ def test_loss_ignores_padding_and_non_assistant_tokens(target, kind):
     torch.testing.assert_close(loss, loss2)
 
 
+def _eagle_reference(head, feats, ids, attn, loss_mask, probs):
+    """EAGLE-3's loss and per-step sums written out over every position of `unroll` (the output head on
+    all of them), the target's distribution restricted to the draft vocabulary: what forward computes."""
+    B, T = ids.shape
+    S = head.config.ttt_steps
+    pad = lambda t: torch.cat([t, t.new_zeros((B, S + 1, *t.shape[2:]))], dim=1)  # noqa: E731
+    lmask, valid, probs = pad(loss_mask), pad(attn), pad(probs)
+    kept = head.target_ids() if head.reduced else torch.arange(VOCAB)
+    loss, stats = 0.0, []
+    for s, logits in enumerate(head.unroll(feats, ids, attn)):
+        p = probs[:, 1 + s: T + s]
+        m = (lmask[:, 2 + s: T + 1 + s] * valid[:, 2 + s: T + 1 + s]).bool()
+        p_draft = p[..., kept] / p[..., kept].sum(-1, keepdim=True).clamp_min(1e-12)
+        per_pos = -(p_draft * torch.log_softmax(logits, -1)).sum(-1)
+        loss = loss + head.config.ttt_decay ** s * per_pos[m].mean()
+        q = torch.zeros_like(p).index_copy_(-1, kept, torch.softmax(logits, -1))
+        stats.append({"accept": torch.minimum(q, p).sum(-1)[m].sum(),
+                      "top1": (q.argmax(-1) == p.argmax(-1))[m].float().sum(), "count": m.sum().float()})
+    return loss, stats
+
+
+@pytest.mark.parametrize("size", [None, 40])
+def test_eagle_loss_reads_the_output_head_only_at_assistant_tokens_and_labels_equal_one_hot_rows(target, size):
+    head = make_head("eagle", target, **({"draft_vocab_size": size} if size else {}))
+    if size:  # the lowest ids are the "most frequent"; some argmax labels fall outside the vocabulary
+        head.set_vocabulary(*draft_vocabulary(torch.arange(VOCAB, 0, -1).float(), size))
+    feats, ids, attn, loss_mask, probs = batch(target, head.config.feature_layers)
+    want_loss, want_stats = _eagle_reference(head, feats, ids, attn, loss_mask, probs)
+    loss, stats = head(feats, ids, attn, loss_mask, probs)
+    torch.testing.assert_close(loss, want_loss)
+    for got, want in zip(stats, want_stats, strict=True):
+        torch.testing.assert_close(got, want)
+    # Temperature 0: the argmax as token ids is the one-hot distribution, loss, sums and gradients alike.
+    labels = probs.argmax(-1)
+    one_hot = torch.nn.functional.one_hot(labels, VOCAB).float()
+    if size:
+        assert not head.t2d[labels[loss_mask.bool()]].all()  # the -1 index (outside the vocabulary) is exercised
+    grads = []
+    for label in (one_hot, labels):
+        head.zero_grad()
+        loss, stats = head(feats, ids, attn, loss_mask, label)
+        loss.backward()
+        grads.append(([p.grad.clone() for p in head.parameters() if p.grad is not None], loss, stats))
+    (g1, l1, s1), (g2, l2, s2) = grads
+    torch.testing.assert_close(l2, l1)
+    for a, b in zip(s2, s1, strict=True):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(g2, g1, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 # --- in the loop -------------------------------------------------------------------------------------
 
 

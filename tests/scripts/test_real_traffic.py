@@ -83,3 +83,5 @@ def test_the_real_benchmark_files_give_every_category(tmp_path, monkeypatch):
     trained, _ = load_records(str(tmp_path / "train.jsonl"))
     assert len(held) == 80 and {r.category for r in held} == {"code", "maths", "chat", "writing", "stories"}
     assert len(trained) > 500
+    # Interleaved: the last 64 records (what training holds out to choose its checkpoint) hold every category.
+    assert {r.category for r in trained[-64:]} == {r.category for r in held}
