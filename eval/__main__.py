@@ -15,6 +15,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from eval import deployment
 from eval import engine as engines
 from eval.config import register
 from eval.evaluate import EvalPlan, evaluate
@@ -33,7 +34,8 @@ def run(cfg: DictConfig) -> dict:
     plan = EvalPlan(**{f.name: OmegaConf.to_object(cfg[f.name]) if OmegaConf.is_config(cfg[f.name])
                        else cfg[f.name] for f in fields(EvalPlan)})
     costs = OmegaConf.to_object(cfg.engine_costs)
-    engines.check(cfg.engine, costs)
+    engine_name = cfg.engine.name if cfg.engine else None
+    engines.check(engine_name, costs)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     # The traffic is read first: a bad record fails before a model is loaded.
@@ -42,7 +44,10 @@ def run(cfg: DictConfig) -> dict:
     source = target_source(cfg.target)
     target, tokenizer = load_target(source, device=device, dtype=cfg.target.dtype,
                                     trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)
-    specs = resolve_specs([OmegaConf.to_container(spec, resolve=True) for spec in cfg.drafters], source, cfg.engine)
+    specs = resolve_specs([OmegaConf.to_container(spec, resolve=True) for spec in cfg.drafters], source, engine_name)
+    # A deployment is checked (reachable, serving the model) before anything is measured.
+    endpoints = deployment.connect(cfg.engine, list(plan.ks), [s["name"] for s in specs]) \
+        if engine_name == "openai" else None
     # llama.cpp's own drafters run in the engine only; every other drafter in draftsmith's loop too.
     drafters = [build_drafter(spec, target=target, tokenizer=tokenizer, trust_remote_code=cfg.target.trust_remote_code)
                 for spec in specs if spec["kind"] != "llamacpp"]
@@ -50,11 +55,15 @@ def run(cfg: DictConfig) -> dict:
     prompts = tokenize_prompts(traffic, tokenizer, device=device, max_per_category=cfg.data.max_prompts_per_category,
                                max_prompt_tokens=limit, why=why, on_bad_record=cfg.data.on_bad_record)
     work = Path(cfg.out_dir) / "engine"
-    converted = engines.convert(cfg.engine, specs, target, source, work)
+    converted = engines.convert(engine_name, specs, target, source, work)
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id, progress=cfg.progress)
-    engine = engines.add_figures(rows, specs, target, source, prompts, plan, engine=cfg.engine,
-                                 costs=costs, threads=cfg.threads or os.cpu_count(), work=work, converted=converted,
-                                 progress=cfg.progress)
+    if endpoints is not None:
+        engine = deployment.run(rows, endpoints, {c: [p.tolist() for p in ps] for c, ps in prompts.items()}, plan,
+                                cfg.engine, costs, progress=cfg.progress)
+    else:
+        engine = engines.add_figures(rows, specs, target, source, prompts, plan, engine=engine_name, costs=costs,
+                                     threads=cfg.threads or os.cpu_count(), work=work, converted=converted,
+                                     progress=cfg.progress)
     engine_rows = engine.pop("engine_only", []) if engine else []
     settings = {"data": traffic.describe(prompts), **asdict(plan), "dtype": cfg.target.dtype, "device": str(device),
                 "engine": engine}

@@ -73,6 +73,25 @@ class DrafterSpec:
 
 
 @dataclass
+class EngineConfig:
+    """`engine=llamacpp`: the drafters served by llama-server here (eval/engine.py). `engine=openai`: a team's own
+    OpenAI-compatible deployment (vLLM, SGLang, llama-server, a gateway), the same model served with its drafter at
+    `spec_url` and without at `plain_url`, measured from outside (eval/deployment.py)."""
+
+    name: str = MISSING  # llamacpp | openai
+    spec_url: Optional[str] = None  # openai: base URL of the server that drafts
+    plain_url: Optional[str] = None  # openai: base URL of the same model without a drafter (null: no speed-up)
+    model: Optional[str] = None  # openai: the served model's name (null: the one model the server lists)
+    # openai: which of `drafters` the server drafts with, and how many tokens a round (its rows get the deployment's
+    # figures); null: the deployment's figures are rows of their own
+    drafter: Optional[str] = None
+    k: Optional[int] = None
+    api_key_env: str = "OPENAI_API_KEY"  # openai: the environment variable holding the key (never printed)
+    timeout: float = 600.0  # openai: seconds per request
+    retries: int = 2  # openai: tries after a failed request before the run stops with the server's error
+
+
+@dataclass
 class TrackingConfig:
     """Weights & Biases; offline when WANDB_API_KEY is not set."""
 
@@ -91,8 +110,9 @@ class EvalConfig(EvalPlan):
     drafters: list[DrafterSpec] = field(default_factory=list)  # the first is the baseline
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: Optional[int] = None  # torch intra-op threads (None = torch's default); the engine's too
-    # Measure the drafters inside a serving engine too (eval/engine.py): llamacpp (built by `make llama-cpp`)
-    engine: Optional[str] = None
+    # Measure the drafters inside a serving engine too: engine=llamacpp (built by `make llama-cpp`, eval/engine.py)
+    # or engine=openai with engine.spec_url and engine.plain_url (a team's deployment, eval/deployment.py)
+    engine: Optional[EngineConfig] = None
     # Or: c and beta measured in an engine that cannot run here, for a predicted per-category verdict there
     engine_costs: EngineCosts = field(default_factory=EngineCosts)
     out_dir: str = "${hydra:runtime.output_dir}"

@@ -244,14 +244,14 @@ class DraftCounters:
             time.sleep(0.01)
 
 
-def stream(server: llama_cpp.LlamaServer, prompts: list[list[int]], max_new_tokens: int, on_done=None
-           ) -> tuple[list[llama_cpp.Completion], int]:
-    """The prompts served as an engine under constant load serves them: one client per slot of `server` sends
-    the next prompt as soon as its previous answer is back, and extra requests (cycling through the prompts,
-    their answers dropped) keep every slot busy until every prompt is answered. Returns the prompts'
-    completions, in order, and the number of requests sent; `on_done()` is called as each answer arrives."""
+def stream(complete, prompts: list, concurrency: int, on_done=None) -> tuple[list, int]:
+    """The prompts served as an engine under constant load serves them: `concurrency` clients, each sending the
+    next prompt as soon as its previous answer is back (`complete(prompt)`), and extra requests (cycling through
+    the prompts, their answers dropped) keep every client busy until every prompt is answered. Returns the
+    prompts' answers, in order, and the number of requests sent; `on_done()` is called as each answer arrives.
+    A request that raises stops the other clients, and the error surfaces."""
     lock = threading.Lock()
-    answers: list[llama_cpp.Completion | None] = [None] * len(prompts)
+    answers: list = [None] * len(prompts)
     state = {"next": 0, "open": len(prompts)}
 
     def client() -> None:
@@ -262,20 +262,20 @@ def stream(server: llama_cpp.LlamaServer, prompts: list[list[int]], max_new_toke
                 request = state["next"]
                 state["next"] += 1
             try:
-                completion = server.complete(prompts[request % len(prompts)], max_new_tokens)
+                answer = complete(prompts[request % len(prompts)])
             except BaseException:
                 with lock:
                     state["open"] = 0  # the other clients stop too; the error surfaces from this one
                 raise
             if request < len(prompts):
                 with lock:
-                    answers[request] = completion
+                    answers[request] = answer
                     state["open"] -= 1
                 if on_done is not None:
                     on_done()
 
-    with ThreadPoolExecutor(server.parallel) as pool:
-        for future in [pool.submit(client) for _ in range(server.parallel)]:
+    with ThreadPoolExecutor(concurrency) as pool:
+        for future in [pool.submit(client) for _ in range(concurrency)]:
             future.result()
     return answers, state["next"]
 
@@ -319,7 +319,8 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
                 sent = 1
                 for category in prompts:
                     chosen = [p for c, _, p in todo if c == category]
-                    answers, requests = stream(server, chosen, max_new_tokens, bar.update)
+                    answers, requests = stream(lambda p: server.complete(p, max_new_tokens), chosen, server.parallel,
+                                               bar.update)
                     sent, stats = sent + requests, None
                     if config is not None:
                         now = drafting.after(sent)
@@ -473,17 +474,19 @@ def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, lis
 # --- what python -m eval and the training recipes call ---------------------------------------------------
 
 
-def check(engine: str | None, costs: EngineCosts) -> None:
-    """Before anything is loaded: a known engine, built; not both an engine and costs to predict with."""
+def check(engine: str | None, costs: EngineCosts, runs: tuple[str, ...] = ("llamacpp", "openai")) -> None:
+    """Before anything is loaded: a known engine (one of `runs`), built; llama.cpp measures its own costs, so
+    not both it and costs to predict with (a deployment measured through its API may have both)."""
     if engine is None:
         return
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r} is not one draftsmith runs; known: {sorted(ENGINES)} (for "
+    if engine not in runs:
+        raise ValueError(f"engine={engine!r} is not one draftsmith runs here; known: {sorted(runs)} (for "
                          "another engine, measure c and beta there and set engine_costs.c / engine_costs.beta)")
-    if costs.given:
-        raise ValueError(f"engine={engine} measures llama.cpp's own costs; engine_costs.c / engine_costs.beta are for "
-                         "predicting an engine that cannot run here: set one or the other")
-    llama_cpp.require()
+    if engine == "llamacpp":
+        if costs.given:
+            raise ValueError(f"engine={engine} measures llama.cpp's own costs; engine_costs.c / engine_costs.beta are "
+                             "for predicting an engine that cannot run here: set one or the other")
+        llama_cpp.require()
 
 
 def convert(engine: str | None, specs: list[dict], target, target_name_or_path: str, work: Path) -> Converted | None:

@@ -206,7 +206,7 @@ class LlamaServer:
         cmd = [str(binary("llama-server")), "-m", str(self.model), "--host", "127.0.0.1",
                "--port", str(port), "-c", str(self.ctx_size * self.parallel), "-np", str(self.parallel), "-t",
                str(self.threads), "-tb",
-               str(self.threads), "--temp", "0", "--top-k", "1", "--seed", "0", "--no-webui"]
+               str(self.threads), "--temp", "0", "--top-k", "1", "--seed", "0", "--no-webui", "--metrics"]
         if self.spec_type in NGRAM_TYPES:
             cmd += ["--spec-type", self.spec_type, NGRAM_TYPES[self.spec_type], str(self.k)]
             if self.spec_type == "ngram-mod":  # its minimum draft (48 by default) must not exceed the maximum

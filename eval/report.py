@@ -59,6 +59,8 @@ def _fmt(value, digits: int = 2) -> str:
         return "yes" if value else "NO"
     if isinstance(value, float):
         return f"{value:.{digits}f}"
+    if isinstance(value, list):
+        return " ".join(_fmt(v, digits) for v in value)
     return str(value)
 
 
@@ -203,14 +205,55 @@ PREDICTED_COLUMNS = [
 ]
 
 
+DEPLOYMENT_COLUMNS = [
+    ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("B", "batch_size"), ("τ", "acceptance_length"),
+    ("τ engine", "engine_acceptance_length"), ("by position", "engine_acceptance_by_position"),
+    ("plain tok/s", "engine_ar_tokens_per_s"), ("spec tok/s", "engine_sd_tokens_per_s"),
+    ("speed-up ×", "engine_speedup"), ("95 % interval", "engine_speedup_ci"), ("throughput ×", "engine_throughput_ratio"),
+    ("pred ×", "engine_predicted_speedup"), ("lossless", "engine_lossless"), ("verdict here", "verdict"),
+    ("verdict in the engine", "engine_verdict"),
+]
+
+
+def _latency(pair) -> str:
+    return "–" if not pair else f"{pair[0]:.1f} / {pair[1]:.1f}"
+
+
+def deployment_section(rows: list[dict], name: str) -> list[str]:
+    """report.md's section for a team's deployment measured through its OpenAI-compatible API (eval/deployment.py)."""
+    out = ["", f"## In {name}", "",
+           "The same prompts, greedy and with the same budget, sent to the deployment with its drafter and without it,"
+           " streamed, B requests in flight (a new one sent as one returns). τ engine = 1 + accepted drafts per"
+           " verification from the server's own counters at /metrics (the server's: other clients' traffic counts"
+           " too), by position = the share of verifications that kept the guess at each position; tok/s = tokens"
+           " after the first over the time from the first token to the last, the median over repeats; speed-up ×"
+           " pooled over repeats and prompts, with a 95 % interval over prompts; throughput × = the stream's tokens"
+           " over its wall-clock time, with the drafter over without; lossless = its greedy answer equals the plain"
+           " server's, text for text.", "",
+           table(rows, [c for c in DEPLOYMENT_COLUMNS if any(r.get(c[1]) is not None for r in rows)]),
+           "", "Latency as a user sees it (ms, p50 / p90 over answers): time to first token, and time per output token"
+           " after it.", "",
+           "| category | drafter | B | time to first token, plain | with the drafter | per output token, plain |"
+           " with the drafter |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ttft, tpot = r.get("engine_ttft_ms") or {}, r.get("engine_tpot_ms") or {}
+        out.append(f"| {r['category']} | {r['drafter']} | {r.get('batch_size', 1)} | {_latency(ttft.get('plain'))} | "
+                   f"{_latency(ttft.get('spec'))} | {_latency(tpot.get('plain'))} | {_latency(tpot.get('spec'))} |")
+    return out
+
+
 def engine_section(rows: list[dict]) -> list[str]:
-    """report.md's engine section: measured in llama.cpp beside draftsmith's loop, or predicted for a
-    team's own engine from the c and β it measured there (eval/engine.py)."""
+    """report.md's engine section: measured in llama.cpp beside draftsmith's loop, in a team's deployment through
+    its API, or predicted for a team's own engine from the c and β it measured there (eval/engine.py)."""
+    from eval.deployment import NAME
+
     rows = [r for r in rows if r.get("engine")]
     if not rows:
         return []
     name = rows[0]["engine"]
     notes = sorted({f"{r['drafter']}: {r['engine_note']}" for r in rows if r.get("engine_note")})
+    if name == NAME:
+        return deployment_section(rows, name) + (["", *(f"- {n}" for n in notes)] if notes else [])
     if name.endswith("(predicted)"):
         out = ["", f"## Predicted for {name.removesuffix(' (predicted)')}", "",
                "A prediction, not a measurement: draftsmith's τ per category with the c and β measured in that engine,"

@@ -86,7 +86,7 @@ class DistillRecipe:
         if self.cfg.evaluate.enabled and self.cfg.evaluate.engine:  # fail now, not after training
             from eval import engine
 
-            engine.check(self.cfg.evaluate.engine, engine.EngineCosts())
+            engine.check(self.cfg.evaluate.engine, engine.EngineCosts(), runs=("llamacpp",))
         if t.select_by not in ("acceptance", "top1"):
             raise ValueError(f"trainer.select_by must be acceptance or top1, got {t.select_by!r}")
         self._validate()

@@ -104,8 +104,12 @@ def test_the_log_reader_keeps_its_own_position_and_decodes_utf8_split_between_re
 
 
 def test_unknown_engine_and_engine_with_costs_are_errors_before_anything_loads(tmp_path):
-    with pytest.raises(ValueError, match="engine='vllm' is not one draftsmith runs"):
-        entry.run(make_cfg("engine=vllm", "data.path=/nonexistent.jsonl", f"out_dir={tmp_path}"))
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match=r"(?s)Could not find 'engine/vllm'.*llamacpp\n\topenai"):
+        make_cfg("engine=vllm", "data.path=/nonexistent.jsonl", f"out_dir={tmp_path}")
+    with pytest.raises(ValueError, match="engine='vllm' is not one draftsmith runs"):  # the library's own check
+        engine.check("vllm", engine.EngineCosts())
     with pytest.raises(ValueError, match="set one or the other"):
         entry.run(make_cfg("engine=llamacpp", "engine_costs.beta=0.1", "data.path=/nonexistent.jsonl",
                            f"out_dir={tmp_path}"))
@@ -199,8 +203,9 @@ def test_a_model_llama_cpp_cannot_convert_fails_before_draftsmith_measures_anyth
 def test_an_unknown_engine_at_the_end_of_training_fails_before_training(tiny_world, tmp_path):
     from helpers import train_tiny_deep
 
-    with pytest.raises(ValueError, match="engine='sglang' is not one draftsmith runs"):
-        train_tiny_deep(tmp_path / "run", "drafter=eagle", "evaluate.enabled=true", "evaluate.engine=sglang")
+    for name in ("sglang", "openai"):  # a deployment is measured with python -m eval engine=openai, not here
+        with pytest.raises(ValueError, match=f"engine='{name}' is not one draftsmith runs here; known: \\['llamacpp'\\]"):
+            train_tiny_deep(tmp_path / "run", "drafter=eagle", "evaluate.enabled=true", f"evaluate.engine={name}")
     assert not (tmp_path / "run" / "best").exists()
 
 
@@ -233,13 +238,15 @@ class _Server:
 
 def test_a_stream_answers_every_prompt_in_order_and_keeps_the_slots_busy():
     prompts = [[i] for i in range(5)]
-    answers, sent = engine.stream(_Server(3), prompts, 8)
+    server = _Server(3)
+    answers, sent = engine.stream(lambda p: server.complete(p, 8), prompts, server.parallel)
     assert [a.tokens for a in answers] == prompts and sent >= len(prompts)
 
 
 def test_a_failed_request_stops_the_stream_with_its_error():
     with pytest.raises(ConnectionError, match="went away"):
-        engine.stream(_Server(3, fail_at=4), [[i] for i in range(20)], 8)
+        server = _Server(3, fail_at=4)
+        engine.stream(lambda p: server.complete(p, 8), [[i] for i in range(20)], server.parallel)
 
 
 @pytest.mark.slow
