@@ -220,11 +220,18 @@ class DistillRecipe:
         d = self.cfg.drafter
         if d.kind != "draft_lm":
             raise ValueError(f"this recipe trains drafter.kind=draft_lm, got {d.kind!r}")
-        if not d.init_from:
-            raise ValueError("drafter.init_from is not set: the draft model to start from (hub id or directory)")
+        from eval.run import target_source
         from traffic import models
 
-        self.init_path = models.resolve(d.init_from)
+        # The model training starts from, and the baseline the final evaluation measures it against.
+        if d.init_from:
+            self.init_path, self.init_name = models.resolve(d.init_from), "off_the_shelf"
+        elif d.get("init_layers"):  # a target without a smaller sibling: its own first layers and head
+            source = models.resolve(target_source(self.cfg.target))
+            self.init_path, self.init_name = str(models.self_draft(source, d.init_layers)), "self_draft"
+        else:
+            raise ValueError("drafter.init_from is not set: the draft model to start from (hub id or directory), or "
+                             "drafter.init_layers=N to start from the target's own first N layers")
         model = AutoModelForCausalLM.from_pretrained(self.init_path, dtype=torch.float32,
                                                      trust_remote_code=self.cfg.target.trust_remote_code)
         check_same_vocabulary(self.tokenizer, None, self.target.get_output_embeddings().weight.shape[0],
@@ -480,9 +487,10 @@ class DistillRecipe:
         return {name: str(path) for name, path in written.items()}
 
     def _final_specs(self) -> list[dict]:
-        """The final evaluation's drafters as `python -m eval` specs: baseline first, the off-the-shelf draft,
-        then `evaluate.drafters`, then the best trained one (reloaded from disk)."""
-        return [{"name": "off_the_shelf", "kind": "draft_lm", "path": str(self.init_path)}, *self._extra_specs(),
+        """The final evaluation's drafters as `python -m eval` specs: baseline first, the model training started
+        from (the off-the-shelf draft, or the self-draft of `drafter.init_layers`), then `evaluate.drafters`, then
+        the best trained one (reloaded from disk)."""
+        return [{"name": self.init_name, "kind": "draft_lm", "path": str(self.init_path)}, *self._extra_specs(),
                 {"name": f"trained_{self.cfg.drafter.loss}", "kind": "draft_lm", "path": str(self.out / "best")}]
 
     def _extra_specs(self) -> list[dict]:

@@ -144,7 +144,8 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     elif kind == "eagle1":
         recipe += [["token loss weight (beside the feature regression)", d["token_loss_weight"]]]
     else:
-        recipe += [["objective", d["loss"]], ["started from", d["init_from"] or cfg["target"]["off_the_shelf_draft"]]]
+        recipe += [["objective", d["loss"]], ["started from", d["init_from"] or (f"the target's first {d['init_layers']} layers"
+                                                       if d.get("init_layers") else cfg["target"]["off_the_shelf_draft"])]]
     out += _table(recipe, ["setting", "value"])
 
     out += ["", "## Measured", ""]

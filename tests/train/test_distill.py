@@ -156,6 +156,20 @@ def test_end_to_end_writes_the_evaluation_report(tiny_world, tmp_path):
     assert {r["drafter"] for r in report["results"]} == {"off_the_shelf", "trained_forward_kl"}
 
 
+def test_a_target_without_a_draft_trains_its_own_first_layers(tiny_world, tmp_path):
+    """drafter.init_layers: a target with no smaller sibling starts its draft from its own first layers and
+    head (the self-draft), which is also the baseline it is measured against."""
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="drafter.init_layers=N"):
+        train(smoke(tmp_path / "none", "drafter.init_from=null"))
+    summary = train(smoke(tmp_path / "own", "drafter.init_from=null", "drafter.init_layers=1"))
+    report = json.loads(Path(summary["report"]).read_text())
+    assert report["baseline"] == "self_draft"
+    assert {r["drafter"] for r in report["results"]} == {"self_draft", "trained_forward_kl"}
+    assert AutoConfig.from_pretrained(tmp_path / "own" / "run" / "best").num_hidden_layers == 1
+
+
 def _prepared_ids(data_dir, split):
     import datasets
 
