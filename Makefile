@@ -91,7 +91,7 @@ DATA ?= ../shared/data
 demo-real: install llama-cpp
 	@echo "make demo-real: SmolLM2-135M-Instruct (Q4_1 GGUF, fetched once into ~/.cache/draftsmith/models), real prompts"
 	@echo "  from $(DATA), answers by llama.cpp, an EAGLE-3 head trained on them, measured in draftsmith's loop and"
-	@echo "  in llama.cpp against an n-gram drafter, a self-draft and llama.cpp's own n-gram modes (BENCHMARKS.md section 12)."
+	@echo "  in llama.cpp against an n-gram drafter, a self-draft and llama.cpp's own n-gram modes (BENCHMARKS.md section 13)."
 	$(BIN)/python -c "from traffic import models; print(models.fetch('smollm2'))"
 	$(BIN)/python scripts/real_traffic.py $(DATA) runs/real_traffic
 	$(BIN)/python -m train experiment=smollm2_eagle data.path=runs/real_traffic/train.jsonl \
