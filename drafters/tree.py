@@ -1,0 +1,156 @@
+"""Tree proposals: the shape a drafter proposes when it guesses several continuations at once (EAGLE-2's dynamic
+tree), the attention a verifier gives it, and the lossless choice of the path the target keeps.
+
+A tree hangs below the last committed token (the root, node -1). Node i holds a guessed token and its parent,
+which comes before it (`parents[i] < i`), so a tree is also a topological order. Verifying a tree is one target
+forward over [root, node 0, ..., node n-1], each position seeing the committed prefix and its own ancestors
+(`ancestor_mask`), at position prefix + depth (`depths`). The target's distributions at those n+1 positions
+decide which path it keeps (`accept_path`):
+
+- greedy: from the root, follow the child whose token is the target's argmax at its parent, while there is one;
+  the next token is the argmax after the last node kept. The kept path is exactly the target's greedy
+  continuation.
+- sampled: at each node the target's distribution p is checked against the node's children in their order,
+  each a deterministic guess (EAGLE-2 proposes the top-k children, not draws): child x is kept with probability
+  p(x) / sum(p), and if it is not, x's mass is removed from p (the residual max(p - onehot(x), 0)) before the
+  next sibling. When no child is kept, the next token is drawn from what is left of p; when the path reaches a
+  leaf, from the target's distribution there (the bonus). The emitted token at each depth is then distributed
+  exactly as p: P(child j) = prod_{i<j} (1 - r_i) * r_j telescopes to p(x_j), and the residual carries the rest.
+  (This is the multi-candidate rule of SpecInfer and EAGLE-2, with one-hot draft distributions.)
+
+`dynamic_tree` builds EAGLE-2's context-aware tree from any drafter that can score a set of nodes: depth by depth,
+it expands the top-k children of the `topk` nodes with the highest cumulative draft log-probability, then keeps
+the `nodes` best of all candidates. A child's score never exceeds its parent's, and ties go to the earlier node,
+so every kept node's ancestors are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Tree:
+    """Guessed tokens (n,) int64 and their parents (n,) int64 (-1: the root), parents[i] < i; `scores`: each node's
+    cumulative draft log-probability where the drafter gives one (children of a node are ordered by it)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
+            raise ValueError(f"a tree needs tokens and parents of one shape (n,), got {tuple(self.tokens.shape)} "
+                             f"and {tuple(self.parents.shape)}")
+        n = self.tokens.numel()
+        if n and not bool((self.parents < torch.arange(n, device=self.parents.device)).all()):
+            raise ValueError("every node's parent must come before it (parents[i] < i; -1 is the root)")
+        if n and int(self.parents.min()) < -1:
+            raise ValueError("a parent index below -1")
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    def children(self, node: int) -> list[int]:
+        """The children of `node` (-1: the root), in the order they are tried."""
+        return (self.parents == node).nonzero().flatten().tolist()
+
+    def path_to(self, node: int) -> list[int]:
+        """The nodes from the root's child down to `node` (empty for the root)."""
+        path = []
+        while node != -1:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """(n,) each node's depth below the root (the root's children: 1)."""
+    out = torch.zeros(parents.numel(), dtype=torch.long, device=parents.device)
+    for i, p in enumerate(parents.tolist()):
+        out[i] = 1 if p < 0 else out[p] + 1
+    return out
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """(n+1, n+1) bool over [root, nodes]: entry (i, j) is True where position j is position i itself or one of its
+    ancestors (the root is everyone's). A verifier's attention over the tree, beside the committed prefix."""
+    n = parents.numel()
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=parents.device)
+    mask[:, 0] = True
+    for i, p in enumerate(parents.tolist()):
+        mask[i + 1] = mask[p + 1]
+        mask[i + 1, i + 1] = True
+    return mask
+
+
+def accept_path(tree: Tree, target_probs: torch.Tensor, *, greedy: bool,
+                generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """The path the target keeps and its next token (module docstring). target_probs: (n+1, V), the target's
+    distribution after the root (row 0) and after each node (row i+1), already processed by the sampling settings
+    (greedy: only its argmax is read). Returns (kept nodes from the root down, next token)."""
+    tokens = tree.tokens.tolist()
+    path, node = [], -1
+    while True:
+        p = target_probs[node + 1]
+        children = tree.children(node)
+        if greedy:
+            best = int(p.argmax())
+            kept = next((c for c in children if tokens[c] == best), None)
+            if kept is None:
+                return path, best
+        else:
+            p = p.clone()
+            kept = None
+            for c in children:
+                total = p.sum()
+                mass = p[tokens[c]]
+                # Kept with probability mass / total; written u * total < mass so a zero total never divides.
+                if float(torch.rand((), generator=generator, device=p.device) * total) < float(mass):
+                    kept = c
+                    break
+                p[tokens[c]] = 0.0  # the residual max(p - onehot(x), 0)
+            if kept is None:
+                return path, int(torch.multinomial(p / p.sum(), 1, generator=generator))
+        path.append(kept)
+        node = kept
+        if not tree.children(node):  # a leaf: the bonus token from the target's distribution after it
+            after = target_probs[node + 1]
+            return path, int(after.argmax()) if greedy else int(torch.multinomial(after, 1, generator=generator))
+
+
+def dynamic_tree(expand: Callable[[list[int]], torch.Tensor], *, depth: int, topk: int, nodes: int) -> Tree:
+    """EAGLE-2's dynamic tree (module docstring). `expand(frontier)` gives the drafter's logits (len(frontier), V)
+    after each frontier node (-1: the root), the nodes built so far being `expand`'s to read from the tree being
+    grown (it is called with the root first, then with nodes of the previous depth). Returns the `nodes` kept,
+    parents before children."""
+    if depth < 1 or topk < 1 or nodes < 1:
+        raise ValueError(f"a tree needs depth, topk and nodes >= 1, got depth={depth}, topk={topk}, nodes={nodes}")
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    frontier, frontier_scores = [-1], torch.zeros(1)
+    for _ in range(depth):
+        logp = torch.log_softmax(expand(frontier).float(), dim=-1)  # (f, V)
+        width = min(topk, logp.shape[-1])
+        top = logp.topk(width, dim=-1)
+        cand = frontier_scores.to(logp.device)[:, None] + top.values  # (f, width)
+        first = len(tokens)
+        for f, parent in enumerate(frontier):
+            for j in range(width):
+                tokens.append(int(top.indices[f, j]))
+                parents.append(parent)
+                scores.append(float(cand[f, j]))
+        flat = cand.flatten()
+        best = flat.topk(min(topk, flat.numel())).indices.sort().values  # this depth's most likely, in node order
+        frontier = [first + int(b) for b in best]
+        frontier_scores = flat[best].cpu()
+    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:nodes]
+    kept = sorted(order)  # node order: parents (earlier depths) first
+    index = {old: new for new, old in enumerate(kept)}
+    return Tree(torch.tensor([tokens[i] for i in kept], dtype=torch.long),
+                torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in kept], dtype=torch.long),
+                torch.tensor([scores[i] for i in kept]))
