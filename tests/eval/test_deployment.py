@@ -136,6 +136,20 @@ def test_figures_pool_decode_time_and_catch_a_different_answer():
     plain.answers[1, "chat"][2] = Streamed("other", 11, 0.01, 2.0, "length")
     assert deployment.figures({"spec": spec, "plain": plain}, "chat", repeats=2, pays_off_at=1.05)[
         "engine_lossless"] is False
+    # The rows of the named drafter at its k get the figures, and with costs entered, draftsmith's prediction.
+    from eval.engine import EngineCosts
+
+    rows = [{"drafter": d, "k": k, "batch_size": 1, "temperature": 0.0, "category": c, "acceptance_length": 3.0,
+             "mean_proposed": 4.0} for d, k in (("head", 4), ("head", 2), ("ngram", 4)) for c in ("code", "chat", "all")]
+    own = deployment.add_figures(rows, {1: {"spec": spec, "plain": plain}}, drafter="head", k=4, repeats=2,
+                                 pays_off_at=1.05, costs=EngineCosts(c=0.05, beta=0.2))
+    assert own == []
+    for r in rows:
+        if (r["drafter"], r["k"]) == ("head", 4):
+            assert r["engine"] == deployment.NAME and r["engine_acceptance_length"] == pytest.approx(3.0)
+            assert r["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 4 * 0.05 + 0.2))
+        else:
+            assert "engine" not in r
     spec.counters[0, "code"] = None  # a server without counters
     assert deployment.figures({"spec": spec, "plain": plain}, "all", repeats=2, pays_off_at=1.05)[
         "engine_acceptance_length"] is None
