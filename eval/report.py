@@ -498,15 +498,20 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "report.json", "md": out_dir / "report.md"}
-    for p in plot_batch_curves(report, out_dir):  # first: report.md links them
-        paths[p.stem] = p
-    report = {**report, "plots": sorted(p for p in paths if p.startswith("batch_curve_"))}
-    report["plots"] = [f"{name}.png" for name in report["plots"]]
-    # Write to a temporary name and rename, so a reader never sees a half-written report.
-    for key, text in (("json", json.dumps(report, indent=2) + "\n"), ("md", markdown(report))):
+
+    def write(key: str, text: str) -> None:  # to a temporary name, then renamed: never a half-written report
         tmp = paths[key].with_suffix(".tmp")
         tmp.write_text(text)
         tmp.replace(paths[key])
+
+    # The measurement first: a failure drawing or rendering it afterwards loses nothing measured.
+    write("json", json.dumps(report, indent=2) + "\n")
+    for p in plot_batch_curves(report, out_dir):  # before report.md, which links them
+        paths[p.stem] = p
+    report = {**report, "plots": sorted(p for p in paths if p.startswith("batch_curve_"))}
+    report["plots"] = [f"{name}.png" for name in report["plots"]]
+    write("json", json.dumps(report, indent=2) + "\n")
+    write("md", markdown(report))
     for p in plot_histograms(report, out_dir):
         paths[p.stem] = p
     return paths

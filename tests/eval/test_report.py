@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from eval.report import SCHEMA, build_report, console_summary, markdown, next_report_dir, write_report
 
 
@@ -34,6 +36,19 @@ def test_report_files(tmp_path):
     assert "- code, k=2, T=0.00: fastest base; against it: ngram 0.69× (0.60–0.80) slower" in md
     console = console_summary(report)
     assert "turn it off" in console and "fastest base; against it: ngram 0.69× (0.60–0.80) slower" in console
+
+
+def test_the_measurement_is_saved_before_anything_that_can_fail_afterwards(tmp_path, monkeypatch):
+    import eval.report as module
+
+    def broken(report):
+        raise ImportError("a report.md renderer that fails")
+
+    monkeypatch.setattr(module, "markdown", broken)
+    report = build_report([row("base", 2, "all", 1.2, 1.9)], target="t", baseline="base", settings={"ks": [2]})
+    with pytest.raises(ImportError, match="fails"):
+        write_report(report, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["results"] == report["results"]
 
 
 def test_each_evaluation_gets_the_next_report_directory(tmp_path):
