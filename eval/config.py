@@ -9,7 +9,7 @@ arguments.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -89,6 +89,8 @@ class EngineConfig:
     api_key_env: str = "OPENAI_API_KEY"  # openai: the environment variable holding the key (never printed)
     timeout: float = 600.0  # openai: seconds per request
     retries: int = 2  # openai: tries after a failed request before the run stops with the server's error
+    # openai: fields added to every request (the server's own extensions), e.g. {cache_prompt: false} for llama-server
+    extra_body: Any = None  # a mapping (Any: the keys are the server's, not draftsmith's)
 
 
 @dataclass

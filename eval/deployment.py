@@ -281,8 +281,12 @@ def connect(engine, ks: list[int], drafters: list[str]) -> tuple[Endpoint, Endpo
         if engine.k not in ks:
             raise ValueError(f"engine.k={engine.k!r}: the tokens the deployment drafts per round, one of ks={ks} "
                              f"(draftsmith's rows of {engine.drafter!r} at that k get its figures)")
+    from omegaconf import OmegaConf
+
+    body = engine.get("extra_body")
+    extra = dict(OmegaConf.to_container(body) if OmegaConf.is_config(body) else body or {})
     made = [Endpoint(url, model=engine.model, api_key_env=engine.api_key_env, timeout=engine.timeout,
-                     retries=engine.retries) if url else None for url in (engine.spec_url, engine.plain_url)]
+                     retries=engine.retries, extra_body=extra) if url else None for url in (engine.spec_url, engine.plain_url)]
     for endpoint in made:
         if endpoint is not None:
             endpoint.check()

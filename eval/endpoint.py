@@ -49,13 +49,17 @@ class Endpoint:
     timeout or a 5xx answer is tried `retries` more times, a second apart and then longer."""
 
     def __init__(self, url: str, *, model: str | None = None, api_key_env: str = "OPENAI_API_KEY",
-                 timeout: float = 600.0, retries: int = 2, top_k_off: int | None = None) -> None:
+                 timeout: float = 600.0, retries: int = 2, top_k_off: int | None = None,
+                 extra_body: dict | None = None) -> None:
         base = url.rstrip("/")
         self.base = base[: -len("/v1")] if base.endswith("/v1") else base
         self.model, self.api_key_env, self.timeout, self.retries = model, api_key_env, timeout, retries
         # The value this server reads as "no top-k", sent when a request has none; None: the field is left out
         # and the server's default holds (a llama-server started greedy has top-k 1 until a request says 0).
         self.top_k_off = top_k_off
+        # Fields added to every completion request, as the OpenAI client's `extra_body` adds them: a server's own
+        # extensions (llama-server's {"cache_prompt": false}, vLLM's {"ignore_eos": true}).
+        self.extra_body = dict(extra_body or {})
 
     def __repr__(self) -> str:  # never the key
         return f"Endpoint({self.base!r}, model={self.model!r})"
@@ -124,7 +128,7 @@ class Endpoint:
             body["top_k"] = top_k or self.top_k_off  # an extension vLLM, SGLang and llama-server all take
         if seed is not None:
             body["seed"] = seed
-        return body
+        return {**body, **self.extra_body}
 
     def complete(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None) -> EndpointAnswer:

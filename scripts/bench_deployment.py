@@ -7,7 +7,9 @@ through its OpenAI-compatible API gives what llama.cpp's own measurement gives.
 Starts two llama-servers on the target's GGUF (the drafter at k, and none; `--metrics`, two threads each unless
 told otherwise), runs `python -m eval engine=openai` against them, then `python -m eval engine=llamacpp` on the
 same prompts, drafter, k and budget, and prints per category: τ from the servers' /metrics against τ from
-llama-server's logged statistics (goal: within 2 %), each run's losslessness and verdict.
+llama-server's logged statistics (goal: within 2 %), each run's losslessness and verdict. engine=llamacpp turns
+llama-server's prompt cache off in every request; an OpenAI client leaves it on (the server's default) unless
+`--no-prompt-cache` sends {cache_prompt: false} too.
 
 --drafter NAME:KIND:PATH[:LAYERS] is one of eval's drafter specs (`draft_lm` with a path or, with no path and
 LAYERS, the target's first layers; `head` with a trained head's directory).
@@ -53,6 +55,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("runs/bench/deployment"))
+    ap.add_argument("--no-prompt-cache", action="store_true",
+                    help="send llama-server's {cache_prompt: false} (engine.extra_body), as engine=llamacpp's requests do")
     args = ap.parse_args()
     register()
     spec = spec_of(args.drafter)
@@ -78,7 +82,8 @@ def main() -> None:
             api_cfg = compose(config_name="eval", overrides=[
                 *common, "engine=openai", f"engine.spec_url={spec_server.url}/v1",
                 f"engine.plain_url={plain_server.url}/v1", f"engine.drafter={spec['name']}", f"engine.k={args.k}",
-                f"out_dir={args.out / 'openai'}"])
+                f"out_dir={args.out / 'openai'}",
+                *(["engine.extra_body={cache_prompt: false}"] if args.no_prompt_cache else [])])
             api = entry.run(api_cfg)
     llama = entry.run(llama_cfg)
     theirs = {r["category"]: r for r in llama["results"]}

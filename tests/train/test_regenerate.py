@@ -235,6 +235,9 @@ def test_the_endpoint_client_retries_checks_the_model_and_never_shows_the_key(mo
         assert posts[-1][2]["Authorization"] == "Bearer sk-secret-123"
         assert posts[-1][3] == {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0.0,
                                 "top_p": 1.0, "seed": 7}
+        # A server's own extensions go into every request (the OpenAI client's extra_body).
+        Endpoint(server.url, model="smol", extra_body={"cache_prompt": False}).complete([1], max_tokens=1)
+        assert server.requests[-1][3]["cache_prompt"] is False
         # A server whose default top-k is not "none" is told so when a request has no top-k.
         Endpoint(server.url, model="smol", top_k_off=0).complete([1], max_tokens=1, temperature=1.0)
         assert server.requests[-1][3]["top_k"] == 0
