@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -87,8 +86,8 @@ def main() -> None:
             api = entry.run(api_cfg)
     llama = entry.run(llama_cfg)
     theirs = {r["category"]: r for r in llama["results"]}
-    print(f"\n| category | τ draftsmith | τ /metrics (openai) | τ logged (llamacpp) | ratio | lossless openai / llamacpp "
-          f"| speed-up openai | speed-up llamacpp | verdict openai | verdict llamacpp |")
+    print("\n| category | τ draftsmith | τ /metrics (openai) | τ logged (llamacpp) | ratio | lossless openai / llamacpp "
+          "| speed-up openai | speed-up llamacpp | verdict openai | verdict llamacpp |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in api["results"]:
         other = theirs[r["category"]]
@@ -98,7 +97,7 @@ def main() -> None:
               f"| {r['engine_speedup']:.2f} | {other['engine_speedup']:.2f} | {r['engine_verdict']} | {other['engine_verdict']} |")
     (args.out / "summary.json").write_text(json.dumps({"openai": api["results"], "llamacpp": llama["results"]},
                                                       indent=1, default=str))
-    print(f"\nreports: {args.out / 'openai' / 'report.md'}, {args.out / 'llamacpp' / 'report.md'}  (pid {os.getpid()})")
+    print(f"\nreports: {args.out / 'openai' / 'report.md'}, {args.out / 'llamacpp' / 'report.md'}")
 
 
 if __name__ == "__main__":
