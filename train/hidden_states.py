@@ -88,7 +88,12 @@ def write_shards(
     hidden = target.config.hidden_size
 
     def compute(batch, ids, mask):
-        states = capture(target, ids, mask, layers).to(DTYPES[dtype])  # (B, T, L, d)
+        full = capture(target, ids, mask, layers)  # (B, T, L, d)
+        states = full.to(DTYPES[dtype])
+        if not bool(torch.isfinite(states).all()) and bool(torch.isfinite(full).all()):
+            # Gemma's residual stream, for one, outgrows float16: its shards would hold inf and train NaN.
+            raise ValueError(f"the target's hidden states reach {float(full.abs().max()):.4g}, beyond {dtype}'s range: "
+                             "set drafter.offline_dtype=bfloat16 (or float32)")
         return [{"hidden": states[j, : len(e.input_ids)]} for j, e in enumerate(batch)]
 
     return write_example_shards(examples, compute, out_dir, meta={"layers": list(layers), "dtype": dtype,

@@ -97,3 +97,15 @@ def test_size_cap_and_resume(target, tmp_path):
     (out / "manifest.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="incomplete"):
         ShardReader(out)
+
+
+def test_states_beyond_float16_are_an_error_not_inf_shards(tmp_path):
+    """A target whose residual stream outgrows float16 (Gemma's does) would write inf and train NaN: the error
+    says so and names bfloat16; bfloat16 stores the same states."""
+    big = tiny_llama(50, hidden=32, layers=2, seed=0)
+    with torch.no_grad():
+        big.model.embed_tokens.weight.mul_(1e9)  # states far past float16's 65504
+    with pytest.raises(ValueError, match=r"beyond float16's range: set drafter.offline_dtype=bfloat16"):
+        write_shards(examples(3), big, [1, 2], tmp_path / "fp16", dtype="float16", progress=False)
+    write_shards(examples(3), big, [1, 2], tmp_path / "bf16", dtype="bfloat16", progress=False)
+    assert torch.isfinite(ShardReader(tmp_path / "bf16")[0]["hidden"].float()).all()
