@@ -28,6 +28,7 @@ them, beside the measured one.
 
 from __future__ import annotations
 
+import operator
 import statistics
 import threading
 import time
@@ -92,21 +93,19 @@ class SpecCounters:
         return cls(totals["num_drafts"], totals.get("num_draft_tokens", 0.0), totals.get("num_accepted_tokens", 0.0),
                    tuple(positions.get(i, 0.0) for i in range(max(positions, default=-1) + 1)), generated)
 
-    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+    def _combine(self, other: "SpecCounters", op) -> "SpecCounters":
         width = max(len(self.per_position), len(other.per_position))
         pad = lambda p: list(p) + [0.0] * (width - len(p))  # noqa: E731
-        generated = None if self.generated is None or other.generated is None else self.generated - other.generated
-        return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
-                            self.accepted - other.accepted,
-                            tuple(a - b for a, b in zip(pad(self.per_position), pad(other.per_position))), generated)
+        generated = None if self.generated is None or other.generated is None else op(self.generated, other.generated)
+        return SpecCounters(op(self.drafts, other.drafts), op(self.draft_tokens, other.draft_tokens),
+                            op(self.accepted, other.accepted),
+                            tuple(op(a, b) for a, b in zip(pad(self.per_position), pad(other.per_position))), generated)
+
+    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+        return self._combine(other, operator.sub)
 
     def __add__(self, other: "SpecCounters") -> "SpecCounters":
-        width = max(len(self.per_position), len(other.per_position))
-        pad = lambda p: list(p) + [0.0] * (width - len(p))  # noqa: E731
-        generated = None if self.generated is None or other.generated is None else self.generated + other.generated
-        return SpecCounters(self.drafts + other.drafts, self.draft_tokens + other.draft_tokens,
-                            self.accepted + other.accepted,
-                            tuple(a + b for a, b in zip(pad(self.per_position), pad(other.per_position))), generated)
+        return self._combine(other, operator.add)
 
     @property
     def tau(self) -> float | None:
