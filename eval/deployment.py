@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from eval.compare import Timings, compare, verdict
 from eval.endpoint import Endpoint, Streamed
-from eval.engine import stream
+from eval.engine import FIELDS as ENGINE_FIELDS, stream
 from eval.evaluate import ALL
 from eval.metrics import predicted_speedup
 
@@ -48,10 +48,9 @@ NAME = "your deployment"
 PREFIXES = ("vllm:", "llamacpp:")
 # Each server's count of generated tokens, which shows when its speculative counters have caught up.
 GENERATED = ("vllm:generation_tokens", "llamacpp:tokens_predicted")
-FIELDS = ("engine", "engine_acceptance_length", "engine_acceptance_by_position", "engine_ar_tokens_per_s",
-          "engine_sd_tokens_per_s", "engine_speedup", "engine_speedup_ci", "engine_verdict", "engine_lossless",
-          "engine_throughput_ratio", "engine_ttft_ms", "engine_tpot_ms", "engine_cost_ratio", "engine_verify_overhead",
-          "engine_predicted_speedup", "engine_ceiling", "engine_tau_ceiling", "engine_note")
+# llama.cpp's engine fields, and what a deployment measured through its API adds to them.
+FIELDS = (*ENGINE_FIELDS, "engine_acceptance_by_position", "engine_throughput_ratio", "engine_ttft_ms",
+          "engine_tpot_ms")
 
 
 @dataclass
