@@ -541,6 +541,22 @@ def label_stats(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor,
             "count": torch.tensor(float(labels.numel()), device=labels.device)}
 
 
+class ReadRows:
+    """The target's next-token distributions at the positions a loss reads, and nowhere else: `rows` (n, V)
+    and `index` (B, T) into them (-1 where nothing reads). Indexed like the dense (B, T, V) tensor it stands
+    for (`probs[b, t]` for read positions), so a head's loss takes either; a 262,144-token vocabulary (Gemma-3)
+    at every position of a batch is gigabytes, most of them never read."""
+
+    def __init__(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        self.index, self.rows = index, rows
+
+    def __getitem__(self, key) -> torch.Tensor:
+        return self.rows[self.index[key]]
+
+    def is_floating_point(self) -> bool:
+        return True
+
+
 @torch.no_grad()
 def step_stats(draft_probs: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor | None = None,
                draft_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

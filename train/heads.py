@@ -29,7 +29,7 @@ import torch
 from omegaconf import DictConfig
 
 from drafters.heads import KINDS, build_head, save_head
-from drafters.layers import finish_logits
+from drafters.layers import ReadRows, finish_logits
 from traffic.checkpoint import full_model_state
 from train.distill import DistillRecipe, _records_batch
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
@@ -252,8 +252,9 @@ class HeadRecipe(DistillRecipe):
     def _features(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's input features (B, T, L*d) and the target's next-token distribution (B, T, V) at
         `temperature` (0: one-hot on its argmax). An EAGLE-3 head at temperature 0 gets the argmax itself,
-        (B, T) token ids, computed only where the loss reads it (before each assistant token): the full
-        vocabulary's logits and one-hot rows at every position were most of a step's work."""
+        (B, T) token ids, and otherwise the distributions as `ReadRows`, both computed only where the loss reads
+        them (before each assistant token): the full vocabulary's logits at every position were most of a
+        step's work, and gigabytes for Gemma-3's vocabulary."""
         if "features" in batch:
             states = batch["features"].to(self.target.dtype)
         else:
@@ -261,12 +262,17 @@ class HeadRecipe(DistillRecipe):
         head_states = states[:, :, : len(self.layers)].flatten(2).float()
         head = self.target.get_output_embeddings()
         with torch.no_grad():
-            if temperature == 0 and self.cfg.drafter.kind == "eagle":
+            if self.cfg.drafter.kind == "eagle":  # its loss reads the target only before assistant tokens
                 read = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
                 read[:, :-1] = batch["loss_mask"][:, 1:].bool()
-                labels = torch.full(read.shape, -1, dtype=torch.long, device=read.device)
-                labels[read] = finish_logits(self.target.config, head(states[:, :, -1][read]).float()).argmax(-1)
-                return head_states, labels
+                logits = finish_logits(self.target.config, head(states[:, :, -1][read]).float())
+                if temperature == 0:
+                    labels = torch.full(read.shape, -1, dtype=torch.long, device=read.device)
+                    labels[read] = logits.argmax(-1)
+                    return head_states, labels
+                index = torch.full(read.shape, -1, dtype=torch.long, device=read.device)
+                index[read] = torch.arange(logits.shape[0], device=read.device)
+                return head_states, ReadRows(index, label_distribution(logits, temperature))
             logits = finish_logits(self.target.config, head(states[:, :, -1]).float())
             probs = label_distribution(logits, temperature)
         return head_states, probs

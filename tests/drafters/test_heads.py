@@ -11,6 +11,7 @@ import torch
 
 from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_coverage, vocabulary_size_for
 from drafters.heads import build_head, load_head, save_head
+from drafters.layers import ReadRows
 from drafters.sampling import Sampling
 from eval.batching import speculative_generate_batch
 from eval.speculative import autoregressive_generate, speculative_generate
@@ -144,6 +145,16 @@ def test_eagle_loss_reads_the_output_head_only_at_assistant_tokens_and_labels_eq
         torch.testing.assert_close(a, b)
     for a, b in zip(g2, g1, strict=True):
         torch.testing.assert_close(a, b)
+    # The distributions only where the loss reads them (ReadRows, the held-out statistics' form) give the
+    # dense tensor's loss and sums; any other row's content is never read.
+    read = torch.zeros_like(loss_mask, dtype=torch.bool)
+    read[:, :-1] = loss_mask[:, 1:].bool()
+    index = torch.full(read.shape, -1, dtype=torch.long)
+    index[read] = torch.arange(int(read.sum()))
+    sparse_loss, sparse_stats = head(feats, ids, attn, loss_mask, ReadRows(index, probs[read]))
+    torch.testing.assert_close(sparse_loss, want_loss)
+    for got, want in zip(sparse_stats, want_stats, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 # --- in the loop -------------------------------------------------------------------------------------
