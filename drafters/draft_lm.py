@@ -22,10 +22,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from drafters.base import Chains, Proposal, check_stop_below, confidence
-from drafters.hf_cache import RaggedCache, cache_keyword, forward_rows
+from drafters.hf_cache import RaggedCache, cache_keyword, forward_rows, keep_path, masks_for
 from drafters.layers import RaggedRows
 from drafters.llama_decode import LeanLlama
 from drafters.sampling import Sampling, draw
+from drafters.tree import Tree, TreeShape, dynamic_tree
 
 
 class TokenizerMismatchError(ValueError):
@@ -162,8 +163,70 @@ class DraftLM:
         self.ids.extend(kept)
         self.ids.append(next_token)
 
+    @torch.inference_mode()
+    def propose_tree(self, shape: TreeShape, sampling: Sampling, generator: torch.Generator | None = None) -> Tree:
+        """EAGLE-2's dynamic tree (drafters/tree.py) drafted by this LM, batch 1. The committed tokens the cache
+        has not seen go in first; their last logits score the root's children. Then, depth by depth, the expanded
+        nodes of one depth go in as one call of q entries at the depth's position, each seeing the committed
+        prefix and its ancestors' entries. `commit_path` keeps the entries of the kept path (moved in place after
+        the prefix) and drops the others."""
+        pending = torch.tensor(self.ids[self._fed:], device=self.device)
+        if self.lean is not None:
+            root = self.lean.forward(pending)
+        else:
+            root = self.model(input_ids=pending[None], **{cache_keyword(self.model): self.cache}, use_cache=True,
+                              logits_to_keep=1).logits[0, -1]
+        base = self._fed = len(self.ids)
+        self._slots: dict[int, int] = {}  # node -> its entry's index in the cache
+        drafted: list[int] = []  # the positions of the drafted entries, in cache order
+
+        def expand(frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            if frontier == [-1]:
+                return root[None].float()
+            start, q = self._length(), len(frontier)
+            mask = torch.zeros(q, start + q, dtype=torch.bool, device=self.device)
+            mask[:, :base] = True
+            depth = 0
+            for i, node in enumerate(frontier):
+                self._slots[node] = start + i
+                mask[i, start + i] = True
+                depth, up = 1, parents[node]
+                while up != -1:
+                    mask[i, self._slots[up]] = True
+                    depth, up = depth + 1, parents[up]
+            ids = torch.tensor([tokens[node] for node in frontier], device=self.device)
+            position = base + depth - 1
+            if self.lean is not None:
+                return self.lean.forward_tree(ids, position, mask).float()
+            positions = torch.tensor([[position] * q], device=self.device)
+            drafted.extend([position] * q)  # each drafted entry sits at its own depth's position
+            key_positions = torch.cat([torch.arange(base, device=self.device), torch.tensor(drafted, device=self.device)])
+            out = self.model(input_ids=ids[None], position_ids=positions,
+                             attention_mask=masks_for(self.model, mask, positions[0], key_positions),
+                             **{cache_keyword(self.model): self.cache}, use_cache=True)
+            return out.logits[0].float()
+
+        self.tree = dynamic_tree(expand, depth=shape.depth, topk=shape.topk, nodes=shape.nodes)
+        return self.tree
+
+    def commit_path(self, path: list[int], next_token: int) -> None:
+        """The target kept the tree's nodes `path` and added `next_token`: keep the entries of the kept nodes the
+        cache holds (all but a last node never expanded), in place after the prefix; drop every other node's."""
+        fed = [self._slots[node] - self._fed for node in path if node in self._slots]
+        if self.lean is not None:
+            self.lean.keep(self._fed, fed)
+        else:
+            keep_path(self.cache, self._fed, fed)
+        self._fed += len(fed)
+        self.ids.extend(self.tree.tokens[path].tolist())
+        self.ids.append(next_token)
+
+    def _length(self) -> int:
+        return self.lean.length if self.lean is not None else self.cache.get_seq_length()
+
     def batched(self) -> "DraftLMBatch":
         return DraftLMBatch(self)
+
 
 
 class DraftLMBatch:

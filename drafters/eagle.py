@@ -26,7 +26,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from drafters.base import Proposal, confidence
-from drafters.heads import ChainBatch, FeatureDrafter
+from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting
 from drafters.layers import (Attention, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
                              last_entries, label_cross_entropy, label_stats, mlp_decode, norm, soft_cross_entropy,
                              step_stats)
@@ -182,6 +182,14 @@ class Eagle3(nn.Module):
         embeds = self.shared.embed_tokens(tokens[None], hidden.dtype)
         return self.midlayer.decode(embeds, hidden, cos, sin, mask, cache, last)
 
+    def step_tree(self, hidden: torch.Tensor, tokens: torch.Tensor, position: int, mask: torch.Tensor,
+                  cache: KVCache) -> torch.Tensor:
+        """Tree drafting (drafters/heads.py `TreeDrafting`): q sibling entries of one depth (hidden (1, q, d),
+        tokens (q,)), all at `position`, each seeing the keys `mask` (q, len(cache) + q) allows; outputs (1, q, d)."""
+        cos, sin = self.rotary.decode(hidden, position, 1)
+        embeds = self.shared.embed_tokens(tokens[None], hidden.dtype)
+        return self.midlayer.decode(embeds, hidden, cos, sin, mask[None, None], cache)
+
     def step_rows(self, hidden: torch.Tensor, tokens: torch.Tensor, rows: RaggedRows, cache: KVCache,
                   last: torch.Tensor | None = None) -> torch.Tensor:
         """`step` for a ragged batch (eval/batching.py): row b's entries at its own next positions on top
@@ -264,14 +272,21 @@ class Eagle3(nn.Module):
         return Eagle3Batch(self, name, stop_below)
 
 
-class Eagle3Drafter(FeatureDrafter):
-    """Drafts a chain of k tokens with an EAGLE-3 head, with its own KV cache rolled back on commit."""
+class Eagle3Drafter(TreeDrafting, FeatureDrafter):
+    """Drafts a chain of k tokens (or a dynamic tree) with an EAGLE-3 head, with its own KV cache rolled back on
+    commit."""
 
     def start(self, prompt_ids, features=None) -> None:
         super().start(prompt_ids, features)
         self.cache = KVCache()
         self.fed = 0  # entries in the cache built from the target's real features
         self.target_ids = self.head.target_ids() if self.head.reduced else None
+
+    def first(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        return self.head.step(self.head.fc(self.pending)[None], tokens, start, self.cache, last=True)
+
+    def tree_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head.draft_logits(h, self.head._draft_rows() if self.target_ids is not None else None)
 
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Proposal, confidence
-from drafters.heads import ChainBatch, FeatureDrafter
+from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting
 from drafters.layers import DecoderLayer, KVCache, RaggedRows, Rotary, SharedTarget, causal_mask, soft_cross_entropy, step_stats
 from drafters.sampling import Sampling, draw
 
@@ -62,6 +62,14 @@ class Eagle1(nn.Module):
         mask = causal_mask(q, len(cache), hidden.device) if q > 1 and not last else None
         return self._entries(hidden, tokens[None], start, mask, cache, last)
 
+    def step_tree(self, hidden: torch.Tensor, tokens: torch.Tensor, position: int, mask: torch.Tensor,
+                  cache: KVCache) -> torch.Tensor:
+        """Tree drafting (drafters/heads.py `TreeDrafting`): q sibling entries of one depth, all at `position`,
+        each seeing the keys `mask` (q, len(cache) + q) allows; their outputs (1, q, d)."""
+        embeds = self.shared.embed_tokens(tokens[None], hidden.dtype)
+        x = self.fc(torch.cat([embeds, hidden], dim=-1))
+        return self.layer.decode(x, *self.rotary.decode(hidden, position, 1), mask[None, None], cache)
+
     def step_rows(self, hidden: torch.Tensor, tokens: torch.Tensor, rows: RaggedRows, cache: KVCache,
                   last: torch.Tensor | None = None) -> torch.Tensor:
         """`step` for a ragged batch (eval/batching.py): hidden (B, q, d), tokens (B, q) at each row's own
@@ -97,8 +105,15 @@ class Eagle1(nn.Module):
         return Eagle1Batch(self, name, stop_below)
 
 
-class Eagle1Drafter(FeatureDrafter):
-    """Drafts a chain of k tokens with an EAGLE-1 head, with its own KV cache rolled back on commit."""
+class Eagle1Drafter(TreeDrafting, FeatureDrafter):
+    """Drafts a chain of k tokens (or a dynamic tree) with an EAGLE-1 head, with its own KV cache rolled back on
+    commit."""
+
+    def first(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        return self.head.step(self.pending[None], tokens, start, self.cache, last=True)
+
+    def tree_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head.shared.logits(h)
 
     def start(self, prompt_ids, features=None) -> None:
         super().start(prompt_ids, features)

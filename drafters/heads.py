@@ -33,6 +33,7 @@ from transformers import LlamaConfig
 from drafters.base import Chains, Proposal, check_stop_below
 from drafters.layers import KVCache, RaggedRows
 from drafters.sampling import Sampling
+from drafters.tree import Tree, dynamic_tree
 
 # config.json architectures of EAGLE-3 and EAGLE-1 checkpoints in the engines' formats, which load_head reads too.
 ENGINE_EAGLE3 = ("LlamaForCausalLMEagle3", "Eagle3Speculator")
@@ -189,6 +190,57 @@ class FeatureDrafter:
         if features.shape[0] != expected:
             raise ValueError(f"drafter {self.name!r} expected features for {expected} positions, got {features.shape[0]}")
         return features.flatten(1).to(self.dtype)
+
+
+class TreeDrafting:
+    """EAGLE-2's dynamic tree (drafters/tree.py `dynamic_tree`) for a head that drafts on its own outputs (EAGLE-3,
+    EAGLE-1), batch 1. The round starts as a chain's does: the head reads the features not yet read (`first`), and
+    that entry's output scores the root's children. Then, depth by depth, the expanded nodes of one depth go in
+    as one call of q entries, node x's entry pairing its parent's output with x's token, all at the depth's
+    position, each seeing the committed entries and its own ancestors' entries (`step_tree`'s mask). At commit
+    the drafted entries are dropped, as after a chain, and the head reads the target's features of the kept path.
+    Needs `first(tokens, start)`, `tree_logits(h)` and the head's `step_tree`."""
+
+    @torch.inference_mode()
+    def propose_tree(self, shape, sampling: Sampling, generator: torch.Generator | None = None) -> Tree:
+        head, m = self.head, len(self.ids) - 1
+        if m == 0:  # a one-token prompt: no features yet, nothing to draft from
+            self.tree = Tree(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+            return self.tree
+        new = self.pending.shape[0]
+        h0 = self.first(torch.tensor(self.ids[m - new + 1: m + 1], device=self.device), m - new)
+        self.pending, self.fed = self.pending[:0], m
+        outputs = {-1: h0[0, -1]}  # node -> the head's output after it (the root's: the committed entry's)
+        slots: dict[int, int] = {}  # node -> its entry's index in the cache
+
+        def expand(frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            if frontier != [-1]:
+                start, q = len(self.cache), len(frontier)
+                mask = torch.zeros(q, start + q, dtype=torch.bool, device=self.device)
+                mask[:, :self.fed] = True
+                depth = 0
+                for i, node in enumerate(frontier):
+                    slots[node] = start + i
+                    mask[i, start + i] = True
+                    depth, up = 1, parents[node]
+                    while up != -1:
+                        mask[i, slots[up]] = True
+                        depth, up = depth + 1, parents[up]
+                hidden = torch.stack([outputs[parents[node]] for node in frontier])[None]
+                ids = torch.tensor([tokens[node] for node in frontier], device=self.device)
+                out = head.step_tree(hidden, ids, m + depth - 1, mask, self.cache)[0]
+                outputs.update(zip(frontier, out))
+            return self.tree_logits(torch.stack([outputs[node] for node in frontier])).float()
+
+        self.tree = dynamic_tree(expand, depth=shape.depth, topk=shape.topk, nodes=shape.nodes,
+                                 vocab=getattr(self, "target_ids", None))
+        return self.tree
+
+    def commit_path(self, path: list[int], next_token: int, features: torch.Tensor | None = None) -> None:
+        """The target kept the tree's nodes `path` (root to leaf) and added `next_token`: the state continues as
+        after a chain of those guesses."""
+        self.guesses = self.tree.tokens[path].tolist()
+        self.commit(len(path), next_token, features)
 
 
 class FeatureBatch(FeatureDrafter):

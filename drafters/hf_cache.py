@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from drafters.heads import features_of
 from drafters.layers import RaggedRows, follow, ragged_write, stack_rows
+from drafters.tree import ancestor_mask, depths
 
 
 def cache_keyword(model: PreTrainedModel) -> str:
@@ -116,26 +117,71 @@ def attention_mask(model: PreTrainedModel, rows: RaggedRows, q: int) -> torch.Te
     """The 4-D mask(s) a batched call of q entries per row passes to `model`, in the form its attention
     implementation reads (bool for SDPA, additive for eager), per attention type for families whose
     layers differ (Gemma-2/3's sliding-window layers)."""
+    return _model_masks(model, lambda window: rows.mask(q, window), "batched decoding")
+
+
+def tree_attention_mask(model: PreTrainedModel, past: int, parents: torch.Tensor,
+                        device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The 4-D mask(s) for verifying a tree (drafters/tree.py) in one forward on top of `past` cached positions:
+    the fed entries are [root, node 0, ..., node n-1], each at position past + its depth (the root's: 0); each
+    sees the whole prefix (with a sliding window, its last `window` positions) and its own ancestors in the tree."""
+    tree = ancestor_mask(parents).to(device)  # (n+1, n+1)
+    query = past + torch.cat([parents.new_zeros(1), depths(parents)]).to(device)[:, None]  # (n+1, 1)
+    key = torch.arange(past, device=device)
+
+    def allowed(window: int | None) -> torch.Tensor:
+        prefix = (key < query) & ((query - key < window) if window is not None else True)
+        return torch.cat([prefix, tree], dim=1)[None, None]
+
+    return _model_masks(model, allowed, "tree verification")
+
+
+def masks_for(model: PreTrainedModel, allowed: torch.Tensor, query_positions: torch.Tensor,
+              key_positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """An explicit (q, keys) bool mask in the form `model` reads, with each sliding-window layer type also
+    limited to keys within the window of each query's position (positions given per query and per key)."""
+    def limited(window: int | None) -> torch.Tensor:
+        if window is None:
+            return allowed[None, None]
+        return (allowed & (query_positions[:, None] - key_positions[None, :] < window))[None, None]
+
+    return _model_masks(model, limited, "tree drafting")
+
+
+def _model_masks(model: PreTrainedModel, allowed, what: str) -> torch.Tensor | dict[str, torch.Tensor]:
+    """`allowed(window)` (bool, True where a query may attend) in the form `model` reads: bool for SDPA, additive
+    for eager attention, one per attention type where its layers differ."""
     config = model.config.get_text_config()
     implementation = config._attn_implementation
     if implementation not in ("sdpa", "eager"):
-        raise ValueError(f"batched decoding passes its own per-row masks, which the {implementation!r} attention "
-                         "does not take: load the target with attn_implementation='sdpa' or 'eager'")
+        raise ValueError(f"{what} passes its own 4-D attention masks, which the {implementation!r} attention does "
+                         "not take: load the target with attn_implementation='sdpa' or 'eager'")
     dtype = model.dtype
 
-    def form(allowed: torch.Tensor) -> torch.Tensor:
+    def form(mask: torch.Tensor) -> torch.Tensor:
         if implementation == "sdpa":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min)
+            return mask
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
     window = getattr(config, "sliding_window", None)
     types = set(getattr(config, "layer_types", None) or [])
     if types:
-        return {kind: form(rows.mask(q, window if kind == "sliding_attention" else None)) for kind in types}
+        return {kind: form(allowed(window if kind == "sliding_attention" else None)) for kind in types}
     if window is not None and getattr(config, "use_sliding_window", True):
-        return form(rows.mask(q, window))
-    return form(rows.mask(q))
+        return form(allowed(window))
+    return form(allowed(None))
+
+
+def keep_path(cache: Cache, start: int, kept: list[int]) -> None:
+    """After a tree's verification: of the entries written from position `start` on, keep those at offsets `kept`
+    (increasing; the root's 0 and each kept node's), moved in place to start, start+1, ...; drop the rest. The
+    prefix before `start` is not touched."""
+    if kept != list(range(len(kept))):  # a chain-shaped path is already in place
+        index = torch.tensor(kept, device=cache.layers[0].keys.device) + start
+        for layer in cache.layers:
+            layer.keys[:, :, start:start + len(kept)] = layer.keys.index_select(2, index)
+            layer.values[:, :, start:start + len(kept)] = layer.values.index_select(2, index)
+    cache.crop(start + len(kept) - cache.get_seq_length())  # transformers 5: crop takes a negative count
 
 
 def pad_rows(sequences: list[list[int]], pad: int) -> tuple[torch.Tensor, list[int]]:

@@ -126,6 +126,21 @@ class LeanLlama:
         cos, sin = self.rotary.decode(x, start, T)
         # One query sees every cached key; several see the cache plus their own causal prefix.
         mask = None if T == 1 else causal_mask(T, start, x.device)
+        return self._layers(x, cos, sin, mask, last_only=True)[0, -1]
+
+    @torch.inference_mode()
+    def forward_tree(self, ids: torch.Tensor, position: int, mask: torch.Tensor) -> torch.Tensor:
+        """Tree drafting (drafters/draft_lm.py): ids (q,), sibling nodes of one depth, all at `position`, each
+        seeing the keys `mask` (q, length + q) allows. Returns the logits (q, V) after each."""
+        x = F.embedding(ids[None], self.embed)
+        cos, sin = self.rotary.decode(x, position, 1)
+        return self._layers(x, cos, sin, mask[None, None], last_only=False)[0]
+
+    def _layers(self, x: torch.Tensor, cos, sin, mask, last_only: bool) -> torch.Tensor:
+        """The decoder on x (1, T, d) on top of the cache, then the final norm and head: logits (1, T or 1, V).
+        `last_only`: only the last position's are needed, so the last layer's attention, o_proj and MLP run
+        for that position alone (every position's keys and values are cached)."""
+        T = x.shape[1]
         H, Hkv = self.heads, self.kv_heads
         last = len(self.layers) - 1
         for i, (ln1, eps1, qkv_p, o_p, ln2, eps2, gate_up, down) in enumerate(self.layers):
@@ -133,15 +148,23 @@ class LeanLlama:
             qk = rope(qkv[:, : H + Hkv], cos, sin)
             keys, values = self.caches[i].append(qk[:, H:], qkv[:, H + Hkv:])
             q = qk[:, :H]
-            if i == last and T > 1:
-                # Only the last position's logits are returned, so the last layer's attention, o_proj
-                # and MLP run for that position alone (every position's keys and values are cached).
+            if last_only and i == last and T > 1:
                 q, mask, x, T = q[:, :, -1:], None, x[:, -1:], 1
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.gqa)
             x = x + F.linear(out.transpose(1, 2).reshape(1, T, -1), *o_p)
             gate, up = gate_up(rms_norm(x, ln2, eps2)).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, *down)
-        return F.linear(rms_norm(x[0, -1], self.norm, self.norm_eps), *self.head)
+        return F.linear(rms_norm(x, self.norm, self.norm_eps), *self.head)
+
+    def keep(self, start: int, kept: list[int]) -> None:
+        """Of the entries from `start` on, keep those at offsets `kept` (increasing), moved in place to start,
+        start+1, ...; drop the rest (a tree's kept path, drafters/draft_lm.py)."""
+        for cache in self.caches:
+            if kept != list(range(len(kept))):
+                index = torch.tensor(kept, device=cache.k.device) + start
+                cache.k[:, :, start:start + len(kept)] = cache.k.index_select(2, index)
+                cache.v[:, :, start:start + len(kept)] = cache.v.index_select(2, index)
+            cache.crop(start + len(kept))
 
     def start_rows(self, rows: RaggedRows) -> list[KVCache]:
         """A batch's ragged caches over `rows`, one per layer, for `forward_rows` (the batch owns them, so

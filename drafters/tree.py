@@ -26,6 +26,7 @@ so every kept node's ancestors are kept.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -122,31 +123,67 @@ def accept_path(tree: Tree, target_probs: torch.Tensor, *, greedy: bool,
             return path, int(after.argmax()) if greedy else int(torch.multinomial(after, 1, generator=generator))
 
 
-def dynamic_tree(expand: Callable[[list[int]], torch.Tensor], *, depth: int, topk: int, nodes: int) -> Tree:
-    """EAGLE-2's dynamic tree (module docstring). `expand(frontier)` gives the drafter's logits (len(frontier), V)
-    after each frontier node (-1: the root), the nodes built so far being `expand`'s to read from the tree being
-    grown (it is called with the root first, then with nodes of the previous depth). Returns the `nodes` kept,
-    parents before children."""
-    if depth < 1 or topk < 1 or nodes < 1:
-        raise ValueError(f"a tree needs depth, topk and nodes >= 1, got depth={depth}, topk={topk}, nodes={nodes}")
+@dataclass(frozen=True)
+class TreeShape:
+    """An EAGLE-2 dynamic tree's size: `depth` draft steps, the `topk` most likely nodes expanded at each (each into
+    its `topk` most likely children), and the `nodes` most likely of all candidates verified. `depth`, `topk` 1 and
+    `nodes` = `depth` is the greedy chain of `depth` guesses. Written `d4t4n16` in rows, reports and on the command
+    line (`trees=[d4t4n16]`)."""
+
+    depth: int
+    topk: int
+    nodes: int
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.topk < 1 or self.nodes < 1:
+            raise ValueError(f"a tree needs depth, topk and nodes >= 1, got {self.label}")
+        built = self.topk + (self.depth - 1) * self.topk ** 2
+        if self.nodes > built:
+            raise ValueError(f"tree {self.label}: {self.nodes} nodes is more than the {built} candidates {self.depth} "
+                             f"steps of top-{self.topk} build (topk + (depth - 1) * topk^2)")
+
+    @property
+    def label(self) -> str:
+        return f"d{self.depth}t{self.topk}n{self.nodes}"
+
+    @classmethod
+    def parse(cls, text: "str | TreeShape") -> "TreeShape":
+        """`d4t4n16` (depth 4, top-4, 16 nodes) -> TreeShape(4, 4, 16)."""
+        if isinstance(text, TreeShape):
+            return text
+        match = re.fullmatch(r"d(\d+)t(\d+)n(\d+)", str(text).strip())
+        if not match:
+            raise ValueError(f"a tree shape is written d<depth>t<topk>n<nodes>, e.g. d4t4n16; got {text!r}")
+        return cls(*(int(g) for g in match.groups()))
+
+
+def dynamic_tree(expand: Callable[[list[int], list[int], list[int]], torch.Tensor], *, depth: int, topk: int,
+                 nodes: int, vocab: torch.Tensor | None = None) -> Tree:
+    """EAGLE-2's dynamic tree (module docstring). `expand(frontier, tokens, parents)` gives the drafter's logits
+    (len(frontier), V') after each frontier node: -1 (the root) first, then nodes of the previous depth, as indices
+    into `tokens` and `parents`, the candidates built so far (a node's path is read through them). `vocab` maps the
+    logits' columns to token ids (a head's draft vocabulary); None: columns are token ids. Returns the `nodes`
+    kept, parents before children."""
+    TreeShape(depth, topk, nodes)  # validates
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
     frontier, frontier_scores = [-1], torch.zeros(1)
-    for _ in range(depth):
-        logp = torch.log_softmax(expand(frontier).float(), dim=-1)  # (f, V)
+    for level in range(depth):
+        logp = torch.log_softmax(expand(frontier, tokens, parents).float(), dim=-1)  # (f, V')
         width = min(topk, logp.shape[-1])
         top = logp.topk(width, dim=-1)
         cand = frontier_scores.to(logp.device)[:, None] + top.values  # (f, width)
+        ids = top.indices if vocab is None else vocab[top.indices]
         first = len(tokens)
-        for f, parent in enumerate(frontier):
-            for j in range(width):
-                tokens.append(int(top.indices[f, j]))
-                parents.append(parent)
-                scores.append(float(cand[f, j]))
+        tokens += ids.flatten().tolist()
+        parents += [p for p in frontier for _ in range(width)]
         flat = cand.flatten()
+        scores += flat.tolist()
+        if level == depth - 1:
+            break
         best = flat.topk(min(topk, flat.numel())).indices.sort().values  # this depth's most likely, in node order
-        frontier = [first + int(b) for b in best]
+        frontier = [first + int(b) for b in best.tolist()]
         frontier_scores = flat[best].cpu()
     order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:nodes]
     kept = sorted(order)  # node order: parents (earlier depths) first

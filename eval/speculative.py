@@ -28,8 +28,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from drafters.base import Drafter, Proposal
 from drafters.heads import features_of
-from drafters.hf_cache import cache_keyword
+from drafters.hf_cache import cache_keyword, keep_path, tree_attention_mask
 from drafters.sampling import Sampling, choose, probs_from_logits
+from drafters.tree import Tree, TreeShape, accept_path, depths
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Round:
     draft_s: float
     verify_s: float
     round_s: float | None = None
+    depth: int | None = None  # a tree's depth (`proposed` is then its nodes); None for a chain
 
 
 @dataclass
@@ -144,6 +146,19 @@ def _forward_with_features(model, ids, cache, device, keep_logits, layers):
     return out.logits[0], features_of(out.hidden_states, layers)[0]
 
 
+def _forward_tree(model, last: int, tree: Tree, cache, device, layers):
+    """The target's logits (n+1, V) after the root and each node of `tree`, in one forward on top of `cache`
+    (drafters/tree.py: each entry sees the prefix and its ancestors, at position prefix + depth), and with
+    `layers` the features of every fed entry (n+1, len(layers), d)."""
+    past = cache.get_seq_length()
+    ids = torch.tensor([[last, *tree.tokens.tolist()]], device=device)
+    positions = past + torch.cat([tree.parents.new_zeros(1), depths(tree.parents)]).to(device)[None]
+    out = model(input_ids=ids, attention_mask=tree_attention_mask(model, past, tree.parents, device),
+                position_ids=positions, **{cache_keyword(model): cache}, use_cache=True,
+                output_hidden_states=bool(layers))
+    return out.logits[0], (features_of(out.hidden_states, layers)[0] if layers else None)
+
+
 def _finish(new: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[list[int], bool]:
     """Cut new tokens at the budget and after the first EOS; say whether generation is over."""
     if eos_token_id is not None and eos_token_id in new:
@@ -163,12 +178,24 @@ def speculative_generate(
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
     timed: bool = False,
+    tree: TreeShape | None = None,
 ) -> Generation:
     """Generate up to max_new_tokens after prompt_ids (T,) with drafter proposals verified by target.
 
     With `timed`, each round's draft and verify phases are timed separately (device synchronised), so
     the cost ratio c and the verification overhead can be measured in the same run.
+
+    With `tree`, each round drafts an EAGLE-2 dynamic tree of that shape instead of a chain of k
+    (`drafter.propose_tree`), the target verifies all its nodes in one forward (a tree mask on its KV
+    cache), keeps the longest path the acceptance rule allows (drafters/tree.py `accept_path`, lossless
+    greedy and sampled), gathers that path's cache entries in place and tells the drafter the path
+    (`drafter.commit_path`). A round's `proposed` is then the nodes verified, `depth` the tree's.
     """
+    if tree is not None:
+        if not hasattr(drafter, "propose_tree"):
+            raise ValueError(f"drafter {drafter.name!r} drafts chains only: a tree ({tree.label}) needs a drafter "
+                             "with propose_tree (EAGLE-3, EAGLE-1 heads and draft LMs)")
+        k = tree.depth
     if k < 1:
         raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
     if prompt_ids.numel() == 0:
@@ -208,6 +235,13 @@ def speculative_generate(
         if timed:
             _sync(device)
         t0 = clock()
+        if tree is not None:
+            done, last, length, new = _tree_round(target, drafter, tree, sampling, generator, cache, device, layers,
+                                                  last, length, new, rounds, max_new_tokens, eos_token_id, timed, t0)
+            forwards += 1
+            if done:
+                break
+            continue
         proposal: Proposal = drafter.propose(k, sampling, generator)
         if len(proposal) > k:
             raise RuntimeError(f"drafter {drafter.name!r} proposed {len(proposal)} tokens, more than k={k}")
@@ -247,6 +281,36 @@ def speculative_generate(
         last, length = next_token, length + len(step)
     _sync(device)
     return Generation(new, clock() - t_start, forwards, rounds, prefill_s=prefill_s)
+
+
+def _tree_round(target, drafter, shape: TreeShape, sampling, generator, cache, device, layers, last, length, new,
+                rounds, max_new_tokens, eos_token_id, timed, t0):
+    """One round of tree drafting and verification (`speculative_generate` with `tree`). Returns (done, the last
+    committed token, how many are committed, the new tokens so far) and appends the round."""
+    clock = time.perf_counter
+    proposal: Tree = drafter.propose_tree(shape, sampling, generator)
+    if timed:
+        _sync(device)
+    t1 = clock()
+    logits, features = _forward_tree(target, last, proposal, cache, device, layers)
+    probs = logits if sampling.greedy else probs_from_logits(logits, sampling)
+    path, next_token = accept_path(proposal, probs, greedy=sampling.greedy, generator=generator)
+    t2 = clock()
+    guesses = proposal.tokens[path].tolist()
+    kept = len(path)
+    if eos_token_id is not None and eos_token_id in guesses:
+        kept = guesses.index(eos_token_id) + 1
+    kept = min(kept, max_new_tokens - len(new))
+    # The cache holds the committed prefix, the root and every node; keep the root and the path, in order.
+    entries = [0, *(p + 1 for p in path)]
+    keep_path(cache, length - 1, entries)
+    if layers:
+        drafter.commit_path(path, next_token, features[entries])
+    else:
+        drafter.commit_path(path, next_token)
+    new, done = _finish(new + guesses + [next_token], max_new_tokens, eos_token_id)
+    rounds.append(Round(len(proposal), kept, t1 - t0, t2 - t1, _since(t0, device, timed), depth=shape.depth))
+    return done, next_token, length + len(guesses) + 1, new
 
 
 @torch.inference_mode()

@@ -85,12 +85,14 @@ def exact_joint(target, prompt, sampling, vocab, n=3):
     return joint
 
 
-def empirical_joint(target, drafter, prompt, sampling, vocab, k, samples, n=3):
-    """Counts of the first n tokens of `samples` speculative generations, flattened as exact_joint."""
+def empirical_joint(target, drafter, prompt, sampling, vocab, k, samples, n=3, tree=None):
+    """Counts of the first n tokens of `samples` speculative generations (chains of k, or `tree`s), flattened as
+    exact_joint."""
     counts = torch.zeros(vocab ** n)
     g = torch.Generator().manual_seed(1234)
     for _ in range(samples):
-        out = speculative_generate(target, drafter, prompt, k=k, sampling=sampling, max_new_tokens=n, generator=g)
+        out = speculative_generate(target, drafter, prompt, k=k, sampling=sampling, max_new_tokens=n, generator=g,
+                                   tree=tree)
         counts[sum(t * vocab ** (n - 1 - i) for i, t in enumerate(out.tokens))] += 1
     return counts
 

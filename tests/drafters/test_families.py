@@ -12,6 +12,7 @@ from drafters.draft_lm import DraftLM
 from drafters.heads import build_head, load_head, save_head
 from drafters.layers import SharedTarget
 from drafters.sampling import Sampling
+from drafters.tree import TreeShape
 from eval.speculative import autoregressive_generate, speculative_generate
 from helpers import FAMILIES, chi2_pvalue, empirical_joint, exact_joint, tiny
 from train.hidden_states import capture, default_layers
@@ -89,6 +90,49 @@ def test_a_draft_lm_of_the_same_family_drafts_losslessly(family):
         ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=16).tokens
         out = speculative_generate(target, DraftLM(draft), prompt, k=3, sampling=GREEDY, max_new_tokens=16)
         assert out.tokens == ref, (family, prompt.tolist())
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_trees_verify_losslessly_on_every_family(family):
+    """Dynamic trees from the heads that draft them and from a draft LM of the family, verified in one target
+    forward with the tree mask (per attention type: sliding-window layers included) and the tree's position ids."""
+    target = tiny(family, seed=0)
+    shape = TreeShape(3, 3, 8)
+    drafters = [make_head("eagle", target).drafter("eagle"), make_head("eagle1", target).drafter("eagle1"),
+                DraftLM(tiny(family, seed=1))]
+    for prompt in ([5, 9, 3, 17], [40, 2, 11, 7, 30, 6]):
+        prompt = torch.tensor(prompt)
+        ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=16).tokens
+        for drafter in drafters:
+            out = speculative_generate(target, drafter, prompt, k=0, tree=shape, sampling=GREEDY, max_new_tokens=16)
+            assert out.tokens == ref, (family, drafter.name, prompt.tolist())
+
+
+def test_trees_respect_sliding_windows_shorter_than_the_text():
+    """Gemma-3 with sliding-window layers of 5 positions beside full ones, and Mistral windowed throughout: the
+    tree's mask limits each node to the window ending at its own position (prompt and answer longer than it)."""
+    import transformers as T
+
+    from helpers import _common
+
+    targets = [T.Gemma3ForCausalLM(T.Gemma3TextConfig(**{**_common(48), "eos_token_id": None}, head_dim=8,
+                                                       sliding_window=5, layer_types=["sliding_attention",
+                                                                                      "full_attention",
+                                                                                      "sliding_attention"])),
+               T.MistralForCausalLM(T.MistralConfig(**_common(48), sliding_window=5))]
+    for target in targets:
+        torch.manual_seed(0)
+        target = target.eval().requires_grad_(False)
+        with torch.no_grad():
+            target.get_output_embeddings().weight.mul_(4.0)
+        draft = type(target)(target.config).eval()
+        for prompt in ([5, 9, 3, 17, 8, 21, 4, 33, 12], [40, 2, 11]):
+            prompt = torch.tensor(prompt)
+            ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=20).tokens
+            for drafter in (make_head("eagle", target).drafter("eagle"), DraftLM(draft), DraftLM(target)):
+                out = speculative_generate(target, drafter, prompt, k=0, tree=TreeShape(3, 2, 6), sampling=GREEDY,
+                                           max_new_tokens=20)
+                assert out.tokens == ref, (target.config.model_type, drafter.name, prompt.tolist())
 
 
 SMALL_V = 4  # 64 cells for three tokens: well above 5 expected counts each at 1,500 samples

@@ -13,6 +13,7 @@ from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_covera
 from drafters.heads import build_head, load_head, save_head
 from drafters.layers import ReadRows
 from drafters.sampling import Sampling
+from drafters.tree import TreeShape
 from eval.batching import speculative_generate_batch
 from eval.speculative import autoregressive_generate, speculative_generate
 from helpers import Recording, batched_pvalues, chi2_pvalue, empirical_joint, exact_joint, stop_point, tiny_llama
@@ -311,6 +312,92 @@ def test_sampled_output_follows_target_distribution(small_target, kind):
     exact = exact_joint(small_target, prompt, sampling, SMALL_V)
     counts = empirical_joint(small_target, head.drafter(kind), prompt, sampling, SMALL_V, 2, 2000)
     assert chi2_pvalue(counts, exact) > 1e-3
+
+
+# --- trees (drafters/tree.py, heads.py TreeDrafting) ----------------------------------------------------
+
+TREE_KINDS = ["eagle", "eagle1", "eagle_reduced"]
+
+
+@pytest.mark.parametrize("kind", TREE_KINDS)
+def test_a_tree_of_width_one_drafts_and_keeps_exactly_the_chain(target, prompts, kind):
+    """A dynamic tree with top-1 and `depth` nodes is the greedy chain: the same guesses, round for round, through
+    the tree mask, the tree's position ids and the path's cache gathering."""
+    head = _trained_to_self(target, _head(kind, target))
+    for prompt in prompts:
+        chain = speculative_generate(target, head.drafter(kind), prompt, k=3, sampling=GREEDY, max_new_tokens=30)
+        tree = speculative_generate(target, head.drafter(kind), prompt, k=0, tree=TreeShape(3, 1, 3),
+                                    sampling=GREEDY, max_new_tokens=30)
+        assert tree.tokens == chain.tokens
+        assert [(r.proposed, r.accepted) for r in tree.rounds] == [(r.proposed, r.accepted) for r in chain.rounds]
+
+
+@pytest.mark.parametrize("shape", ["d3t3n8", "d4t2n7", "d2t4n12"])
+def test_greedy_trees_equal_target_greedy_and_keep_more_than_the_chain(target, prompts, shape):
+    shape = TreeShape.parse(shape)
+    for kind in TREE_KINDS:
+        head = _trained_to_self(target, _head(kind, target))
+        kept, chain_kept = 0, 0
+        for prompt in prompts:
+            ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=30).tokens
+            out = speculative_generate(target, head.drafter(kind), prompt, k=0, tree=shape, sampling=GREEDY,
+                                       max_new_tokens=30)
+            assert out.tokens == ref, (kind, shape, prompt.tolist())
+            assert all(r.proposed <= shape.nodes and r.accepted <= shape.depth and r.depth == shape.depth
+                       for r in out.rounds)
+            chain = speculative_generate(target, head.drafter(kind), prompt, k=shape.depth, sampling=GREEDY,
+                                         max_new_tokens=30)
+            kept += sum(r.accepted for r in out.rounds) / len(out.rounds)
+            chain_kept += sum(r.accepted for r in chain.rounds) / len(chain.rounds)
+        assert kept > chain_kept, (kind, shape)  # siblings catch what the chain's first guess misses
+
+
+@pytest.mark.parametrize("kind", TREE_KINDS)
+def test_sampled_trees_follow_target_distribution(small_target, kind):
+    head = _small_head(kind, small_target)
+    prompt = torch.tensor([1, 4, 2])
+    sampling = Sampling(temperature=1.0)
+    exact = exact_joint(small_target, prompt, sampling, SMALL_V)
+    counts = empirical_joint(small_target, head.drafter(kind), prompt, sampling, SMALL_V, 0, 2000,
+                             tree=TreeShape(2, 2, 5))
+    assert chi2_pvalue(counts, exact) > 1e-3
+
+
+def test_sampled_trees_with_a_planted_wrong_residual_are_caught(small_target, monkeypatch):
+    """The same test fails when the sibling residual is skipped (a rejected child's mass left in p)."""
+    import eval.speculative as loop
+    from drafters import tree as trees
+
+    def no_residual(tree, probs, *, greedy, generator=None):
+        path, node = [], -1
+        tokens = tree.tokens.tolist()
+        while True:
+            p = probs[node + 1]
+            kept = next((c for c in tree.children(node)
+                         if float(torch.rand((), generator=generator)) < float(p[tokens[c]])), None)
+            if kept is None:
+                return path, int(torch.multinomial(p, 1, generator=generator))
+            path.append(kept)
+            node = kept
+            if not tree.children(node):
+                return path, int(torch.multinomial(probs[node + 1], 1, generator=generator))
+
+    head = _small_head("eagle", small_target)
+    prompt = torch.tensor([1, 4, 2])
+    sampling = Sampling(temperature=1.0)
+    exact = exact_joint(small_target, prompt, sampling, SMALL_V)
+    monkeypatch.setattr(loop, "accept_path", no_residual)
+    assert trees.accept_path is not no_residual
+    counts = empirical_joint(small_target, head.drafter("eagle"), prompt, sampling, SMALL_V, 0, 2000,
+                             tree=TreeShape(2, 2, 5))
+    assert chi2_pvalue(counts, exact) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["mtp", "medusa"])
+def test_a_drafter_without_trees_is_a_clear_error(target, prompts, kind):
+    with pytest.raises(ValueError, match="drafts chains only: a tree \\(d3t2n5\\)"):
+        speculative_generate(target, make_head(kind, target).drafter(kind), prompts[2], k=0,
+                             tree=TreeShape(3, 2, 5), sampling=GREEDY, max_new_tokens=8)
 
 
 # --- confidence stop (drafters/base.py) ----------------------------------------------------------------

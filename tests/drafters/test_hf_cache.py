@@ -76,3 +76,39 @@ def test_rows_that_join_a_running_batch_compute_what_they_compute_alone():
         for b, sequence in enumerate(kept + seqs[3:]):
             alone = target(torch.tensor([sequence + more[b]])).logits[0, len(sequence):]
             torch.testing.assert_close(after[b, : len(more[b])], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_a_verified_tree_leaves_the_cache_of_the_kept_path_exactly():
+    """One forward over a tree (its mask and position ids) gives each node the logits of its own path, and
+    after `keep_path` the cache is the cache of the prefix plus that path: the next token's logits equal a
+    plain forward of the whole text."""
+    from transformers import DynamicCache
+
+    from drafters.hf_cache import keep_path, tree_attention_mask
+    from drafters.tree import depths
+
+    model = tiny_llama(40, seed=2)
+    prefix, root = [3, 17, 5, 9], 21
+    #         root
+    #        /    \
+    #      0(4)   1(8)
+    #      /  \      \
+    #   2(6)  3(1)   4(2)
+    #          |
+    #         5(7)
+    parents = torch.tensor([-1, -1, 0, 0, 1, 3])
+    tokens = [4, 8, 6, 1, 2, 7]
+    cache = DynamicCache()
+    model(input_ids=torch.tensor([prefix]), cache=cache, use_cache=True)
+    positions = len(prefix) + torch.cat([torch.zeros(1, dtype=torch.long), depths(parents)])[None]
+    out = model(input_ids=torch.tensor([[root, *tokens]]), position_ids=positions, cache=cache, use_cache=True,
+                attention_mask=tree_attention_mask(model, len(prefix), parents, torch.device("cpu")))
+    for node, path in {-1: [], 2: [0, 2], 5: [0, 3, 5], 4: [1, 4]}.items():
+        text = prefix + [root] + [tokens[i] for i in path]
+        torch.testing.assert_close(out.logits[0, node + 1], model(input_ids=torch.tensor([text])).logits[0, -1],
+                                   atol=1e-5, rtol=1e-4)
+    keep_path(cache, len(prefix), [0, 1, 4, 6])  # the root, then nodes 0, 3, 5
+    assert cache.get_seq_length() == len(prefix) + 4
+    nxt = model(input_ids=torch.tensor([[30]]), cache=cache, use_cache=True).logits[0, -1]
+    whole = model(input_ids=torch.tensor([prefix + [root, 4, 1, 7, 30]])).logits[0, -1]
+    torch.testing.assert_close(nxt, whole, atol=1e-5, rtol=1e-4)

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from drafters.tree import Tree, accept_path, ancestor_mask, depths, dynamic_tree
+from drafters.tree import Tree, TreeShape, accept_path, ancestor_mask, depths, dynamic_tree
 from helpers import chi2_pvalue
 
 #        root
@@ -137,69 +137,46 @@ def test_sampled_acceptance_emits_the_targets_distribution_and_a_wrong_residual_
 
 def _table_expand(vocab=6, seed=0):
     """Logits after each node, a fixed function of the path to it (what a drafter's expansion returns)."""
-    grown = {"tokens": [], "parents": []}
     g = torch.Generator().manual_seed(seed)
     table = {}
 
-    def path(node):
-        out = []
-        while node != -1:
-            out.append(grown["tokens"][node])
-            node = grown["parents"][node]
-        return tuple(out[::-1])
-
-    def expand(frontier):
+    def expand(frontier, tokens, parents):
         rows = []
         for node in frontier:
-            key = path(node)
+            key = []
+            while node != -1:
+                key.append(tokens[node])
+                node = parents[node]
+            key = tuple(key[::-1])
             if key not in table:
                 table[key] = torch.randn(vocab, generator=g) * 2
             rows.append(table[key])
         return torch.stack(rows)
 
-    return expand, grown, table
+    return expand, table
 
 
 def test_a_dynamic_tree_of_width_one_is_the_drafters_greedy_chain():
-    expand, grown, table = _table_expand()
-
-    def tracked(frontier):  # the chain grows one node per depth: record it so paths can be read back
-        logits = expand(frontier)
-        grown["tokens"].append(int(logits[0].argmax()))
-        grown["parents"].append(len(grown["parents"]) - 1)
-        return logits
-
-    tree = dynamic_tree(tracked, depth=4, topk=1, nodes=4)
+    expand, _ = _table_expand()
+    tree = dynamic_tree(expand, depth=4, topk=1, nodes=4)
     assert tree.parents.tolist() == [-1, 0, 1, 2]
-    assert tree.tokens.tolist() == grown["tokens"]
+    chain = []
+    for _ in range(4):  # the greedy chain, read from the same table
+        chain.append(int(expand([len(chain) - 1], chain, list(range(-1, len(chain) - 1)))[0].argmax()))
+    assert tree.tokens.tolist() == chain
 
 
 def test_a_dynamic_tree_keeps_the_most_likely_candidates_with_their_ancestors():
     vocab, depth, topk, nodes = 6, 3, 3, 7
-    table = {}
-    g = torch.Generator().manual_seed(1)
-    built = {"tokens": [], "parents": []}
+    expand, table = _table_expand(vocab)
+    built = {}
 
-    def expand(frontier):
-        rows = []
-        for node in frontier:
-            key = []
-            while node != -1:
-                key.append(built["tokens"][node])
-                node = built["parents"][node]
-            key = tuple(key[::-1])
-            table.setdefault(key, torch.randn(vocab, generator=g) * 2)
-            rows.append(table[key])
-        logits = torch.stack(rows)
-        # Mirror the candidates dynamic_tree appends (top-k children of each frontier node, in order).
-        top = torch.log_softmax(logits, -1).topk(topk, dim=-1).indices
-        for f, parent in enumerate(frontier):
-            for j in range(topk):
-                built["tokens"].append(int(top[f, j]))
-                built["parents"].append(parent)
-        return logits
+    def recording(frontier, tokens, parents):
+        built.update(tokens=tokens, parents=parents)
+        return expand(frontier, tokens, parents)
 
-    tree = dynamic_tree(expand, depth=depth, topk=topk, nodes=nodes)
+    tree = dynamic_tree(recording, depth=depth, topk=topk, nodes=nodes)
+    assert len(built["tokens"]) == topk + (depth - 1) * topk ** 2
     assert len(tree) == nodes
     parents = tree.parents.tolist()
     assert all(p < i for i, p in enumerate(parents))
@@ -208,7 +185,7 @@ def test_a_dynamic_tree_keeps_the_most_likely_candidates_with_their_ancestors():
             assert tree.scores[i] <= tree.scores[p] + 1e-6
     # The kept nodes' scores are the `nodes` highest of all candidates built.
     all_scores = []
-    for i, (t, p) in enumerate(zip(built["tokens"], built["parents"])):
+    for t, p in zip(built["tokens"], built["parents"]):
         path, node = [t], p
         while node != -1:
             path.append(built["tokens"][node])
@@ -222,3 +199,22 @@ def test_a_dynamic_tree_keeps_the_most_likely_candidates_with_their_ancestors():
     for node in [-1, *range(len(tree))]:
         kids = tree.children(node)
         assert [float(tree.scores[c]) for c in kids] == sorted((float(tree.scores[c]) for c in kids), reverse=True)
+
+
+def test_a_dynamic_tree_maps_a_draft_vocabulary_to_token_ids():
+    expand, _ = _table_expand(4)
+    vocab = torch.tensor([3, 10, 11, 40])
+    plain = dynamic_tree(expand, depth=3, topk=2, nodes=5)
+    mapped = dynamic_tree(lambda f, t, p: expand(f, [int((vocab == x).nonzero()) for x in t], p), depth=3, topk=2,
+                          nodes=5, vocab=vocab)
+    assert mapped.tokens.tolist() == vocab[plain.tokens].tolist()
+    assert mapped.parents.tolist() == plain.parents.tolist()
+
+
+def test_tree_shapes_parse_and_refuse_what_cannot_be_built():
+    assert TreeShape.parse("d4t4n16") == TreeShape(4, 4, 16)
+    assert TreeShape(4, 4, 16).label == "d4t4n16"
+    with pytest.raises(ValueError, match="d<depth>t<topk>n<nodes>"):
+        TreeShape.parse("4x4")
+    with pytest.raises(ValueError, match="more than the 4 candidates"):
+        TreeShape(4, 1, 5)

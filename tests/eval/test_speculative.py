@@ -14,6 +14,7 @@ from drafters.draft_lm import DraftLM
 from drafters.hf_cache import cache_keyword
 from drafters.ngram import NgramDrafter
 from drafters.sampling import Sampling
+from drafters.tree import TreeShape
 from eval.speculative import accept_greedy, accept_sampled, autoregressive_generate, rollback, speculative_generate
 
 VOCAB = 64
@@ -291,3 +292,52 @@ def test_draft_lm_cache_matches_recompute_after_rounds(target, prompts, lean):
             cont = other(input_ids=torch.tensor([drafter.ids[fed:]]),
                          **{cache_keyword(other): drafter.cache}).logits[0, -1]
     torch.testing.assert_close(cont, fresh, rtol=1e-5, atol=1e-5)
+
+
+# --- trees (drafters/tree.py) --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_draft_lm_trees_of_width_one_keep_exactly_the_chain(target, prompts, lean):
+    draft = tiny_llama(VOCAB, seed=3, logit_scale=4.0)
+    for prompt in prompts:
+        chain = speculative_generate(target, DraftLM(draft, lean=lean), prompt, k=4, sampling=GREEDY,
+                                     max_new_tokens=30)
+        tree = speculative_generate(target, DraftLM(draft, lean=lean), prompt, k=0, tree=TreeShape(4, 1, 4),
+                                    sampling=GREEDY, max_new_tokens=30)
+        assert tree.tokens == chain.tokens == reference(target, prompt, 30)
+        assert [(r.proposed, r.accepted) for r in tree.rounds] == [(r.proposed, r.accepted) for r in chain.rounds]
+
+
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("shape", ["d3t3n8", "d5t2n9"])
+def test_draft_lm_trees_equal_target_greedy(target, prompts, lean, shape):
+    """A draft LM close to the target (the target with noise) keeps long paths: the kept path's cache entries are
+    moved in place, in the target's cache and in the draft's own, round after round."""
+    draft = tiny_llama(VOCAB, seed=0, logit_scale=4.0)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+    kept = 0
+    for prompt in prompts:
+        out = speculative_generate(target, DraftLM(draft, lean=lean), prompt, k=0, tree=TreeShape.parse(shape),
+                                   sampling=GREEDY, max_new_tokens=40)
+        assert out.tokens == reference(target, prompt, 40), prompt.tolist()
+        kept += sum(r.accepted for r in out.rounds)
+        assert all(r.depth == TreeShape.parse(shape).depth for r in out.rounds)
+    assert kept > 40  # paths below the root's first child are kept and moved
+
+
+@pytest.mark.parametrize("which", ["draft_lm", "draft_lm_hf_forward"])
+def test_sampled_draft_lm_trees_follow_target_distribution(small_pair, which):
+    target, draft, prompt = small_pair
+    exact = exact_joint(target, prompt, SAMPLED, SMALL_V)
+    counts = empirical_joint(target, DraftLM(draft, lean=which == "draft_lm"), prompt, SAMPLED, SMALL_V, 0,
+                             N_SAMPLES, tree=TreeShape(2, 3, 6))
+    assert chi2_pvalue(counts, exact) > 1e-3
+
+
+def test_a_chain_only_drafter_refuses_a_tree(target, prompts):
+    with pytest.raises(ValueError, match="drafter 'ngram' drafts chains only"):
+        speculative_generate(target, NgramDrafter(), prompts[3], k=0, tree=TreeShape(2, 2, 4), sampling=GREEDY,
+                             max_new_tokens=8)
