@@ -51,7 +51,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -60,10 +60,14 @@ from eval import llama_cpp
 from eval.compare import Timings, compare, verdict
 from eval.engine_formats import eagle3_gguf, target_directory
 from eval.evaluate import ALL
+from drafters.tree import TreeShape
 from eval.metrics import predicted_speedup
 from traffic import models
 
 ENGINES = {"llamacpp": "llama.cpp"}
+# What the vendored llama.cpp verifies: common/speculative.cpp drafts a token list per sequence and the server
+# verifies it as one chain; there is no tree drafting or tree attention (llama-cpp-python 0.3.36's llama.cpp).
+CHAINS_ONLY = "llama.cpp drafts and verifies chains only: a tree's τ and speed are draftsmith's"
 SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3"}
 # Fields every result row gets (None where a drafter or a temperature has no engine figure).
 FIELDS = ("engine", "engine_acceptance_length", "engine_ar_tokens_per_s", "engine_sd_tokens_per_s",
@@ -77,12 +81,19 @@ class EngineCosts:
 
     name: what they describe ("vLLM 0.11, 1x H100, batch 1"); c: one draft step over one target step in
     that engine (every drafter without its own `engine_c`); beta: one verification of k+1 positions over
-    one target step, minus 1.
+    one target step, minus 1. betas: β measured at given verification widths (positions verified in one
+    forward: k+1 for a chain, nodes+1 for a tree), {width: β}; a width not listed takes `beta`, which is what a
+    GPU's flat cost over small widths looks like and what a CPU's is not: give the widths where they differ.
+    A tree of depth D is charged D draft steps (each expands its top-k nodes in one forward) and β at its width.
     """
 
     name: str = "your engine"
     c: Optional[float] = None
     beta: Optional[float] = None
+    betas: Dict[int, float] = field(default_factory=dict)
+
+    def beta_at(self, width: int) -> float | None:
+        return self.betas.get(width, self.beta)
 
     @property
     def given(self) -> bool:
@@ -100,18 +111,48 @@ def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | N
     for r in rows:
         if r.get("batch_size", 1) != 1:  # c and β are a team's batch-1 measurements
             continue
-        c = drafter_c.get(r["drafter"])
+        tree = TreeShape.parse(r["tree"]) if r.get("tree") else None
+        base = r["drafter"].rsplit("@", 1)[0] if tree else r["drafter"]
+        c = drafter_c.get(base)
         c = costs.c if c is None else c
+        # A chain verifies k+1 positions and drafts its mean proposal; a tree verifies nodes+1 and drafts depth steps.
+        width = tree.nodes + 1 if tree else r["k"] + 1
+        beta = costs.beta_at(width)
         figures = dict.fromkeys(FIELDS)
-        figures.update(engine=f"{costs.name} (predicted)", engine_cost_ratio=c, engine_verify_overhead=costs.beta)
+        figures.update(engine=f"{costs.name} (predicted)", engine_cost_ratio=c, engine_verify_overhead=beta)
         if c is None:
-            figures["engine_note"] = f"no c for drafter {r['drafter']!r}: set engine_costs.c or its engine_c"
+            figures["engine_note"] = f"no c for drafter {base!r}: set engine_costs.c or its engine_c"
         else:
-            predicted = predicted_speedup(r["acceptance_length"], r["mean_proposed"], c, costs.beta)
+            predicted = predicted_speedup(r["acceptance_length"], tree.depth if tree else r["mean_proposed"], c, beta)
             figures.update(engine_predicted_speedup=predicted,
                            engine_verdict=("pays off" if predicted >= pays_off_at else "turn it off") + " (predicted)")
-        figures.update(ceilings(r["k"], r["acceptance_length"], costs.beta))
+        figures.update(ceilings(r["k"], r["acceptance_length"], beta))
         r.update(figures)
+    _engine_best_shape(rows)
+
+
+def _engine_best_shape(rows: list[dict]) -> None:
+    """Each predicted row names its drafter's shape (chains at each k, trees) the engine's costs favour per category
+    and temperature: `engine_best_shape`, with the settings SGLang takes for it (`sglang_settings`)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("engine_predicted_speedup") is None or r.get("batch_size", 1) != 1:
+            continue
+        base = r["drafter"].rsplit("@", 1)[0] if r.get("tree") else r["drafter"]
+        groups.setdefault((base, r["temperature"], r["category"]), []).append(r)
+    for group in groups.values():
+        best = max(group, key=lambda r: r["engine_predicted_speedup"])
+        shape = TreeShape.parse(best["tree"]) if best.get("tree") else TreeShape(best["k"], 1, best["k"])
+        for r in group:
+            r["engine_best_shape"] = f"tree {shape.label}" if best.get("tree") else f"chain k={best['k']}"
+            r["sglang_settings"] = sglang_settings(shape)
+
+
+def sglang_settings(shape: TreeShape) -> str:
+    """SGLang's EAGLE flags for a shape: steps = depth, top-k, and the tokens verified, which SGLang counts with the
+    root (the last committed token), nodes + 1 (a chain of k: k + 1)."""
+    return (f"--speculative-num-steps {shape.depth} --speculative-eagle-topk {shape.topk} "
+            f"--speculative-num-draft-tokens {shape.nodes + 1}")
 
 
 # --- llama.cpp: the drafters in its formats ------------------------------------------------------------
@@ -399,13 +440,15 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
             engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted,
             **ceilings(k, tau_engine, beta))
 
-    greedy = [r for r in rows if r.get("batch_size", 1) == batch and r["temperature"] == 0]
+    greedy = [r for r in rows if r.get("batch_size", 1) == batch and r["temperature"] == 0 and not r.get("tree")]
     for r in rows:
         if r.get("batch_size", 1) != batch:
             continue
         figures = {**dict.fromkeys(FIELDS), "engine": ENGINES["llamacpp"]}
         if r["temperature"] != 0:
             figures["engine_note"] = "the engine is measured greedy (temperature 0) only"
+        elif r.get("tree"):
+            figures["engine_note"] = CHAINS_ONLY
         elif r["drafter"] in notes:
             figures["engine_note"] = notes[r["drafter"]]
         else:

@@ -14,6 +14,7 @@ category): whether a lead is larger than the measurement can tell apart from not
 
 from __future__ import annotations
 
+import logging
 import statistics
 import zlib
 from dataclasses import dataclass, field
@@ -26,19 +27,23 @@ from transformers import PreTrainedModel
 
 from drafters.base import Drafter
 from drafters.sampling import Sampling
+from drafters.tree import TreeShape
 from eval.compare import Comparison, Timings, compare, verdict
 from eval.metrics import acceptance_stats, cost_model, expected_acceptance_length
 from eval.batching import autoregressive_generate_batch, speculative_generate_batch
 from eval.speculative import Generation, autoregressive_generate, speculative_generate
 
 ALL = "all"  # the aggregate over every category; reserved, no category may use the name
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class EvalPlan:
     """What to measure.
 
-    ks: draft lengths to sweep. temperatures: 0 = greedy. top_k / top_p apply to every non-greedy run.
+    ks: draft lengths to sweep. trees: EAGLE-2 dynamic tree shapes to sweep beside them (`d4t4n16`: depth 4,
+    top-4, 16 nodes; drafters/tree.py), each measured as a drafter of its own, `<drafter>@<shape>`, for every drafter
+    that drafts trees, at batch 1. temperatures: 0 = greedy. top_k / top_p apply to every non-greedy run.
     repeats: timed passes over all prompts (medians over them). warmup: untimed prompts run first.
     pays_off_at: the measured speed-up a configuration must reach to be called worth turning on.
     batch_sizes: decode B prompts of one category at once (eval/batching.py) as a serving engine under
@@ -48,6 +53,7 @@ class EvalPlan:
     """
 
     ks: list[int] = field(default_factory=lambda: [2, 4])
+    trees: list[str] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     top_k: int = 0
@@ -68,6 +74,8 @@ class EvalPlan:
                              f"speculation drafts the ones after it), got {self.max_new_tokens}")
         for t in self.temperatures:
             Sampling(t, self.top_k, self.top_p)  # validates
+        for shape in self.trees:
+            TreeShape.parse(shape)  # validates
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"every batch size must be >= 1, got batch_sizes={list(self.batch_sizes)}")
 
@@ -80,6 +88,23 @@ class _Runs:
 
     def select(self, category: str) -> list[Generation]:
         return [g for (_, c, _), g in self.by_key.items() if category in (ALL, c)]
+
+
+@dataclass
+class TreeDrafter:
+    """A drafter measured drafting trees of one shape: rows of its own, named `<drafter>@<shape>`, whose k is the
+    tree's depth."""
+
+    base: Drafter
+    shape: TreeShape
+
+    @property
+    def name(self) -> str:
+        return f"{self.base.name}@{self.shape.label}"
+
+
+def _ks(drafter, plan: EvalPlan) -> list[int]:
+    return [drafter.shape.depth] if isinstance(drafter, TreeDrafter) else list(plan.ks)
 
 
 def _seed(*parts: object) -> int:
@@ -107,10 +132,22 @@ def evaluate(
         raise ValueError(f"category name {ALL!r} is reserved for the aggregate over all categories")
     if not any(prompts.values()):
         raise ValueError("no prompts to evaluate")
+    shapes = [TreeShape.parse(t) for t in plan.trees]
+    trees = [TreeDrafter(d, shape) for shape in shapes for d in drafters if hasattr(d, "propose_tree")]
+    if shapes and not trees:
+        raise ValueError(f"trees={[s.label for s in shapes]}: none of the drafters {names} drafts trees (EAGLE-3 and "
+                         "EAGLE-1 heads and draft LMs do)")
+    if shapes and len(trees) < len(shapes) * len(drafters):
+        log.info("trees: %s draft chains only; their rows are chains", [n for n, d in zip(names, drafters)
+                                                                         if not hasattr(d, "propose_tree")])
     rows: list[dict] = []
     for batch in plan.batch_sizes:
-        rows += _evaluate_batch(target, drafters, prompts, plan, batch, eos_token_id=eos_token_id, progress=progress)
+        if trees and batch > 1:
+            log.warning("trees are verified at batch 1 only: batch %d measures the chains", batch)
+        measured = [*drafters, *trees] if batch == 1 else list(drafters)
+        rows += _evaluate_batch(target, measured, prompts, plan, batch, eos_token_id=eos_token_id, progress=progress)
     _best_k_and_verdict(rows, plan.pays_off_at)
+    _best_shape(rows)
     return rows
 
 
@@ -130,7 +167,8 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
         c, _, ps = units[0]
         warm = [(c, list(range(batch)), [ps[r % len(ps)] for r in range(batch)])][: plan.warmup]
     rows: list[dict] = []
-    total = len(plan.temperatures) * plan.repeats * sum(len(i) for _, i, _ in units) * (1 + len(drafters) * len(plan.ks))
+    total = (len(plan.temperatures) * plan.repeats * sum(len(i) for _, i, _ in units)
+             * (1 + sum(len(_ks(d, plan)) for d in drafters)))
     bar = tqdm(total=total, desc=f"eval (batch {batch})" if batch > 1 else "eval", unit="gen", disable=not progress)
     for temperature in plan.temperatures:
         sampling = Sampling(temperature, plan.top_k, plan.top_p)
@@ -143,6 +181,8 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
             if batch == 1:
                 if drafter is None:
                     return [autoregressive_generate(target, unit[0], **common)]
+                if isinstance(drafter, TreeDrafter):
+                    return [speculative_generate(target, drafter.base, unit[0], k=k, tree=drafter.shape, **common)]
                 return [speculative_generate(target, drafter, unit[0], k=k, **common)]
             common.update(slots=batch, keep_full=stream)
             if drafter is None:
@@ -152,11 +192,11 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
         for _, _, unit in warm:
             run(None, 0, unit, 0, stream=False)
             for drafter in drafters:
-                for k in plan.ks:
+                for k in _ks(drafter, plan):
                     run(drafter, k, unit, 0, stream=False)
 
         plain = _Runs()
-        spec = {(d.name, k): _Runs() for d in drafters for k in plan.ks}
+        spec = {(d.name, k): _Runs() for d in drafters for k in _ks(d, plan)}
         for rep in range(plan.repeats):
             for category, indices, unit in units:
                 seed = _seed(plan.seed, temperature, rep, category, indices[0])
@@ -164,7 +204,7 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
                     plain.by_key[rep, category, i] = gen
                 bar.update(len(indices))
                 for drafter in drafters:
-                    for k in plan.ks:
+                    for k in _ks(drafter, plan):
                         for i, gen in zip(indices, run(drafter, k, unit, seed)):
                             spec[drafter.name, k].by_key[rep, category, i] = gen
                         bar.set_postfix_str(f"T={temperature} {category} {drafter.name} k={k}", refresh=False)
@@ -175,11 +215,15 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
             strata = [c for c, _ in keys]
             seed = _seed(plan.seed, temperature, category)
             plain_t = _timings(plain, keys, plan.repeats)
-            for k in plan.ks:
-                timings = {d.name: _timings(spec[d.name, k], keys, plan.repeats) for d in drafters}
-                group = [_row(name, k, sampling, category, plain, spec[name, k], t, plain_t,
-                              compare(t, plain_t, strata, seed=seed), batch) for name, t in timings.items()]
-                _compare_drafters(group, timings, strata, baseline=names[0], seed=seed)
+            for k in sorted({k for d in drafters for k in _ks(d, plan)}):
+                at_k = [d for d in drafters if k in _ks(d, plan)]
+                timings = {d.name: _timings(spec[d.name, k], keys, plan.repeats) for d in at_k}
+                group = [_row(d.name, k, sampling, category, plain, spec[d.name, k], timings[d.name], plain_t,
+                              compare(timings[d.name], plain_t, strata, seed=seed), batch,
+                              d.shape if isinstance(d, TreeDrafter) else None) for d in at_k]
+                # Against the first drafter (or, at a tree depth no chain is measured at, the first tree).
+                _compare_drafters(group, timings, strata, baseline=names[0] if names[0] in timings else at_k[0].name,
+                                  seed=seed)
                 rows += group
     bar.close()
     return rows
@@ -193,7 +237,7 @@ def _timings(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
 
 
 def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, spec_t: Timings,
-         plain_t: Timings, vs_plain: Comparison, batch: int = 1) -> dict:
+         plain_t: Timings, vs_plain: Comparison, batch: int = 1, tree: TreeShape | None = None) -> dict:
     gens = spec.select(category)
     rounds = [r for g in gens for r in g.rounds]
     if not rounds:
@@ -222,9 +266,13 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "category": category,
         "batch_size": batch,  # rows decoded at once; tokens/s counts every row's tokens
         "prompts": len({key[1:] for key in spec.by_key if category in (ALL, key[1])}),
+        # A tree's shape (drafters/tree.py; k is its depth, `mean_proposed` the nodes verified, `acceptance_rate`
+        # the kept share of them); None for a chain.
+        "tree": tree.label if tree else None,
         **stats.to_dict(),
-        # What tau would be if each proposed guess were kept independently at the measured rate.
-        "acceptance_length_iid": expected_acceptance_length(stats.acceptance_rate, stats.mean_proposed),
+        # What tau would be if each proposed guess were kept independently at the measured rate (chains only).
+        "acceptance_length_iid": (None if tree else
+                                  expected_acceptance_length(stats.acceptance_rate, stats.mean_proposed)),
         "ar_tokens_per_s": plain_t.median_tokens_per_s(),
         "sd_tokens_per_s": spec_t.median_tokens_per_s(),
         "speedup": vs_plain.ratio,  # pooled sd / ar tokens/s, as eval/compare.py defines
@@ -256,6 +304,24 @@ def _compare_drafters(group: list[dict], timings: dict[str, Timings], strata: li
                  speedup_vs_baseline=vs_base.ratio, speedup_vs_baseline_ci=vs_base.interval,
                  fastest=fastest, speedup_vs_fastest=vs_fastest.ratio, speedup_vs_fastest_ci=vs_fastest.interval,
                  vs_fastest=standing)
+
+
+def _best_shape(rows: list[dict]) -> None:
+    """Each row names its drafter's fastest shape per (temperature, category, batch size), chains at every k and
+    its trees alike: `best_shape` ("chain k=4", "tree d4t4n16") and that shape's speed-up."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        base = r["drafter"].rsplit("@", 1)[0] if r.get("tree") else r["drafter"]
+        groups.setdefault((base, r["temperature"], r["category"], r.get("batch_size", 1)), []).append(r)
+    for group in groups.values():
+        best = max(group, key=lambda r: r["speedup"])
+        chains = {r["k"]: r for r in group if not r.get("tree")}
+        for r in group:
+            r["best_shape"] = f"tree {best['tree']}" if best.get("tree") else f"chain k={best['k']}"
+            r["best_shape_speedup"] = best["speedup"]
+            if r.get("tree"):  # τ over the same drafter's chain of the tree's depth, where one was measured
+                chain = chains.get(r["k"])
+                r["tau_vs_chain"] = r["acceptance_length"] / chain["acceptance_length"] if chain else None
 
 
 def _best_k_and_verdict(rows: list[dict], pays_off_at: float) -> None:

@@ -51,13 +51,15 @@ class AcceptanceStats:
 
 
 def acceptance_stats(rounds: Sequence[Round], k: int) -> AcceptanceStats:
-    """Summarise rounds drafted with k guesses."""
+    """Summarise rounds drafted with k guesses, or trees of depth k (whose rounds propose more nodes than k and
+    keep at most k: `acceptance_rate` is then the kept share of the nodes verified)."""
     if not rounds:
         raise ValueError("no rounds to summarise")
     accepted = np.array([r.accepted for r in rounds])
     proposed = np.array([r.proposed for r in rounds])
-    if (accepted > proposed).any() or (proposed > k).any():
-        raise ValueError("inconsistent rounds: accepted > proposed or proposed > k")
+    tree = any(getattr(r, "depth", None) is not None for r in rounds)
+    if (accepted > proposed).any() or (accepted > k).any() or (not tree and (proposed > k).any()):
+        raise ValueError("inconsistent rounds: accepted > proposed, or more than k guesses")
     hist = np.bincount(accepted, minlength=k + 1)
     positions: list[float | None] = []
     for i in range(k):

@@ -170,8 +170,11 @@ def markdown(report: dict) -> str:
             engine = (f"; in {r['engine']}: {_fmt(r.get('engine_speedup') or r.get('engine_predicted_speedup'))}× → "
                       f"{r['engine_verdict']}") if r.get("engine_verdict") else ""
             batch = f", batch {r['batch_size']}" if len(batch_sizes(rows)) > 1 else ""
+            shape = (f"; fastest shape: {r['best_shape']} ({_fmt(r['best_shape_speedup'])}×)"
+                     if r.get("best_shape") and not r.get("tree") and any(x.get("tree") for x in rows) else "")
             out.append(f"- **{r['category']}**, {r['drafter']}, T={_fmt(r['temperature'])}{batch}: best k={r['k']}, "
-                       f"speed-up {_fmt(r['speedup'])}× → {r['verdict']}{engine}")
+                       f"speed-up {_fmt(r['speedup'])}× → {r['verdict']}{engine}{shape}")
+    out += tree_section(rows)
     if len(batch_sizes(rows)) > 1:
         out += ["", "## Speed-up against batch size", "",
                 "Each drafter at its best k per batch size: a category's prompts decoded B at a time as a serving"
@@ -183,6 +186,33 @@ def markdown(report: dict) -> str:
                 table([r for r in rows if r["k"] == r["best_k"]], BATCH_COLUMNS)]
     out += engine_section(rows + report.get("engine_results", []))
     return "\n".join(out) + "\n"
+
+
+TREE_COLUMNS = [
+    ("category", "category"), ("drafter", "drafter"), ("depth k", "k"), ("T", "temperature"),
+    ("nodes", "mean_proposed"), ("τ", "acceptance_length"), ("τ / chain", "tau_vs_chain"), ("c", "cost_ratio"),
+    ("β", "verify_overhead"), ("pred ×", "predicted_speedup"), ("speed-up ×", "speedup"),
+    ("95 % interval", "speedup_ci"), ("fastest shape", "best_shape"),
+]
+
+
+def tree_section(rows: list[dict]) -> list[str]:
+    """report.md's trees: each drafter's dynamic trees (`trees=[...]`) beside its chains, and the shape that was
+    fastest here."""
+    if not any(r.get("tree") for r in rows):
+        return []
+    bases = {r["drafter"].rsplit("@", 1)[0] for r in rows if r.get("tree")}
+    shown = [r for r in rows if r.get("batch_size", 1) == 1 and (r.get("tree") or r["drafter"] in bases)]
+    return ["", "## Trees and chains", "",
+            "EAGLE-2 dynamic trees (`<drafter>@d<depth>t<top-k>n<nodes>`: depth draft steps, the top-k most likely"
+            " nodes expanded at each, the `nodes` most likely verified in one target forward with a tree mask) beside"
+            " the same drafter's chains. nodes = the nodes verified per round; τ = 1 + the kept path's length; τ /"
+            " chain = over the chain of the tree's depth; c = drafting time per node over one plain step, β = the"
+            " rest of the round (verifying nodes + 1 positions) minus 1, so pred × = τ / (1 + nodes·c + β) as for"
+            " chains; fastest shape = the drafter's fastest chain or tree in this run. A tree keeps more per round"
+            " and costs a wider verification: it pays where verifying more positions costs little (a GPU at small"
+            " batch), not where each position costs nearly a step (a CPU).", "",
+            table(shown, TREE_COLUMNS)]
 
 
 BATCH_COLUMNS = [
@@ -201,7 +231,7 @@ PREDICTED_COLUMNS = [
     ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("τ", "acceptance_length"), ("prop", "mean_proposed"),
     ("c", "engine_cost_ratio"), ("β", "engine_verify_overhead"), ("pred ×", "engine_predicted_speedup"),
     ("ceiling ×", "engine_ceiling"), ("τ ceiling ×", "engine_tau_ceiling"),
-    ("verdict here", "verdict"), ("verdict predicted", "engine_verdict"),
+    ("verdict here", "verdict"), ("verdict predicted", "engine_verdict"), ("best shape there", "engine_best_shape"),
 ]
 
 
@@ -261,6 +291,11 @@ def engine_section(rows: list[dict]) -> list[str]:
                " drafter costing nothing could reach there. Acceptance carries over between engines; cost is the"
                " engine's.", "",
                table(rows, PREDICTED_COLUMNS)]
+        if any(r.get("tree") for r in rows):
+            out += ["", "A tree is charged depth draft steps and β at its width (nodes + 1 positions; engine_costs.betas,"
+                    " else engine_costs.beta). The settings SGLang takes for the shape these costs favour:", "",
+                    *sorted({f"- {r['category']}, {r['drafter'].rsplit('@', 1)[0]}: {r['engine_best_shape']}: "
+                             f"`{r['sglang_settings']}`" for r in rows if r.get("engine_best_shape")})]
     else:
         measured = [r for r in rows if r.get("engine_speedup") is not None]
         out = ["", f"## In {name}", "",

@@ -163,6 +163,8 @@ class FinalEvalConfig:
 
     enabled: bool = True
     ks: list[int] = field(default_factory=lambda: [4])
+    # EAGLE-2 dynamic trees measured beside the chains (`d4t4n16`; eval/evaluate.py EvalPlan.trees), at batch 1
+    trees: list[str] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # rows decoded at once (eval/batching.py)
     max_new_tokens: int = 64
     repeats: int = 3

@@ -524,8 +524,8 @@ class DistillRecipe:
         specs = resolve_specs(self._final_specs(), target_source(cfg.target), e.engine)
         drafters = [build_drafter(spec, target=self.target, tokenizer=self.tokenizer) for spec in specs
                     if spec["kind"] != "llamacpp"]
-        plan = EvalPlan(ks=list(e.ks), batch_sizes=list(e.batch_sizes), max_new_tokens=e.max_new_tokens,
-                        repeats=e.repeats, seed=cfg.trainer.seed)
+        plan = EvalPlan(ks=list(e.ks), trees=list(e.trees), batch_sizes=list(e.batch_sizes),
+                        max_new_tokens=e.max_new_tokens, repeats=e.repeats, seed=cfg.trainer.seed)
         rows = evaluate(self.target, drafters, prompts, plan, eos_token_id=self.tokenizer.eos_token_id,
                         progress=cfg.progress)
         in_engine = engine.add_figures(rows, specs, self.target, target_source(cfg.target), prompts, plan, engine=e.engine,
@@ -534,7 +534,7 @@ class DistillRecipe:
         engine_rows = in_engine.pop("engine_only", []) if in_engine else []
         report = build_report(rows, target=target_source(cfg.target), baseline=drafters[0].name, engine_rows=engine_rows,
                               settings={"data": traffic.describe(prompts), "trained_on": self.trained_on,
-                                        "ks": list(e.ks), "batch_sizes": list(e.batch_sizes),
+                                        "ks": list(e.ks), "trees": list(e.trees), "batch_sizes": list(e.batch_sizes),
                                         "max_new_tokens": e.max_new_tokens, "repeats": e.repeats,
                                         "pays_off_at": plan.pays_off_at, "engine": in_engine})
         paths = write_report(report, self.out)

@@ -19,6 +19,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from eval.engine import sglang_settings
+
 ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf", "eagle1": "vllm"}
 # Per kind: vLLM's speculative method, SGLang's algorithm, the GGUF file, llama-server's spec type (None:
 # the engine does not serve this kind from draftsmith's export).
@@ -172,6 +174,12 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
         out.append(f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} "
                    f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "
                    f"--speculative-num-draft-tokens {k + 1}")
+    tree = _favoured_tree(report)
+    if sglang and tree:
+        shape, why = tree
+        out += [f"# {why}: a dynamic tree",
+                f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} "
+                f"--speculative-draft-model-path {repo_id} {sglang_settings(shape)}"]
     if "gguf" in written:
         out += [f"hf download {repo_id} gguf/{gguf} --local-dir .",
                 f"llama-server -m target.gguf -md gguf/{gguf} --spec-type {spec_type} --spec-draft-n-max {k}"]
@@ -181,3 +189,17 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     if "gguf" in written:
         out += ["", "The target's GGUF for llama.cpp: its own `convert_hf_to_gguf.py` on the target's directory."]
     return "\n".join(out) + "\n"
+
+
+def _favoured_tree(report: dict | None):
+    """The tree shape (drafters/tree.py) the final evaluation favours over all traffic, greedy, with why: the
+    prediction for the team's engine (engine_costs) where there is one, else the speed measured in the run; None
+    when a chain was faster or no tree was measured."""
+    from drafters.tree import TreeShape
+
+    for key, why in (("engine_best_shape", "favoured by the engine costs entered (engine_costs)"),
+                     ("best_shape", "fastest in draftsmith's measurement")):
+        for r in (report or {}).get("results", []):
+            if r["category"] == "all" and r["temperature"] == 0 and str(r.get(key) or "").startswith("tree "):
+                return TreeShape.parse(r[key].removeprefix("tree ")), why
+    return None
