@@ -332,6 +332,42 @@ def test_a_tree_of_width_one_drafts_and_keeps_exactly_the_chain(target, prompts,
         assert [(r.proposed, r.accepted) for r in tree.rounds] == [(r.proposed, r.accepted) for r in chain.rounds]
 
 
+@pytest.mark.parametrize("kind", TREE_KINDS)
+def test_a_heads_tree_scores_each_node_as_drafting_its_path_alone_would(target, prompts, kind):
+    """Each node's score is the head's cumulative log-probability of its path, as the head drafting that path as a
+    chain (one entry at a time on its own outputs) gives it: a tree's entries see the committed ones and their own
+    ancestors only, at their own depth's position."""
+    head = _trained_to_self(target, _head(kind, target))
+    prompt = prompts[2]
+    with torch.no_grad():
+        out = target(input_ids=prompt[None], output_hidden_states=True)
+    features = torch.stack([out.hidden_states[i][0] for i in head.config.feature_layers], dim=1)
+    drafter = head.drafter(kind)
+    drafter.start(prompt, features[:-1])
+    tree = drafter.propose_tree(TreeShape(4, 3, 20), GREEDY)
+    for node in range(len(tree)):
+        want = _chain_score(head, kind, tree.tokens[tree.path_to(node)].tolist(), prompt, features)
+        assert float(tree.scores[node]) == pytest.approx(want, abs=1e-4), (kind, node)
+
+
+@torch.inference_mode()
+def _chain_score(head, kind, tokens, prompt, features):
+    """The head's cumulative log-probability of `tokens` after `prompt`, drafting them one entry at a time."""
+    chain = head.drafter(kind)
+    chain.start(prompt, features[:-1])
+    m = len(prompt) - 1
+    h = chain.first(prompt[1:], 0)
+    score = 0.0
+    for depth, token in enumerate(tokens):
+        logp = torch.log_softmax(chain.tree_logits(h[0, -1:]).float(), -1)[0]
+        column = token
+        if getattr(chain, "target_ids", None) is not None:  # a draft vocabulary: the token's column in it
+            column = int((chain.target_ids == token).nonzero())
+        score += float(logp[column])
+        h = head.step(h[:, -1:], torch.tensor([token]), m + depth, chain.cache)
+    return score
+
+
 @pytest.mark.parametrize("shape", ["d3t3n8", "d4t2n7", "d2t4n12"])
 def test_greedy_trees_equal_target_greedy_and_keep_more_than_the_chain(target, prompts, shape):
     shape = TreeShape.parse(shape)

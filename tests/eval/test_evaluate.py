@@ -115,3 +115,37 @@ def test_batch_sizes_give_rows_per_batch_size_with_their_own_verdicts(setup):
     assert by["self", 3, "a", 3]["acceptance_length"] == by["self", 3, "a", 1]["acceptance_length"]
     with pytest.raises(ValueError, match="batch size must be >= 1"):
         EvalPlan(batch_sizes=[0])
+
+
+def test_trees_are_rows_of_their_own_beside_the_chains(setup, caplog):
+    """trees=[...]: every drafter that drafts trees gets `<name>@<shape>` rows at k = the depth, greedy rows
+    lossless, the tree's τ over its chain's at that depth, and the fastest of its shapes named on all its rows;
+    the n-gram drafter stays a chain; batch > 1 measures chains only, and says so."""
+    target, drafters, prompts = setup
+    plan = EvalPlan(ks=[2, 3], trees=["d3t2n6", "d2t3n6"], batch_sizes=[1, 2], max_new_tokens=12, repeats=1, warmup=0)
+    with caplog.at_level("INFO", logger="eval.evaluate"):
+        rows = evaluate(target, drafters, prompts, plan, progress=False)
+    assert "trees are verified at batch 1 only" in caplog.text and "['ngram'] draft chains only" in caplog.text
+    trees = [r for r in rows if r["tree"]]
+    assert {r["drafter"] for r in trees} == {"base@d3t2n6", "base@d2t3n6", "self@d3t2n6", "self@d2t3n6"}
+    assert all(r["batch_size"] == 1 for r in trees)
+    for r in trees:
+        assert r["k"] == int(r["tree"][1]) and r["lossless"] is True and r["acceptance_length_iid"] is None
+        assert r["mean_proposed"] == 6 and r["accept_hist"] and len(r["accept_hist"]) == r["k"] + 1
+        chain = next(c for c in rows if c["drafter"] == r["drafter"].split("@")[0] and c["k"] == r["k"]
+                     and c["category"] == r["category"] and c["batch_size"] == 1)
+        assert r["tau_vs_chain"] == pytest.approx(r["acceptance_length"] / chain["acceptance_length"])
+    for name in ("base", "self"):
+        mine = [r for r in rows if r["drafter"].split("@")[0] == name and r["category"] == ALL and r["batch_size"] == 1]
+        best = max(mine, key=lambda r: r["speedup"])
+        want = f"tree {best['tree']}" if best["tree"] else f"chain k={best['k']}"
+        assert {r["best_shape"] for r in mine} == {want}
+
+
+def test_trees_need_a_drafter_that_drafts_them(setup):
+    target, _, prompts = setup
+    with pytest.raises(ValueError, match="none of the drafters \\['ngram'\\] drafts trees"):
+        evaluate(target, [NgramDrafter()], prompts, EvalPlan(ks=[2], trees=["d2t2n4"], max_new_tokens=8, repeats=1),
+                 progress=False)
+    with pytest.raises(ValueError, match="d<depth>t<topk>n<nodes>"):
+        EvalPlan(trees=["4x4"])

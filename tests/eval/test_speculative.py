@@ -337,6 +337,23 @@ def test_sampled_draft_lm_trees_follow_target_distribution(small_pair, which):
     assert chi2_pvalue(counts, exact) > 1e-3
 
 
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_draft_lm_tree_scores_each_node_by_its_paths_log_probability(target, prompts, lean):
+    """Every node of a draft LM's dynamic tree carries the draft's cumulative log-probability of the path to it,
+    as plain forwards of the prefix and path give it: each depth's entries saw the prefix and their own
+    ancestors, at their own positions, and nothing else."""
+    draft = tiny_llama(VOCAB, seed=3, logit_scale=4.0)
+    drafter = DraftLM(draft, lean=lean)
+    drafter.start(prompts[2])
+    tree = drafter.propose_tree(TreeShape(4, 3, 20), GREEDY)
+    ids = prompts[2].tolist()
+    for node in range(len(tree)):
+        tokens = tree.tokens[tree.path_to(node)].tolist()
+        with torch.no_grad():
+            logp = torch.log_softmax(draft(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1], -1)
+        assert float(tree.scores[node]) == pytest.approx(float(logp[range(len(tokens)), tokens].sum()), abs=1e-4)
+
+
 def test_a_chain_only_drafter_refuses_a_tree(target, prompts):
     with pytest.raises(ValueError, match="drafter 'ngram' drafts chains only"):
         speculative_generate(target, NgramDrafter(), prompts[3], k=0, tree=TreeShape(2, 2, 4), sampling=GREEDY,
