@@ -526,11 +526,14 @@ class DistillRecipe:
                     if spec["kind"] != "llamacpp"]
         plan = EvalPlan(ks=list(e.ks), trees=list(e.trees), batch_sizes=list(e.batch_sizes),
                         max_new_tokens=e.max_new_tokens, repeats=e.repeats, seed=cfg.trainer.seed)
+        # The drafters in the engine's formats first, as `python -m eval` does: a conversion that fails stops the
+        # run before the measurement, not after it.
+        converted = engine.convert(e.engine, specs, self.target, target_source(cfg.target), self.out / "engine")
         rows = evaluate(self.target, drafters, prompts, plan, eos_token_id=self.tokenizer.eos_token_id,
                         progress=cfg.progress)
         in_engine = engine.add_figures(rows, specs, self.target, target_source(cfg.target), prompts, plan, engine=e.engine,
                                        costs=engine.EngineCosts(), threads=torch.get_num_threads(),
-                                       work=self.out / "engine", progress=cfg.progress)
+                                       work=self.out / "engine", converted=converted, progress=cfg.progress)
         engine_rows = in_engine.pop("engine_only", []) if in_engine else []
         report = build_report(rows, target=target_source(cfg.target), baseline=drafters[0].name, engine_rows=engine_rows,
                               settings={"data": traffic.describe(prompts), "trained_on": self.trained_on,
