@@ -316,12 +316,28 @@ def _best_shape(rows: list[dict]) -> None:
     for group in groups.values():
         best = max(group, key=lambda r: r["speedup"])
         chains = {r["k"]: r for r in group if not r.get("tree")}
+        why = _why_shape(best, group)
         for r in group:
             r["best_shape"] = f"tree {best['tree']}" if best.get("tree") else f"chain k={best['k']}"
             r["best_shape_speedup"] = best["speedup"]
+            r["best_shape_why"] = why
             if r.get("tree"):  # τ over the same drafter's chain of the tree's depth, where one was measured
                 chain = chains.get(r["k"])
                 r["tau_vs_chain"] = r["acceptance_length"] / chain["acceptance_length"] if chain else None
+
+
+def _why_shape(best: dict, group: list[dict]) -> str | None:
+    """Why the fastest shape won, where trees and chains were both measured: the trees' τ against the chains', and
+    what verifying their width cost (β); None without both."""
+    trees = [r for r in group if r.get("tree")]
+    chains = [r for r in group if not r.get("tree")]
+    if not trees or not chains or any(r.get("verify_overhead") is None for r in group):
+        return None
+    other = max(chains if best.get("tree") else trees, key=lambda r: r["speedup"])
+    tree, chain = (best, other) if best.get("tree") else (other, best)
+    return (f"tree {tree['tree']} keeps τ {tree['acceptance_length']:.2f} against the chain's "
+            f"{chain['acceptance_length']:.2f} (k={chain['k']}) and costs β {tree['verify_overhead']:.2f} for "
+            f"{tree['tree'].split('n')[-1]}+1 positions against {chain['verify_overhead']:.2f} for {chain['k']}+1")
 
 
 def _best_k_and_verdict(rows: list[dict], pays_off_at: float) -> None:

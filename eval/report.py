@@ -170,7 +170,8 @@ def markdown(report: dict) -> str:
             engine = (f"; in {r['engine']}: {_fmt(r.get('engine_speedup') or r.get('engine_predicted_speedup'))}× → "
                       f"{r['engine_verdict']}") if r.get("engine_verdict") else ""
             batch = f", batch {r['batch_size']}" if len(batch_sizes(rows)) > 1 else ""
-            shape = (f"; fastest shape: {r['best_shape']} ({_fmt(r['best_shape_speedup'])}×)"
+            shape = (f"; fastest shape: {r['best_shape']} ({_fmt(r['best_shape_speedup'])}×"
+                     + (f": {r['best_shape_why']})" if r.get("best_shape_why") else ")")
                      if r.get("best_shape") and not r.get("tree") and any(x.get("tree") for x in rows) else "")
             out.append(f"- **{r['category']}**, {r['drafter']}, T={_fmt(r['temperature'])}{batch}: best k={r['k']}, "
                        f"speed-up {_fmt(r['speedup'])}× → {r['verdict']}{engine}{shape}")

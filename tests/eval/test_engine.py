@@ -47,6 +47,28 @@ def test_predict_needs_beta_and_says_which_drafter_lacks_c():
     assert rows[0]["engine_predicted_speedup"] is None and "no c for drafter 'head'" in rows[0]["engine_note"]
 
 
+def test_predict_prices_a_tree_at_its_width_and_names_the_shape_the_costs_favour():
+    """A tree of depth 4 and 16 nodes is charged 4 draft steps and β at 17 positions: where β is flat (a GPU at
+    batch 1) its larger τ wins and SGLang's settings for it are given; where β grows with the width, the chain."""
+    def rows():
+        tree = {**row("head@d4t4n16", 3.0, 16.0), "tree": "d4t4n16"}
+        return [row("head", 2.4, 4.0), tree]
+
+    flat = rows()
+    engine.predict(flat, engine.EngineCosts(c=0.05, beta=0.1), {}, pays_off_at=1.05)
+    chain, tree = flat
+    assert tree["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 4 * 0.05 + 0.1))  # depth steps, not nodes
+    assert chain["engine_best_shape"] == tree["engine_best_shape"] == "tree d4t4n16"
+    assert tree["sglang_settings"] == ("--speculative-num-steps 4 --speculative-eagle-topk 4 "
+                                       "--speculative-num-draft-tokens 17")
+    steep = rows()
+    engine.predict(steep, engine.EngineCosts(c=0.05, beta=0.1, betas={17: 1.2}), {}, pays_off_at=1.05)
+    chain, tree = steep
+    assert tree["engine_verify_overhead"] == 1.2 and chain["engine_verify_overhead"] == 0.1
+    assert chain["engine_best_shape"] == "chain k=4"
+    assert chain["sglang_settings"].endswith("--speculative-eagle-topk 1 --speculative-num-draft-tokens 5")
+
+
 class FakeServer:
     """Hands out a log in the chunks given, as llama-server's log file grows between reads."""
 

@@ -140,6 +140,7 @@ def test_trees_are_rows_of_their_own_beside_the_chains(setup, caplog):
         best = max(mine, key=lambda r: r["speedup"])
         want = f"tree {best['tree']}" if best["tree"] else f"chain k={best['k']}"
         assert {r["best_shape"] for r in mine} == {want}
+        assert all("keeps τ" in r["best_shape_why"] and "positions against" in r["best_shape_why"] for r in mine)
 
 
 def test_trees_need_a_drafter_that_drafts_them(setup):

@@ -123,3 +123,25 @@ def test_an_eagle1_card_serves_it_with_vllm_only(eagle1_run, hub, tmp_path):
     assert '"method": "eagle", "model": "acme/eagle1", "num_speculative_tokens": 3' in card
     assert "sglang" not in card and "llama-server" not in card and "GGUF" not in card
     assert json.loads((written["hub"] / "config.json").read_text())["architectures"] == ["EagleLlamaForCausalLM"]
+
+
+def test_the_card_gives_sglang_the_tree_the_evaluation_favours(evaluated_run, hub, tmp_path):
+    """A final evaluation whose fastest shape over all traffic was a tree (here written into the report): the card
+    adds SGLang's command with that tree's settings, and says on what ground it was chosen."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(evaluated_run, run)
+    report = json.loads((run / "report.json").read_text())
+    for r in report["results"]:
+        r["best_shape"] = "tree d3t4n12" if r["category"] == "all" else "chain k=2"
+    (run / "report.json").write_text(json.dumps(report))
+    card = (export(run, tmp_path / "out", settings(repo_id="acme/eagle3", dry_run=True))["hub"] / "README.md").read_text()
+    assert "# fastest in draftsmith's measurement: a dynamic tree" in card
+    assert ("--speculative-draft-model-path acme/eagle3 --speculative-num-steps 3 --speculative-eagle-topk 4 "
+            "--speculative-num-draft-tokens 13") in card
+    for r in report["results"]:
+        r["best_shape"] = "chain k=2"
+    (run / "report.json").write_text(json.dumps(report))
+    card = (export(run, tmp_path / "out2", settings(repo_id="acme/eagle3", dry_run=True))["hub"] / "README.md").read_text()
+    assert "dynamic tree" not in card
