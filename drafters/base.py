@@ -15,8 +15,12 @@ Drafters that read the target's features (EAGLE, MTP, Medusa heads; drafters/hea
 `features` (n, len(layers), d) to `start` (every prompt position but the last) and `commit` (the
 positions the verification pass committed: the previous last token and the kept guesses), each
 position exactly once. Nothing else crosses: a drafter owns its state entirely, and the loop needs no
-knowledge of what kind of drafter it drives. Proposals are chains; nothing here rules out a tree
-drafter later (it would return a tree with its proposal and the loop would verify it with a mask).
+knowledge of what kind of drafter it drives.
+
+Trees (drafters/tree.py; the EAGLE-3 and EAGLE-1 heads and the draft LM): `propose_tree(shape, sampling,
+generator)` returns an EAGLE-2 dynamic tree instead of a chain, the loop verifies it in one forward with a
+tree mask, and `commit_path(path, next_token[, features])` tells the drafter which nodes the target kept (a
+head gets the features of the root and the kept path), so it keeps only their state.
 
 Batches (eval/batching.py): `drafter.batched()` gives the same drafter for B rows at once, a
 `BatchDrafter`: `start` takes a list of prompts (and per-row features), `propose` returns one Proposal
