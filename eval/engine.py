@@ -82,8 +82,9 @@ class EngineCosts:
     name: what they describe ("vLLM 0.11, 1x H100, batch 1"); c: one draft step over one target step in
     that engine (every drafter without its own `engine_c`); beta: one verification of k+1 positions over
     one target step, minus 1. betas: β measured at given verification widths (positions verified in one
-    forward: k+1 for a chain, nodes+1 for a tree), {width: β}; a width not listed takes `beta`, which is what a
-    GPU's flat cost over small widths looks like and what a CPU's is not: give the widths where they differ.
+    forward: k+1 for a chain, nodes+1 for a tree), {width: β} ('+engine_costs.betas={17: 0.3}' on the command
+    line); a width not listed takes `beta`, which is what a GPU's flat cost over small widths looks like and
+    what a CPU's is not: give the widths where they differ.
     A tree of depth D is charged D draft steps (each expands its top-k nodes in one forward) and β at its width.
     """
 

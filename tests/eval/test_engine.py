@@ -139,20 +139,25 @@ def test_unknown_engine_and_engine_with_costs_are_errors_before_anything_loads(t
 
 @pytest.mark.slow
 def test_costs_from_another_engine_give_a_predicted_verdict_per_category(tiny_world, tmp_path):
-    cfg = make_cfg("target=tiny", "ks=[2]", "repeats=1", "max_new_tokens=12", "data.max_prompts_per_category=2",
-                   "progress=false", "engine_costs.name=vLLM on 1x H100", "engine_costs.c=0.02",
-                   "engine_costs.beta=0.05", "drafters.1.engine_c=0.001", f"out_dir={tmp_path}")
+    cfg = make_cfg("target=tiny", "ks=[2]", "trees=[d2t2n4]", "repeats=1", "max_new_tokens=12",
+                   "data.max_prompts_per_category=2", "progress=false", "engine_costs.name=vLLM on 1x H100",
+                   "engine_costs.c=0.02", "engine_costs.beta=0.05", "+engine_costs.betas={5: 0.3}",
+                   "drafters.1.engine_c=0.001", f"out_dir={tmp_path}")
     report = entry.run(cfg)
     assert report["settings"]["engine"] == {"name": "vLLM on 1x H100", "predicted": True, "c": 0.02, "beta": 0.05,
                                             "drafter_c": {"ngram": 0.001}}
+    assert {r["drafter"] for r in report["results"] if r["tree"]} == {"off_the_shelf@d2t2n4"}
     for r in report["results"]:
         c = 0.001 if r["drafter"] == "ngram" else 0.02
-        assert r["engine_predicted_speedup"] == pytest.approx(r["acceptance_length"] / (1 + r["mean_proposed"] * c + 0.05))
+        # A chain drafts its proposal and verifies k+1 positions; the tree drafts depth steps and verifies 4+1.
+        drafted, beta = (r["k"], 0.3) if r["tree"] else (r["mean_proposed"], 0.05)
+        assert r["engine_predicted_speedup"] == pytest.approx(r["acceptance_length"] / (1 + drafted * c + beta))
         # What a drafter costing nothing could reach there: with every guess kept, and with the measured τ.
-        assert r["engine_ceiling"] == pytest.approx((r["k"] + 1) / 1.05)
-        assert r["engine_tau_ceiling"] == pytest.approx(r["acceptance_length"] / 1.05)
+        assert r["engine_ceiling"] == pytest.approx((r["k"] + 1) / (1 + beta))
+        assert r["engine_tau_ceiling"] == pytest.approx(r["acceptance_length"] / (1 + beta))
     md = (tmp_path / "report.md").read_text()
     assert "## Predicted for vLLM on 1x H100" in md and "A prediction, not a measurement" in md
+    assert "## Trees and chains" in md and "The settings SGLang takes for the shape these costs favour" in md
 
 
 @pytest.mark.slow
@@ -162,7 +167,7 @@ def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny
     llama-server, the n-gram drafter noted as having no llama.cpp counterpart; at batch 2 served by a
     two-slot server, the prompts streamed through it."""
     out = tmp_path / "report"
-    cfg = make_cfg("target=tiny_deep", "engine=llamacpp", "ks=[2,4]", "repeats=2", "max_new_tokens=32",
+    cfg = make_cfg("target=tiny_deep", "engine=llamacpp", "ks=[2,4]", "trees=[d3t2n6]", "repeats=2", "max_new_tokens=32",
                    "data.max_prompts_per_category=4", "progress=false", "threads=1", "batch_sizes=[1,2]",
                    f"drafters=[{{name: off_the_shelf, kind: draft_lm, path: toyworld://tiny_deep/draft}}, "
                    f"{{name: head, kind: head, path: '{eagle_run / 'best'}'}}, {{name: ngram, kind: ngram}}]",
@@ -184,6 +189,9 @@ def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny
     rows = {(r["drafter"], r["k"], r["category"]): r for r in report["results"] if r["batch_size"] == 1}
     for (drafter, k, category), r in rows.items():
         assert r["engine"] == "llama.cpp"
+        if r["tree"]:  # draftsmith's loop verifies trees; llama.cpp chains only
+            assert r["engine_speedup"] is None and r["engine_note"] == engine.CHAINS_ONLY and r["lossless"] is True
+            continue
         if drafter == "ngram":
             assert r["engine_speedup"] is None and "no llama.cpp counterpart" in r["engine_note"]
             continue
