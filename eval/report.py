@@ -428,7 +428,10 @@ def plot_histograms(report: dict, out_dir: Path) -> list[Path]:
         for ax, (temperature, k) in zip(axes[0], panels):
             width = 0.8 / len(drafters)
             for j, name in enumerate(drafters):
-                r = next(r for r in cat_rows if r["drafter"] == name and r["k"] == k and r["temperature"] == temperature)
+                r = next((r for r in cat_rows if r["drafter"] == name and r["k"] == k
+                          and r["temperature"] == temperature), None)
+                if r is None:  # a tree is measured at its own depth only
+                    continue
                 share = [h / r["rounds"] for h in r["accept_hist"]]
                 ax.bar([a + (j - (len(drafters) - 1) / 2) * width for a in range(k + 1)], share, width,
                        label=f"{name} (τ={r['acceptance_length']:.2f})")
