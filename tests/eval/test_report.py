@@ -72,3 +72,19 @@ def test_several_batch_sizes_draw_the_cliff_and_say_where_speculation_stops_payi
     assert line in md and line in console_summary(report)
     assert "**code**, base, T=0.00, batch 16: best k=2, speed-up 0.90× → turn it off" in md
     assert "| code | base | 16 | 2 | 0.00 | 2.00 | 0.10 | 0.20 | 1.10 | 0.90 |" in md
+
+
+def test_trees_get_their_own_section_and_histogram_panel(tmp_path):
+    """A tree measured at a depth no chain was (k = 3 beside chains at k = 2): its own histogram panel, the
+    "Trees and chains" table, and the fastest shape with why in the verdict line."""
+    chain = {**row("base", 2, "all", 1.2, 2.0), "tree": None, "best_shape": "tree d3t2n6",
+             "best_shape_speedup": 1.4, "best_shape_why": "tree d3t2n6 keeps τ 2.60 against the chain's 2.00 (k=2)"}
+    tree = {**row("base@d3t2n6", 3, "all", 1.4, 2.6), "tree": "d3t2n6", "mean_proposed": 6.0, "tau_vs_chain": 1.3,
+            "best_k": 3, "acceptance_length_iid": None, "best_shape": "tree d3t2n6", "best_shape_speedup": 1.4}
+    report = build_report([chain, tree], target="t", baseline="base", settings={"ks": [2], "trees": ["d3t2n6"]})
+    paths = write_report(report, tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").glob("*.png")] == ["accept_hist_all.png"]
+    md = paths["md"].read_text()
+    assert "## Trees and chains" in md and "| all | base@d3t2n6 | 3 | 0.00 | 6.00 | 2.60 | 1.30 |" in md
+    assert ("fastest shape: tree d3t2n6 (1.40×: tree d3t2n6 keeps τ 2.60 against the chain's 2.00 (k=2))"
+            in md)
