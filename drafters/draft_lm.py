@@ -26,7 +26,7 @@ from drafters.hf_cache import RaggedCache, cache_keyword, forward_rows, keep_pat
 from drafters.layers import RaggedRows
 from drafters.llama_decode import LeanLlama
 from drafters.sampling import Sampling, draw
-from drafters.tree import Tree, TreeShape, dynamic_tree
+from drafters.tree import StaticTree, Tree, TreeShape
 
 
 class TokenizerMismatchError(ValueError):
@@ -164,12 +164,13 @@ class DraftLM:
         self.ids.append(next_token)
 
     @torch.inference_mode()
-    def propose_tree(self, shape: TreeShape, sampling: Sampling, generator: torch.Generator | None = None) -> Tree:
-        """EAGLE-2's dynamic tree (drafters/tree.py) drafted by this LM, batch 1. The committed tokens the cache
-        has not seen go in first; their last logits score the root's children. Then, depth by depth, the expanded
-        nodes of one depth go in as one call of q entries at the depth's position, each seeing the committed
-        prefix and its ancestors' entries. `commit_path` keeps the entries of the kept path (moved in place after
-        the prefix) and drops the others."""
+    def propose_tree(self, shape: TreeShape | StaticTree, sampling: Sampling,
+                     generator: torch.Generator | None = None) -> Tree:
+        """A tree (drafters/tree.py: EAGLE-2's dynamic `TreeShape`, or a `StaticTree`) drafted by this LM, batch 1.
+        The committed tokens the cache has not seen go in first; their last logits score the root's children.
+        Then, depth by depth, the expanded nodes of one depth go in as one call of q entries at the depth's
+        position, each seeing the committed prefix and its ancestors' entries. `commit_path` keeps the entries of
+        the kept path (moved in place after the prefix) and drops the others."""
         pending = torch.tensor(self.ids[self._fed:], device=self.device)
         if self.lean is not None:
             root = self.lean.forward(pending)
@@ -206,7 +207,7 @@ class DraftLM:
                              **{cache_keyword(self.model): self.cache}, use_cache=True)
             return out.logits[0].float()
 
-        self.tree = dynamic_tree(expand, depth=shape.depth, topk=shape.topk, nodes=shape.nodes)
+        self.tree = shape.grow(expand)
         return self.tree
 
     def commit_path(self, path: list[int], next_token: int) -> None:

@@ -33,7 +33,7 @@ from transformers import LlamaConfig
 from drafters.base import Chains, Proposal, check_stop_below
 from drafters.layers import KVCache, RaggedRows
 from drafters.sampling import Sampling
-from drafters.tree import Tree, dynamic_tree
+from drafters.tree import Tree
 
 # config.json architectures of EAGLE-3 and EAGLE-1 checkpoints in the engines' formats, which load_head reads too.
 ENGINE_EAGLE3 = ("LlamaForCausalLMEagle3", "Eagle3Speculator")
@@ -193,8 +193,8 @@ class FeatureDrafter:
 
 
 class TreeDrafting:
-    """EAGLE-2's dynamic tree (drafters/tree.py `dynamic_tree`) for a head that drafts on its own outputs (EAGLE-3,
-    EAGLE-1), batch 1. The round starts as a chain's does: the head reads the features not yet read (`first`), and
+    """Trees (drafters/tree.py: EAGLE-2's dynamic `TreeShape`, or a `StaticTree`) for a head that drafts on its own
+    outputs (EAGLE-3, EAGLE-1), batch 1. The round starts as a chain's does: the head reads the features not yet read (`first`), and
     that entry's output scores the root's children. Then, depth by depth, the expanded nodes of one depth go in
     as one call of q entries, node x's entry pairing its parent's output with x's token, all at the depth's
     position, each seeing the committed entries and its own ancestors' entries (`step_tree`'s mask). At commit
@@ -232,8 +232,7 @@ class TreeDrafting:
                 outputs.update(zip(frontier, out))
             return self.tree_logits(torch.stack([outputs[node] for node in frontier])).float()
 
-        self.tree = dynamic_tree(expand, depth=shape.depth, topk=shape.topk, nodes=shape.nodes,
-                                 vocab=getattr(self, "target_ids", None))
+        self.tree = shape.grow(expand, vocab=getattr(self, "target_ids", None))
         return self.tree
 
     def commit_path(self, path: list[int], next_token: int, features: torch.Tensor | None = None) -> None:

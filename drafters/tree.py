@@ -147,14 +147,93 @@ class TreeShape:
         return f"d{self.depth}t{self.topk}n{self.nodes}"
 
     @classmethod
-    def parse(cls, text: "str | TreeShape") -> "TreeShape":
-        """`d4t4n16` (depth 4, top-4, 16 nodes) -> TreeShape(4, 4, 16)."""
-        if isinstance(text, TreeShape):
+    def parse(cls, text: "str | TreeShape | StaticTree") -> "TreeShape | StaticTree":
+        """`d4t4n16` (depth 4, top-4, 16 nodes) -> TreeShape(4, 4, 16); `static:0,1,0.0` -> a StaticTree."""
+        if isinstance(text, (TreeShape, StaticTree)):
             return text
+        if str(text).strip().startswith("static:"):
+            return StaticTree.parse(text)
         match = re.fullmatch(r"d(\d+)t(\d+)n(\d+)", str(text).strip())
         if not match:
-            raise ValueError(f"a tree shape is written d<depth>t<topk>n<nodes>, e.g. d4t4n16; got {text!r}")
+            raise ValueError(f"a tree shape is written d<depth>t<topk>n<nodes> (e.g. d4t4n16) or static:<rank paths> "
+                             f"(e.g. static:0,1,0.0); got {text!r}")
         return cls(*(int(g) for g in match.groups()))
+
+    def grow(self, expand: Callable, vocab: torch.Tensor | None = None) -> "Tree":
+        """This shape's tree from a drafter's `expand` (see `dynamic_tree`)."""
+        return dynamic_tree(expand, depth=self.depth, topk=self.topk, nodes=self.nodes, vocab=vocab)
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A tree of fixed shape whatever the context (EAGLE-1's trees, vLLM's `speculative_token_tree`): each node is a
+    path of child ranks from the root, (0,) the drafter's most likely first token, (0, 1) the second most likely
+    after it. Every path's parent path is in the tree. Written `static:0,1,0.0,0.1` (ranks joined by dots, paths by
+    commas)."""
+
+    paths: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.paths:
+            raise ValueError("a static tree needs at least one node")
+        seen = set()
+        for path in self.paths:
+            if not path or min(path) < 0:
+                raise ValueError(f"static tree {self.label}: {path} is not a path of ranks >= 0")
+            if path in seen:
+                raise ValueError(f"static tree {self.label}: {path} twice")
+            if len(path) > 1 and path[:-1] not in seen:
+                raise ValueError(f"static tree {self.label}: {path} comes before its parent {path[:-1]} (list each "
+                                 "node after its parent)")
+            seen.add(path)
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def label(self) -> str:
+        return "static:" + ",".join(".".join(str(r) for r in p) for p in self.paths)
+
+    @classmethod
+    def parse(cls, text: str) -> "StaticTree":
+        body = str(text).strip().removeprefix("static:")
+        try:
+            return cls(tuple(tuple(int(r) for r in path.split(".")) for path in body.split(",")))
+        except ValueError as err:
+            if "invalid literal" in str(err):
+                raise ValueError(f"a static tree is written static:<paths of ranks>, e.g. static:0,1,0.0; got {text!r}")
+            raise
+
+    def grow(self, expand: Callable, vocab: torch.Tensor | None = None) -> "Tree":
+        """The tree for this context: depth by depth, the drafter's logits after each node with children give each
+        child the token of its rank. Scores are cumulative draft log-probabilities, as in `dynamic_tree`."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        index: dict[tuple[int, ...], int] = {(): -1}
+        for level in range(1, self.depth + 1):
+            children = [p for p in self.paths if len(p) == level and p[:-1] in index]
+            if not children:
+                break
+            frontier = list(dict.fromkeys(index[p[:-1]] for p in children))
+            logp = torch.log_softmax(expand(frontier, tokens, parents).float(), dim=-1)  # (f, V')
+            ranked = logp.topk(min(max(p[-1] for p in children) + 1, logp.shape[-1]), dim=-1)
+            for path in children:
+                row, rank = frontier.index(index[path[:-1]]), path[-1]
+                if rank >= ranked.indices.shape[-1]:
+                    continue  # a vocabulary smaller than the rank: no such child (nor any below it)
+                token = ranked.indices[row, rank]
+                index[path] = len(tokens)
+                tokens.append(int(token if vocab is None else vocab[token]))
+                parents.append(index[path[:-1]])
+                scores.append((scores[index[path[:-1]]] if len(path) > 1 else 0.0) + float(ranked.values[row, rank]))
+        return Tree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                    torch.tensor(scores))
 
 
 def dynamic_tree(expand: Callable[[list[int], list[int], list[int]], torch.Tensor], *, depth: int, topk: int,

@@ -60,7 +60,7 @@ from eval import llama_cpp
 from eval.compare import Timings, compare, verdict
 from eval.engine_formats import eagle3_gguf, target_directory
 from eval.evaluate import ALL
-from drafters.tree import TreeShape
+from drafters.tree import StaticTree, TreeShape
 from eval.metrics import predicted_speedup
 from traffic import models
 
@@ -149,9 +149,12 @@ def _engine_best_shape(rows: list[dict]) -> None:
             r["sglang_settings"] = sglang_settings(shape)
 
 
-def sglang_settings(shape: TreeShape) -> str:
+def sglang_settings(shape: TreeShape | StaticTree) -> str | None:
     """SGLang's EAGLE flags for a shape: steps = depth, top-k, and the tokens verified, which SGLang counts with the
-    root (the last committed token), nodes + 1 (a chain of k: k + 1)."""
+    root (the last committed token), nodes + 1 (a chain of k: k + 1). None for a static tree: SGLang's trees are
+    dynamic. (vLLM 0.33.0's SpeculativeConfig has no tree setting: it drafts chains.)"""
+    if isinstance(shape, StaticTree):
+        return None
     return (f"--speculative-num-steps {shape.depth} --speculative-eagle-topk {shape.topk} "
             f"--speculative-num-draft-tokens {shape.nodes + 1}")
 

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from drafters.base import Drafter
 from drafters.sampling import Sampling
-from drafters.tree import TreeShape
+from drafters.tree import StaticTree, TreeShape
 from eval.compare import Comparison, Timings, compare, verdict
 from eval.metrics import acceptance_stats, cost_model, expected_acceptance_length
 from eval.batching import autoregressive_generate_batch, speculative_generate_batch
@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 class EvalPlan:
     """What to measure.
 
-    ks: draft lengths to sweep. trees: EAGLE-2 dynamic tree shapes to sweep beside them (`d4t4n16`: depth 4,
-    top-4, 16 nodes; drafters/tree.py), each measured as a drafter of its own, `<drafter>@<shape>`, for every drafter
+    ks: draft lengths to sweep. trees: tree shapes to sweep beside them (drafters/tree.py): EAGLE-2's dynamic
+    `d4t4n16` (depth 4, top-4, 16 nodes) or a static `static:0,1,0.0` (rank paths), each measured as a drafter of its own, `<drafter>@<shape>`, for every drafter
     that drafts trees, at batch 1. temperatures: 0 = greedy. top_k / top_p apply to every non-greedy run.
     repeats: timed passes over all prompts (medians over them). warmup: untimed prompts run first.
     pays_off_at: the measured speed-up a configuration must reach to be called worth turning on.
@@ -96,7 +96,7 @@ class TreeDrafter:
     tree's depth."""
 
     base: Drafter
-    shape: TreeShape
+    shape: TreeShape | StaticTree
 
     @property
     def name(self) -> str:
@@ -237,7 +237,7 @@ def _timings(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
 
 
 def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, spec_t: Timings,
-         plain_t: Timings, vs_plain: Comparison, batch: int = 1, tree: TreeShape | None = None) -> dict:
+         plain_t: Timings, vs_plain: Comparison, batch: int = 1, tree: TreeShape | StaticTree | None = None) -> dict:
     gens = spec.select(category)
     rounds = [r for g in gens for r in g.rounds]
     if not rounds:
@@ -337,7 +337,8 @@ def _why_shape(best: dict, group: list[dict]) -> str | None:
     tree, chain = (best, other) if best.get("tree") else (other, best)
     return (f"tree {tree['tree']} keeps τ {tree['acceptance_length']:.2f} against the chain's "
             f"{chain['acceptance_length']:.2f} (k={chain['k']}) and costs β {tree['verify_overhead']:.2f} for "
-            f"{tree['tree'].split('n')[-1]}+1 positions against {chain['verify_overhead']:.2f} for {chain['k']}+1")
+            f"{TreeShape.parse(tree['tree']).nodes}+1 positions against {chain['verify_overhead']:.2f} for "
+            f"{chain['k']}+1")
 
 
 def _best_k_and_verdict(rows: list[dict], pays_off_at: float) -> None:

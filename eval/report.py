@@ -294,9 +294,11 @@ def engine_section(rows: list[dict]) -> list[str]:
                table(rows, PREDICTED_COLUMNS)]
         if any(r.get("tree") for r in rows):
             out += ["", "A tree is charged depth draft steps and β at its width (nodes + 1 positions; engine_costs.betas,"
-                    " else engine_costs.beta). The settings SGLang takes for the shape these costs favour:", "",
+                    " else engine_costs.beta). The settings SGLang takes for the shape these costs favour (its trees"
+                    " are dynamic; vLLM 0.33.0 drafts chains only, and llama.cpp too):", "",
                     *sorted({f"- {r['category']}, {r['drafter'].rsplit('@', 1)[0]}: {r['engine_best_shape']}: "
-                             f"`{r['sglang_settings']}`" for r in rows if r.get("engine_best_shape")})]
+                             f"`{r['sglang_settings'] or 'a static tree, which SGLang does not draft'}`"
+                             for r in rows if r.get("engine_best_shape")})]
     else:
         measured = [r for r in rows if r.get("engine_speedup") is not None]
         out = ["", f"## In {name}", "",

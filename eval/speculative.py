@@ -30,7 +30,7 @@ from drafters.base import Drafter, Proposal
 from drafters.heads import features_of
 from drafters.hf_cache import cache_keyword, keep_path, tree_attention_mask
 from drafters.sampling import Sampling, choose, probs_from_logits
-from drafters.tree import Tree, TreeShape, accept_path, depths
+from drafters.tree import StaticTree, Tree, TreeShape, accept_path, depths
 
 
 @dataclass
@@ -178,15 +178,15 @@ def speculative_generate(
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
     timed: bool = False,
-    tree: TreeShape | None = None,
+    tree: TreeShape | StaticTree | None = None,
 ) -> Generation:
     """Generate up to max_new_tokens after prompt_ids (T,) with drafter proposals verified by target.
 
     With `timed`, each round's draft and verify phases are timed separately (device synchronised), so
     the cost ratio c and the verification overhead can be measured in the same run.
 
-    With `tree`, each round drafts an EAGLE-2 dynamic tree of that shape instead of a chain of k
-    (`drafter.propose_tree`), the target verifies all its nodes in one forward (a tree mask on its KV
+    With `tree`, each round drafts a tree of that shape (EAGLE-2's dynamic tree, or a static one) instead of
+    a chain of k (`drafter.propose_tree`), the target verifies all its nodes in one forward (a tree mask on its KV
     cache), keeps the longest path the acceptance rule allows (drafters/tree.py `accept_path`, lossless
     greedy and sampled), gathers that path's cache entries in place and tells the drafter the path
     (`drafter.commit_path`). A round's `proposed` is then the nodes verified, `depth` the tree's.
@@ -283,8 +283,8 @@ def speculative_generate(
     return Generation(new, clock() - t_start, forwards, rounds, prefill_s=prefill_s)
 
 
-def _tree_round(target, drafter, shape: TreeShape, sampling, generator, cache, device, layers, last, length, new,
-                rounds, max_new_tokens, eos_token_id, timed, t0):
+def _tree_round(target, drafter, shape: TreeShape | StaticTree, sampling, generator, cache, device, layers, last,
+                length, new, rounds, max_new_tokens, eos_token_id, timed, t0):
     """One round of tree drafting and verification (`speculative_generate` with `tree`). Returns (done, the last
     committed token, how many are committed, the new tokens so far) and appends the round."""
     clock = time.perf_counter

@@ -175,11 +175,12 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
                    f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "
                    f"--speculative-num-draft-tokens {k + 1}")
     tree = _favoured_tree(report)
-    if sglang and tree:
+    if tree:
         shape, why = tree
-        out += [f"# {why}: a dynamic tree",
-                f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} "
-                f"--speculative-draft-model-path {repo_id} {sglang_settings(shape)}"]
+        if sglang and sglang_settings(shape):
+            out += [f"# {why}: a dynamic tree",
+                    f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} "
+                    f"--speculative-draft-model-path {repo_id} {sglang_settings(shape)}"]
     if "gguf" in written:
         out += [f"hf download {repo_id} gguf/{gguf} --local-dir .",
                 f"llama-server -m target.gguf -md gguf/{gguf} --spec-type {spec_type} --spec-draft-n-max {k}"]

@@ -368,7 +368,7 @@ def _chain_score(head, kind, tokens, prompt, features):
     return score
 
 
-@pytest.mark.parametrize("shape", ["d3t3n8", "d4t2n7", "d2t4n12"])
+@pytest.mark.parametrize("shape", ["d3t3n8", "d4t2n7", "d2t4n12", "static:0,1,2,0.0,0.1,1.0,0.0.0"])
 def test_greedy_trees_equal_target_greedy_and_keep_more_than_the_chain(target, prompts, shape):
     shape = TreeShape.parse(shape)
     for kind in TREE_KINDS:
@@ -388,14 +388,15 @@ def test_greedy_trees_equal_target_greedy_and_keep_more_than_the_chain(target, p
         assert kept > chain_kept, (kind, shape)  # siblings catch what the chain's first guess misses
 
 
+@pytest.mark.parametrize("shape", ["d2t2n5", "static:0,1,0.0"])
 @pytest.mark.parametrize("kind", TREE_KINDS)
-def test_sampled_trees_follow_target_distribution(small_target, kind):
+def test_sampled_trees_follow_target_distribution(small_target, kind, shape):
     head = _small_head(kind, small_target)
     prompt = torch.tensor([1, 4, 2])
     sampling = Sampling(temperature=1.0)
     exact = exact_joint(small_target, prompt, sampling, SMALL_V)
     counts = empirical_joint(small_target, head.drafter(kind), prompt, sampling, SMALL_V, 0, 2000,
-                             tree=TreeShape(2, 2, 5))
+                             tree=TreeShape.parse(shape))
     assert chi2_pvalue(counts, exact) > 1e-3
 
 

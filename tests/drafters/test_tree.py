@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from drafters.tree import Tree, TreeShape, accept_path, ancestor_mask, depths, dynamic_tree
+from drafters.tree import StaticTree, Tree, TreeShape, accept_path, ancestor_mask, depths, dynamic_tree
 from helpers import chi2_pvalue
 
 #        root
@@ -218,3 +218,32 @@ def test_tree_shapes_parse_and_refuse_what_cannot_be_built():
         TreeShape.parse("4x4")
     with pytest.raises(ValueError, match="more than the 4 candidates"):
         TreeShape(4, 1, 5)
+
+
+def test_a_static_tree_gives_each_path_the_token_of_its_ranks():
+    expand, table = _table_expand()
+    static = TreeShape.parse("static:0,1,0.0,0.1,1.0,0.0.0")
+    assert isinstance(static, StaticTree) and (static.depth, static.nodes) == (3, 6)
+    assert static.label == "static:0,1,0.0,0.1,1.0,0.0.0"
+    tree = static.grow(expand)
+    assert tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+    root = torch.log_softmax(table[()], -1).argsort(descending=True)
+    first, second = int(root[0]), int(root[1])
+    assert tree.tokens[:2].tolist() == [first, second]
+    after_first = torch.log_softmax(table[(first,)], -1).argsort(descending=True)
+    assert tree.tokens[2:4].tolist() == after_first[:2].tolist()
+    assert int(tree.tokens[4]) == int(torch.log_softmax(table[(second,)], -1).argmax())
+    want = float(torch.log_softmax(table[()], -1)[first] + torch.log_softmax(table[(first,)], -1)[after_first[1]])
+    assert float(tree.scores[3]) == pytest.approx(want)
+    # A chain of rank-0 paths is the greedy chain, as the dynamic tree of width one is.
+    chain = TreeShape.parse("static:0,0.0,0.0.0").grow(expand)
+    assert chain.tokens.tolist() == TreeShape(3, 1, 3).grow(expand).tokens.tolist()
+
+
+def test_static_trees_refuse_what_is_not_a_tree():
+    with pytest.raises(ValueError, match="comes before its parent"):
+        StaticTree.parse("static:0,1.0")
+    with pytest.raises(ValueError, match="twice"):
+        StaticTree.parse("static:0,0")
+    with pytest.raises(ValueError, match="static:<paths of ranks>"):
+        TreeShape.parse("static:0,a")

@@ -122,7 +122,8 @@ def test_trees_are_rows_of_their_own_beside_the_chains(setup, caplog):
     lossless, the tree's τ over its chain's at that depth, and the fastest of its shapes named on all its rows;
     the n-gram drafter stays a chain; batch > 1 measures chains only, and says so."""
     target, drafters, prompts = setup
-    plan = EvalPlan(ks=[2, 3], trees=["d3t2n6", "d2t3n6"], batch_sizes=[1, 2], max_new_tokens=12, repeats=1, warmup=0)
+    plan = EvalPlan(ks=[2, 3], trees=["d3t2n6", "d2t3n6"], batch_sizes=[1, 2], max_new_tokens=12, repeats=1,
+                    warmup=0)
     with caplog.at_level("INFO", logger="eval.evaluate"):
         rows = evaluate(target, drafters, prompts, plan, progress=False)
     assert "trees are verified at batch 1 only" in caplog.text and "['ngram'] draft chains only" in caplog.text
@@ -150,3 +151,12 @@ def test_trees_need_a_drafter_that_drafts_them(setup):
                  progress=False)
     with pytest.raises(ValueError, match="d<depth>t<topk>n<nodes>"):
         EvalPlan(trees=["4x4"])
+
+
+def test_a_static_tree_is_swept_like_a_dynamic_one(setup):
+    target, drafters, prompts = setup
+    plan = EvalPlan(ks=[2], trees=["static:0,1,0.0"], max_new_tokens=12, repeats=1, warmup=0)
+    rows = evaluate(target, drafters[:1], prompts, plan, progress=False)
+    tree = next(r for r in rows if r["tree"] and r["category"] == ALL)
+    assert tree["drafter"] == "base@static:0,1,0.0" and tree["k"] == 2 and tree["lossless"] is True
+    assert tree["mean_proposed"] == 3 and "for 3+1 positions" in tree["best_shape_why"]

@@ -310,7 +310,7 @@ def test_draft_lm_trees_of_width_one_keep_exactly_the_chain(target, prompts, lea
 
 
 @pytest.mark.parametrize("lean", [True, False])
-@pytest.mark.parametrize("shape", ["d3t3n8", "d5t2n9"])
+@pytest.mark.parametrize("shape", ["d3t3n8", "d5t2n9", "static:0,1,0.0,0.1,0.0.0,0.0.0.0"])
 def test_draft_lm_trees_equal_target_greedy(target, prompts, lean, shape):
     """A draft LM close to the target (the target with noise) keeps long paths: the kept path's cache entries are
     moved in place, in the target's cache and in the draft's own, round after round."""
@@ -324,7 +324,8 @@ def test_draft_lm_trees_equal_target_greedy(target, prompts, lean, shape):
                                    sampling=GREEDY, max_new_tokens=40)
         assert out.tokens == reference(target, prompt, 40), prompt.tolist()
         kept += sum(r.accepted for r in out.rounds)
-        assert all(r.depth == TreeShape.parse(shape).depth for r in out.rounds)
+        assert all(r.depth == TreeShape.parse(shape).depth and r.proposed <= TreeShape.parse(shape).nodes
+                   for r in out.rounds)
     assert kept > 40  # paths below the root's first child are kept and moved
 
 
