@@ -269,3 +269,22 @@ def tiny(family: str, vocab: int = 48, seed: int = 0, sharpen: float = 4.0):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
     return model.requires_grad_(False)
+
+
+def accept_path_without_residual(tree, target_probs, *, greedy, generator=None):
+    """A planted mistake: rejected siblings keep their mass (the next sibling is tried against p itself)."""
+    tokens = tree.tokens.tolist()
+    path, node = [], -1
+    while True:
+        p = target_probs[node + 1]
+        kept = None
+        for c in tree.children(node):
+            if float(torch.rand((), generator=generator)) < float(p[tokens[c]]):
+                kept = c
+                break
+        if kept is None:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(kept)
+        node = kept
+        if not tree.children(node):
+            return path, int(torch.multinomial(target_probs[node + 1], 1, generator=generator))

@@ -16,7 +16,8 @@ from drafters.sampling import Sampling
 from drafters.tree import TreeShape
 from eval.batching import speculative_generate_batch
 from eval.speculative import autoregressive_generate, speculative_generate
-from helpers import Recording, batched_pvalues, chi2_pvalue, empirical_joint, exact_joint, stop_point, tiny_llama
+from helpers import (Recording, accept_path_without_residual, batched_pvalues, chi2_pvalue, empirical_joint,
+                     exact_joint, stop_point, tiny_llama)
 from train.hidden_states import capture, default_layers
 
 VOCAB = 64
@@ -403,28 +404,12 @@ def test_sampled_trees_follow_target_distribution(small_target, kind, shape):
 def test_sampled_trees_with_a_planted_wrong_residual_are_caught(small_target, monkeypatch):
     """The same test fails when the sibling residual is skipped (a rejected child's mass left in p)."""
     import eval.speculative as loop
-    from drafters import tree as trees
-
-    def no_residual(tree, probs, *, greedy, generator=None):
-        path, node = [], -1
-        tokens = tree.tokens.tolist()
-        while True:
-            p = probs[node + 1]
-            kept = next((c for c in tree.children(node)
-                         if float(torch.rand((), generator=generator)) < float(p[tokens[c]])), None)
-            if kept is None:
-                return path, int(torch.multinomial(p, 1, generator=generator))
-            path.append(kept)
-            node = kept
-            if not tree.children(node):
-                return path, int(torch.multinomial(probs[node + 1], 1, generator=generator))
 
     head = _small_head("eagle", small_target)
     prompt = torch.tensor([1, 4, 2])
     sampling = Sampling(temperature=1.0)
     exact = exact_joint(small_target, prompt, sampling, SMALL_V)
-    monkeypatch.setattr(loop, "accept_path", no_residual)
-    assert trees.accept_path is not no_residual
+    monkeypatch.setattr(loop, "accept_path", accept_path_without_residual)
     counts = empirical_joint(small_target, head.drafter("eagle"), prompt, sampling, SMALL_V, 0, 2000,
                              tree=TreeShape(2, 2, 5))
     assert chi2_pvalue(counts, exact) < 1e-6

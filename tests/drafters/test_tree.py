@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafters.tree import StaticTree, Tree, TreeShape, accept_path, ancestor_mask, depths, dynamic_tree
-from helpers import chi2_pvalue
+from helpers import accept_path_without_residual, chi2_pvalue
 
 #        root
 #       /    \
@@ -86,25 +86,6 @@ def _pvalue(accept, tree, probs, samples=6000):
                        torch.tensor([expected[k] for k in keys], dtype=torch.float64))
 
 
-def _no_residual(tree, target_probs, *, greedy, generator=None):
-    """A planted mistake: rejected siblings keep their mass (the next sibling is tried against p itself)."""
-    tokens = tree.tokens.tolist()
-    path, node = [], -1
-    while True:
-        p = target_probs[node + 1]
-        kept = None
-        for c in tree.children(node):
-            if float(torch.rand((), generator=generator)) < float(p[tokens[c]]):
-                kept = c
-                break
-        if kept is None:
-            return path, int(torch.multinomial(p, 1, generator=generator))
-        path.append(kept)
-        node = kept
-        if not tree.children(node):
-            return path, int(torch.multinomial(target_probs[node + 1], 1, generator=generator))
-
-
 def _unnormalized(tree, target_probs, *, greedy, generator=None):
     """A subtler planted mistake: the residual drops a rejected sibling's mass but the next sibling is still
     kept with probability p(x), not p(x) over what is left: every outcome possible, the law wrong."""
@@ -131,7 +112,7 @@ def test_sampled_acceptance_emits_the_targets_distribution_and_a_wrong_residual_
     g = torch.Generator().manual_seed(3)
     probs = torch.softmax(torch.randn(7, 5, generator=g) * 1.5, -1)
     assert _pvalue(accept_path, tree, probs) > 1e-3
-    assert _pvalue(_no_residual, tree, probs) < 1e-6
+    assert _pvalue(accept_path_without_residual, tree, probs) < 1e-6
     assert _pvalue(_unnormalized, tree, probs) < 1e-6
 
 
