@@ -26,7 +26,7 @@ from drafters.hf_cache import RaggedCache, cache_keyword, forward_rows, keep_pat
 from drafters.layers import RaggedRows
 from drafters.llama_decode import LeanLlama
 from drafters.sampling import Sampling, draw
-from drafters.tree import StaticTree, Tree, TreeShape
+from drafters.tree import StaticTree, Tree, TreeShape, entry_mask
 
 
 class TokenizerMismatchError(ValueError):
@@ -184,17 +184,8 @@ class DraftLM:
         def expand(frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
             if frontier == [-1]:
                 return root[None].float()
-            start, q = self._length(), len(frontier)
-            mask = torch.zeros(q, start + q, dtype=torch.bool, device=self.device)
-            mask[:, :base] = True
-            depth = 0
-            for i, node in enumerate(frontier):
-                self._slots[node] = start + i
-                mask[i, start + i] = True
-                depth, up = 1, parents[node]
-                while up != -1:
-                    mask[i, self._slots[up]] = True
-                    depth, up = depth + 1, parents[up]
+            q = len(frontier)
+            mask, depth = entry_mask(frontier, parents, self._slots, self._length(), base, self.device)
             ids = torch.tensor([tokens[node] for node in frontier], device=self.device)
             position = base + depth - 1
             if self.lean is not None:

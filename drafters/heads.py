@@ -33,7 +33,7 @@ from transformers import LlamaConfig
 from drafters.base import Chains, Proposal, check_stop_below
 from drafters.layers import KVCache, RaggedRows
 from drafters.sampling import Sampling
-from drafters.tree import Tree
+from drafters.tree import Tree, entry_mask
 
 # config.json architectures of EAGLE-3 and EAGLE-1 checkpoints in the engines' formats, which load_head reads too.
 ENGINE_EAGLE3 = ("LlamaForCausalLMEagle3", "Eagle3Speculator")
@@ -215,17 +215,7 @@ class TreeDrafting:
 
         def expand(frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
             if frontier != [-1]:
-                start, q = len(self.cache), len(frontier)
-                mask = torch.zeros(q, start + q, dtype=torch.bool, device=self.device)
-                mask[:, :self.fed] = True
-                depth = 0
-                for i, node in enumerate(frontier):
-                    slots[node] = start + i
-                    mask[i, start + i] = True
-                    depth, up = 1, parents[node]
-                    while up != -1:
-                        mask[i, slots[up]] = True
-                        depth, up = depth + 1, parents[up]
+                mask, depth = entry_mask(frontier, parents, slots, len(self.cache), self.fed, self.device)
                 hidden = torch.stack([outputs[parents[node]] for node in frontier])[None]
                 ids = torch.tensor([tokens[node] for node in frontier], device=self.device)
                 out = head.step_tree(hidden, ids, m + depth - 1, mask, self.cache)[0]

@@ -270,3 +270,22 @@ def dynamic_tree(expand: Callable[[list[int], list[int], list[int]], torch.Tenso
     return Tree(torch.tensor([tokens[i] for i in kept], dtype=torch.long),
                 torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in kept], dtype=torch.long),
                 torch.tensor([scores[i] for i in kept]))
+
+
+def entry_mask(frontier: list[int], parents: list[int], slots: dict[int, int], start: int, committed: int,
+               device: torch.device) -> tuple[torch.Tensor, int]:
+    """A drafter growing a tree on its own KV cache, one depth per call: the (q, start + q) bool mask of the
+    frontier's q entries, written at cache slots start..start+q-1, each seeing the `committed` first entries, its
+    ancestors' entries and its own; and the frontier's depth. `slots` (node -> cache slot) gains the frontier."""
+    q = len(frontier)
+    mask = torch.zeros(q, start + q, dtype=torch.bool, device=device)
+    mask[:, :committed] = True
+    depth = 0
+    for i, node in enumerate(frontier):
+        slots[node] = start + i
+        mask[i, start + i] = True
+        depth, up = 1, parents[node]
+        while up != -1:
+            mask[i, slots[up]] = True
+            depth, up = depth + 1, parents[up]
+    return mask, depth
