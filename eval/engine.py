@@ -59,7 +59,7 @@ from tqdm.auto import tqdm
 from eval import llama_cpp
 from eval.compare import Timings, compare, verdict
 from eval.engine_formats import eagle3_gguf, target_directory
-from eval.evaluate import ALL
+from eval.evaluate import ALL, base_drafter
 from drafters.tree import StaticTree, TreeShape
 from eval.metrics import predicted_speedup
 from traffic import models
@@ -113,7 +113,7 @@ def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | N
         if r.get("batch_size", 1) != 1:  # c and β are a team's batch-1 measurements
             continue
         tree = TreeShape.parse(r["tree"]) if r.get("tree") else None
-        base = r["drafter"].rsplit("@", 1)[0] if tree else r["drafter"]
+        base = base_drafter(r)
         c = drafter_c.get(base)
         c = costs.c if c is None else c
         # A chain verifies k+1 positions and drafts its mean proposal; a tree verifies nodes+1 and drafts depth steps.
@@ -139,8 +139,7 @@ def _engine_best_shape(rows: list[dict]) -> None:
     for r in rows:
         if r.get("engine_predicted_speedup") is None or r.get("batch_size", 1) != 1:
             continue
-        base = r["drafter"].rsplit("@", 1)[0] if r.get("tree") else r["drafter"]
-        groups.setdefault((base, r["temperature"], r["category"]), []).append(r)
+        groups.setdefault((base_drafter(r), r["temperature"], r["category"]), []).append(r)
     for group in groups.values():
         best = max(group, key=lambda r: r["engine_predicted_speedup"])
         shape = TreeShape.parse(best["tree"]) if best.get("tree") else TreeShape(best["k"], 1, best["k"])

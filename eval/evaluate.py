@@ -107,6 +107,11 @@ def _ks(drafter, plan: EvalPlan) -> list[int]:
     return [drafter.shape.depth] if isinstance(drafter, TreeDrafter) else list(plan.ks)
 
 
+def base_drafter(row: dict) -> str:
+    """The drafter behind a result row: a tree row's (`<drafter>@<shape>`) is the drafter that drafted it."""
+    return row.get("base_drafter") or row["drafter"]
+
+
 def _seed(*parts: object) -> int:
     return zlib.crc32(repr(parts).encode())
 
@@ -220,7 +225,7 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
                 timings = {d.name: _timings(spec[d.name, k], keys, plan.repeats) for d in at_k}
                 group = [_row(d.name, k, sampling, category, plain, spec[d.name, k], timings[d.name], plain_t,
                               compare(timings[d.name], plain_t, strata, seed=seed), batch,
-                              d.shape if isinstance(d, TreeDrafter) else None) for d in at_k]
+                              *((d.shape, d.base.name) if isinstance(d, TreeDrafter) else ())) for d in at_k]
                 # Against the first drafter (or, at a tree depth no chain is measured at, the first tree).
                 _compare_drafters(group, timings, strata, baseline=names[0] if names[0] in timings else at_k[0].name,
                                   seed=seed)
@@ -237,7 +242,8 @@ def _timings(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
 
 
 def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, spec_t: Timings,
-         plain_t: Timings, vs_plain: Comparison, batch: int = 1, tree: TreeShape | StaticTree | None = None) -> dict:
+         plain_t: Timings, vs_plain: Comparison, batch: int = 1, tree: TreeShape | StaticTree | None = None,
+         base: str | None = None) -> dict:
     gens = spec.select(category)
     rounds = [r for g in gens for r in g.rounds]
     if not rounds:
@@ -269,6 +275,7 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         # A tree's shape (drafters/tree.py; k is its depth, `mean_proposed` the nodes verified, `acceptance_rate`
         # the kept share of them); None for a chain.
         "tree": tree.label if tree else None,
+        "base_drafter": base or drafter,  # the drafter a tree row's shape was drafted by (a chain row's own name)
         **stats.to_dict(),
         # What tau would be if each proposed guess were kept independently at the measured rate (chains only).
         "acceptance_length_iid": (None if tree else
@@ -311,8 +318,7 @@ def _best_shape(rows: list[dict]) -> None:
     its trees alike: `best_shape` ("chain k=4", "tree d4t4n16") and that shape's speed-up."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        base = r["drafter"].rsplit("@", 1)[0] if r.get("tree") else r["drafter"]
-        groups.setdefault((base, r["temperature"], r["category"], r.get("batch_size", 1)), []).append(r)
+        groups.setdefault((base_drafter(r), r["temperature"], r["category"], r.get("batch_size", 1)), []).append(r)
     for group in groups.values():
         best = max(group, key=lambda r: r["speedup"])
         chains = {r["k"]: r for r in group if not r.get("tree")}

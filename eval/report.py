@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from eval.evaluate import EvalPlan
+from eval.evaluate import EvalPlan, base_drafter
 
 SCHEMA = "draftsmith.eval/1"
 
@@ -202,7 +202,7 @@ def tree_section(rows: list[dict]) -> list[str]:
     fastest here."""
     if not any(r.get("tree") for r in rows):
         return []
-    bases = {r["drafter"].rsplit("@", 1)[0] for r in rows if r.get("tree")}
+    bases = {base_drafter(r) for r in rows if r.get("tree")}
     shown = [r for r in rows if r.get("batch_size", 1) == 1 and (r.get("tree") or r["drafter"] in bases)]
     return ["", "## Trees and chains", "",
             "EAGLE-2 dynamic trees (`<drafter>@d<depth>t<top-k>n<nodes>`: depth draft steps, the top-k most likely"
@@ -296,7 +296,7 @@ def engine_section(rows: list[dict]) -> list[str]:
             out += ["", "A tree is charged depth draft steps and β at its width (nodes + 1 positions; engine_costs.betas,"
                     " else engine_costs.beta). The settings SGLang takes for the shape these costs favour (its trees"
                     " are dynamic; vLLM 0.33.0 drafts chains only, and llama.cpp too):", "",
-                    *sorted({f"- {r['category']}, {r['drafter'].rsplit('@', 1)[0]}: {r['engine_best_shape']}: "
+                    *sorted({f"- {r['category']}, {base_drafter(r)}: {r['engine_best_shape']}: "
                              f"`{r['sglang_settings'] or 'a static tree, which SGLang does not draft'}`"
                              for r in rows if r.get("engine_best_shape")})]
     else:

@@ -51,7 +51,7 @@ def test_predict_prices_a_tree_at_its_width_and_names_the_shape_the_costs_favour
     """A tree of depth 4 and 16 nodes is charged 4 draft steps and β at 17 positions: where β is flat (a GPU at
     batch 1) its larger τ wins and SGLang's settings for it are given; where β grows with the width, the chain."""
     def rows():
-        tree = {**row("head@d4t4n16", 3.0, 16.0), "tree": "d4t4n16"}
+        tree = {**row("head@d4t4n16", 3.0, 16.0), "tree": "d4t4n16", "base_drafter": "head"}
         return [row("head", 2.4, 4.0), tree]
 
     flat = rows()

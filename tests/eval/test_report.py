@@ -79,8 +79,8 @@ def test_trees_get_their_own_section_and_histogram_panel(tmp_path):
     "Trees and chains" table, and the fastest shape with why in the verdict line."""
     chain = {**row("base", 2, "all", 1.2, 2.0), "tree": None, "best_shape": "tree d3t2n6",
              "best_shape_speedup": 1.4, "best_shape_why": "tree d3t2n6 keeps τ 2.60 against the chain's 2.00 (k=2)"}
-    tree = {**row("base@d3t2n6", 3, "all", 1.4, 2.6), "tree": "d3t2n6", "mean_proposed": 6.0, "tau_vs_chain": 1.3,
-            "best_k": 3, "acceptance_length_iid": None, "best_shape": "tree d3t2n6", "best_shape_speedup": 1.4}
+    tree = {**row("base@d3t2n6", 3, "all", 1.4, 2.6), "tree": "d3t2n6", "base_drafter": "base", "mean_proposed": 6.0,
+            "tau_vs_chain": 1.3, "best_k": 3, "acceptance_length_iid": None, "best_shape": "tree d3t2n6", "best_shape_speedup": 1.4}
     report = build_report([chain, tree], target="t", baseline="base", settings={"ks": [2], "trees": ["d3t2n6"]})
     paths = write_report(report, tmp_path / "out")
     assert [p.name for p in (tmp_path / "out").glob("*.png")] == ["accept_hist_all.png"]
