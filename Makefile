@@ -88,7 +88,8 @@ demo: install
 REAL := runs/demo-real/$(shell date +%Y-%m-%d_%H-%M-%S)
 DATA ?= ../shared/data
 
-demo-real: install llama-cpp
+# The core environment only: speculators, SpecForge and vLLM read the exports in the tests, not here.
+demo-real: $(VENV)/.installed llama-cpp
 	@echo "make demo-real: SmolLM2-135M-Instruct (Q4_1 GGUF, fetched once into ~/.cache/draftsmith/models), real prompts"
 	@echo "  from $(DATA), answers by llama.cpp, an EAGLE-3 head trained on them, measured in draftsmith's loop and"
 	@echo "  in llama.cpp against an n-gram drafter, a self-draft and llama.cpp's own n-gram modes (BENCHMARKS.md section 13)."
@@ -103,7 +104,7 @@ demo-real: install llama-cpp
 	@echo "  checkpoint: $(REAL)/best"
 	@echo "  export:     $(REAL)/export"
 
-llama-cpp: install
+llama-cpp: $(VENV)/.installed
 	PYTHON=$(BIN)/python scripts/build_llama_cpp.sh
 
 # One pytest worker per core (pytest-xdist): the tests run one torch thread each. The llama.cpp module runs
