@@ -77,9 +77,14 @@ def head_config(target_config, kind: str, feature_layers: list[int], intermediat
 
 
 def geometry(target_config, intermediate_size: int | None = None) -> dict:
-    """The target's width, attention and MLP shape, norm epsilon and activation, under the names its family
-    gives them (GPT-2's `n_inner` and `activation_function`, Gemma's `hidden_activation`, GPT-NeoX's and
-    GPT-2's single key/value head per query head, LayerNorm epsilons), as a Llama block's config names them."""
+    """The target's width, attention and MLP shape and norm epsilon, under the names its family gives them
+    (GPT-2's `n_inner`, GPT-NeoX's and GPT-2's single key/value head per query head, LayerNorm epsilons), as a
+    Llama block's config names them.
+
+    The activation is SiLU whatever the target's (Gemma's GELU, GPT-2's): the engines build a head's layer
+    as their Llama block, and vLLM's and SGLang's refuse any other activation ("Only silu is supported for
+    now", vLLM 0.33.0's model_executor/models/llama.py). The head is a network of its own; nothing about
+    the target's MLP carries into it."""
 
     def first(*names, default=None):
         return next((v for v in (getattr(target_config, n, None) for n in names) if v is not None), default)
@@ -91,7 +96,7 @@ def geometry(target_config, intermediate_size: int | None = None) -> dict:
         num_key_value_heads=first("num_key_value_heads", default=heads),
         head_dim=first("head_dim", default=d // heads),
         rms_norm_eps=first("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", default=1e-6),
-        hidden_act=first("hidden_act", "hidden_activation", "activation_function", default="silu"),
+        hidden_act="silu",
         max_position_embeddings=first("max_position_embeddings", default=2048),
     )
 

@@ -78,6 +78,7 @@ def check_eagle3(state: dict[str, torch.Tensor], head_config: dict, target_confi
     missing = [name for name in EAGLE3_OWN if name not in state]
     if missing:
         raise ExportRefused(f"{where}: weights {missing} are missing; an engine would load them as random")
+    _refuse_activation(head_config, where)
     try:
         target_ids = check_vocab_maps(state["d2t"], state["t2d"])
     except ValueError as e:
@@ -101,6 +102,17 @@ def check_eagle3(state: dict[str, torch.Tensor], head_config: dict, target_confi
         raise ExportRefused(f"{where}: fc.weight is {tuple(state['fc.weight'].shape)}, expected {expected_fc}")
     _refuse_at_chance(best, target_ids.numel(), "draft tokens", force=force, where=where)
     return target_ids
+
+
+def _refuse_activation(head_config: dict, where: str) -> None:
+    """Refuse a head whose layer's MLP is not SiLU (saved by a draftsmith that took the target's activation):
+    vLLM's and SGLang's Llama block refuse it, and llama.cpp's EAGLE-3 graph computes SiLU whatever the file
+    says (src/models/eagle3.cpp), which would draft with another function than the one measured."""
+    act = head_config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ExportRefused(f"{where}: the head's MLP activation is {act!r}; the engines' EAGLE layers compute SiLU "
+                            "(vLLM and SGLang refuse another, llama.cpp ignores it). Train it again: heads use SiLU "
+                            "whatever the target's activation")
 
 
 def _refuse_at_chance(best: dict | None, vocabulary: int, what: str, *, force: bool, where: str) -> None:
@@ -128,6 +140,7 @@ def check_eagle1(state: dict[str, torch.Tensor], head_config: dict, target_confi
     missing = [name for name in EAGLE1_OWN if name not in state]
     if missing:
         raise ExportRefused(f"{where}: weights {missing} are missing; an engine would load them as random")
+    _refuse_activation(head_config, where)
     if head_config.get("input_norm", True):
         raise ExportRefused(f"{where}: this head has a norm before its layer's attention (saved by a draftsmith "
                             "before the layer lost it); vLLM's EAGLE-1 layer has none: train it again")

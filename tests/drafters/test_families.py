@@ -54,6 +54,20 @@ def test_a_heads_label_and_drafting_distribution_is_the_targets_own(family):
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gpt2", "gpt_neox"])
+def test_heads_use_silu_whatever_the_targets_activation(family):
+    """The engines build a head's layer as their Llama block: vLLM's and SGLang's refuse any activation but
+    SiLU, llama.cpp's EAGLE-3 graph computes SiLU. These families' own MLPs use GELU."""
+    target = tiny(family)
+    config = target.config.to_dict()
+    assert "gelu" in next(config[k] for k in ("hidden_act", "hidden_activation", "activation_function") if config.get(k))
+    for kind in ("eagle", "eagle1"):
+        head = make_head(kind, target)
+        assert head.config.hidden_act == "silu"
+        act, x = next(m for n, m in head.named_modules() if n.endswith("mlp")).act_fn, torch.linspace(-4, 4, 9)
+        assert torch.equal(act(x), torch.nn.functional.silu(x))
+
+
 @pytest.mark.parametrize("family", NAMES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_head_trains_reloads_and_drafts_losslessly_on_every_family(family, kind, tmp_path):

@@ -123,6 +123,10 @@ FAULTS = {
                                              lambda c: c.__setitem__("feature_layers", [0, 2, 3])),
                       r"outside 1\.\.3"),
     "no_fc": (lambda run: _edit_weights(run, lambda s: s.pop("fc.weight")), r"\['fc.weight'\] are missing"),
+    # A head saved when heads took the target's activation (Gemma's): the engines' layers compute SiLU.
+    "gelu": (lambda run: _edit_json(run / "best" / "config.json",
+                                    lambda c: c.__setitem__("hidden_act", "gelu_pytorch_tanh")),
+             "activation is 'gelu_pytorch_tanh'"),
 }
 
 
@@ -353,6 +357,8 @@ EAGLE1_FAULTS = {
     "layer": (lambda run: _edit_json(run / "best" / "config.json", lambda c: c.__setitem__("feature_layers", [3])),
               r"reads layers \[3\].*\[4\]"),
     "no_fc": (lambda run: _edit_weights(run, lambda s: s.pop("fc.weight")), r"\['fc.weight'\] are missing"),
+    "gelu": (lambda run: _edit_json(run / "best" / "config.json", lambda c: c.__setitem__("hidden_act", "gelu")),
+             "activation is 'gelu'"),
 }
 
 
