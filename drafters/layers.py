@@ -481,14 +481,14 @@ class SharedTarget:
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.config = target.config
-        # A stock nn.Embedding without max_norm is exactly F.embedding on its weight (padding_idx only
-        # affects gradients, and the target is frozen).
-        self.plain_embedding = type(self.embed) is nn.Embedding and self.embed.max_norm is None
 
     def embed_tokens(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.plain_embedding:  # the lookup itself, without the module call (once per drafted token)
-            return F.embedding(ids, self.embed._parameters["weight"]).to(dtype)
-        return self.embed(ids).to(dtype)  # e.g. an embedding that scales its output: its own forward
+        """The rows of the target's embedding matrix, looked up as the engines' EAGLE layers do: vLLM, SGLang
+        and speculators share the target's embedding weight with the head, not its module, so a family's
+        scaling of the embedding (Gemma-3's sqrt(d), inside its embedding module in transformers) is not applied.
+        A head trained on the scaled rows would draft from other inputs in the engine (EAGLE-1's fc reads them
+        unnormed)."""
+        return F.embedding(ids, self.embed.weight).to(dtype)
 
     def logits(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """Output-head logits (fp32) of features h; `weight` replaces the head's rows (a draft vocabulary)."""

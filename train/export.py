@@ -156,7 +156,9 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
         return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
     tensors, head_config = eagle3_tensors(run.best, target, best=best, force=settings.force, dtype=dtype)
     dtype_name = str(dtype).removeprefix("torch.")
-    verifier = run.target if not run.target.startswith("toyworld://") else str(target_dir)
+    # The verifier speculators and vLLM load: a hub id or directory as named; anything only draftsmith reads
+    # (toyworld://, pypi://, a GGUF file) as the Hugging Face directory it resolves to.
+    verifier = str(target_dir) if "://" in run.target or run.target.endswith(".gguf") else run.target
     write_sglang = sglang_writer(tensors, head_config, target.config, target_dir, dtype_name)
     write_speculators = speculators_writer(tensors, head_config, target, verifier, target_dir, dtype_name,
                                            settings.num_speculative_tokens)

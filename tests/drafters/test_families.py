@@ -64,6 +64,8 @@ def test_heads_use_silu_whatever_the_targets_activation(family):
     for kind in ("eagle", "eagle1"):
         head = make_head(kind, target)
         assert head.config.hidden_act == "silu"
+        ids = torch.tensor([[3, 5, 7]])  # the embedding's rows, without Gemma-3's scale: what the engines look up
+        assert torch.equal(head.shared.embed_tokens(ids, torch.float32), target.get_input_embeddings().weight[ids])
         act, x = next(m for n, m in head.named_modules() if n.endswith("mlp")).act_fn, torch.linspace(-4, 4, 9)
         assert torch.equal(act(x), torch.nn.functional.silu(x))
 

@@ -214,6 +214,10 @@ def test_a_gguf_target_without_a_draft_trains_a_head_on_llama_cpps_answers_and_i
     head = [r for r in report["results"] if r["drafter"] == "trained_eagle"]
     assert all(r["lossless"] and r["engine_lossless"] and r["engine_acceptance_length"] for r in head)
     assert {r["drafter"] for r in report["engine_results"]} == {"mod"}
-    written = export(run, tmp_path / "export", ExportSettings(formats=["gguf"]))
+    written = export(run, tmp_path / "export", ExportSettings(formats=["gguf", "speculators"]))
+    # The verifier speculators and vLLM load is the file's dequantized directory, not a name only draftsmith reads.
+    verifier = json.loads((written["speculators"] / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == models.resolve(str(gguf))
+    assert {"config.json", "model.safetensors"} <= {p.name for p in Path(verifier["name_or_path"]).iterdir()}
     with llama_cpp.LlamaServer(gguf, draft=written["gguf"], spec_type="draft-eagle3", k=2) as server:
         assert server.complete([1, 4, 20, 30], 8).tokens
