@@ -6,7 +6,7 @@
 #
 # It prints the directory it built, which holds bin/llama-server and the source tree (src/) with
 # convert_hf_to_gguf.py and gguf-py/. `drafters/export` and the engine tests find it the same way
-# (eval/llama_cpp.py: $DRAFTSMITH_LLAMA_CPP, else this cache). A cold build takes about 15 minutes on 2
+# (eval/llama_cpp.py: $DRAFTSMITH_LLAMA_CPP, else this cache). A cold build takes about 5 minutes on 2
 # cores; a built cache returns at once. Nothing of llama.cpp is edited.
 set -euo pipefail
 
@@ -30,7 +30,7 @@ rm -rf "$DEST/src"
 mv "$work/llama_cpp_python-$VERSION/vendor/llama.cpp" "$DEST/src"
 
 # No network at run time (no curl, no OpenSSL); the server only, no tests or examples.
-echo "llama.cpp: building llama-server (about 15 minutes on 2 cores)" >&2
+echo "llama.cpp: building llama-server (about 5 minutes on 2 cores)" >&2
 cmake -S "$DEST/src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$DEST/build" --target llama-server -j "$(nproc)" >&2
