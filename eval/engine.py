@@ -404,6 +404,11 @@ def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
                    np.array([[g.predicted_ms / 1000 for g in row] for row in gens]))
 
 
+# The verdict where a drafter proposed nothing (llama.cpp's n-gram modes on text that does not repeat): its
+# generations were plain decoding, and any difference from the plain runs' speed is the machine's noise.
+NOTHING_DRAFTED = "it drafted nothing here: plain decoding"
+
+
 def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, repeats: int, pays_off_at: float,
                    seed: int = 0, batch: int = 1) -> list[dict]:
     """Rows of draftsmith's report at batch size `batch` gain llama.cpp's figures for the same (drafter, k,
@@ -433,11 +438,12 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
         predicted = (predicted_speedup(tau, proposed, c, beta)
                      if None not in (tau, proposed, c, beta) else None)
         tau_engine = 1 + chosen.accepted / chosen.verifications if chosen.verifications else None
+        drafted = sum(runs[rep, c, i].draft_n for rep in range(repeats) for c, i in keys)
         return dict(
             engine=ENGINES["llamacpp"], engine_acceptance_length=tau_engine,
             engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_sd_tokens_per_s=spec_t.median_tokens_per_s(),
             engine_speedup=vs_plain.ratio, engine_speedup_ci=vs_plain.interval,
-            engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at),
+            engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at) if drafted else NOTHING_DRAFTED,
             engine_lossless=all(runs[rep, c, i].tokens == plain[rep, c, i].tokens
                                 for rep in range(repeats) for c, i in keys),
             engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted,

@@ -87,6 +87,31 @@ STATS_2 = ("spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =   11
            "76.950, 0.051 ms\n")
 
 
+def _engine_only_rows(draft_n: int) -> list[dict]:
+    """engine_figures for llama.cpp's ngram-mod beside one greedy row: 3 prompts of 10 tokens, plain decoding at
+    10 ms a token, the n-gram mode at 8 ms (the machine faster while it ran) proposing `draft_n` tokens each."""
+    def gen(ms, n):
+        return llama_cpp.Completion(tokens=list(range(10)), draft_n=n, draft_n_accepted=0, predicted_ms=ms)
+
+    items = [("code", i) for i in range(3)]
+    measured = {"items": items, "costs": {},
+                "completions": {"plain": {(0, c, i): gen(100.0, 0) for c, i in items},
+                                ("mod", 4): {(0, c, i): gen(80.0 + i, draft_n) for c, i in items}},
+                "counters": {("mod", 4): {(0, c, i): engine.DraftStats(verifications=draft_n) for c, i in items}}}
+    greedy = [dict(row("ngram", 1.5, 4, category="code"), batch_size=1)]  # draftsmith's row: a note in the engine
+    served = [engine.Served("ngram", note="no llama.cpp counterpart"), engine.Served("mod", spec_type="ngram-mod")]
+    return engine.engine_figures(greedy, measured, served, repeats=1, pays_off_at=1.05)
+
+
+def test_a_drafter_that_drafted_nothing_is_not_called_faster_than_plain_decoding():
+    """llama.cpp's n-gram modes draft only where text repeats: where they proposed nothing their runs were plain
+    decoding, and a faster machine during them must not read as "pays off"."""
+    (idle,) = _engine_only_rows(draft_n=0)
+    assert idle["engine_speedup"] > 1.2 and idle["engine_verdict"] == engine.NOTHING_DRAFTED
+    (drafting,) = _engine_only_rows(draft_n=5)
+    assert drafting["engine_verdict"] == "pays off"
+
+
 def test_draft_counters_read_the_statistics_line_of_each_request_even_when_split_across_reads():
     counters = engine.DraftCounters(FakeServer(STATS_1 + "slot release\n" + STATS_2[:60], "", STATS_2[60:]))
     assert counters.after(1) == engine.DraftStats(verifications=94, drafted=373, accepted=274, draft_ms=66.426)
