@@ -58,7 +58,7 @@ from tqdm.auto import tqdm
 
 from eval import llama_cpp
 from eval.compare import Timings, compare, verdict
-from eval.engine_formats import eagle3_gguf, target_directory
+from eval.engine_formats import GGUF_OUTTYPE, eagle3_gguf, target_directory
 from eval.evaluate import ALL, base_drafter
 from drafters.tree import StaticTree, TreeShape
 from eval.metrics import predicted_speedup
@@ -177,6 +177,12 @@ class Served:
         return self.spec_type in llama_cpp.NGRAM_TYPES
 
 
+# The type of the drafters' GGUFs that llama.cpp serves: f16, as deployments serve a draft (SGLang and vLLM in
+# 16 bits). In float32 a one-layer head's draft step costs about twice as much against a Q4 target (c 0.2 of a
+# step on SmolLM2's Q4_1 file, BENCHMARKS.md section 13.5), which would charge a draft cost no deployment pays.
+DRAFT_DTYPE = "float16"
+
+
 def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) -> Served:
     """The drafter of an eval spec ({name, kind, path}) converted for llama.cpp by its own converter; kind
     `llamacpp` is one of llama.cpp's model-free n-gram modes (`spec_type`), which needs no conversion."""
@@ -188,16 +194,18 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
         return Served(name, spec_type=spec["spec_type"])
     out = work / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.gguf"
     if kind == "draft_lm":
-        return Served(name, llama_cpp.convert_to_gguf(target_directory(spec["path"]), out), SPEC_TYPES["draft_lm"])
+        return Served(name, llama_cpp.convert_to_gguf(target_directory(spec["path"]), out,
+                                                      outtype=GGUF_OUTTYPE[DRAFT_DTYPE]), SPEC_TYPES["draft_lm"])
     if kind != "head":
         return Served(name, note="draftsmith's n-gram drafter has no llama.cpp counterpart (llama.cpp's ngram "
                                  "drafters are other algorithms)")
     head = Path(spec["path"])
     config = json.loads((head / "config.json").read_text())
     if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):  # an SGLang export
-        gguf = llama_cpp.convert_to_gguf(head, out, target_dir=target_directory(target_name_or_path))
+        gguf = llama_cpp.convert_to_gguf(head, out, outtype=GGUF_OUTTYPE[DRAFT_DTYPE],
+                                         target_dir=target_directory(target_name_or_path))
     elif config.get("draftsmith_kind") == "eagle":
-        gguf = eagle3_gguf(head, target, target_name_or_path, out)
+        gguf = eagle3_gguf(head, target, target_name_or_path, out, DRAFT_DTYPE)
     else:
         what = config.get("draftsmith_kind") or "/".join(config.get("architectures") or ["unknown"])
         return Served(name, note=f"a {what} head has no llama.cpp format (llama.cpp serves draft models and "

@@ -338,10 +338,11 @@ def speculators_writer(tensors: dict[str, torch.Tensor], head_config: dict, targ
     return write
 
 
-def eagle3_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file: str | Path) -> Path:
-    """A saved EAGLE-3 head (a `best/` directory of a run) as a llama.cpp GGUF: the SGLang export beside
-    `out_file`, guarded as every export is, then llama.cpp's converter with the target's directory.
-    What `python -m eval engine=llamacpp` serves."""
+def eagle3_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file: str | Path,
+                dtype: str = "float32") -> Path:
+    """A saved EAGLE-3 head (a `best/` directory of a run) as a llama.cpp GGUF, its weights in `dtype`: the
+    SGLang export beside `out_file`, guarded as every export is, then llama.cpp's converter with the target's
+    directory. What `python -m eval engine=llamacpp` serves."""
     head_dir, out_file = Path(head_dir), Path(out_file)
     best_file = head_dir / "best.json"
     best = json.loads(best_file.read_text()) if best_file.exists() else None
@@ -349,10 +350,12 @@ def eagle3_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file
     target_dir = target_directory(target_name_or_path)
     sglang = write_dir(out_file.with_suffix(".sglang"), sglang_writer(tensors, head_config, target.config,
                                                                        target_dir, "float32"))
-    return write_gguf(sglang, out_file, "float32", target_dir=target_dir)
+    return write_gguf(sglang, out_file, dtype, target_dir=target_dir)
+
+
+GGUF_OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # torch dtype name -> the converter's
 
 
 def write_gguf(model_dir: Path, out_file: Path, dtype: str, target_dir: Path | None = None) -> Path:
     """The `hf` or `sglang` export in `model_dir` through llama.cpp's converter, its weights in `dtype`."""
-    outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
-    return convert_to_gguf(model_dir, out_file, outtype=outtype, target_dir=target_dir)
+    return convert_to_gguf(model_dir, out_file, outtype=GGUF_OUTTYPE[dtype], target_dir=target_dir)
