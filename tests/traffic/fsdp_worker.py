@@ -4,6 +4,7 @@ model whose parameters and optimizer state FSDP shards across the two processes.
 Accelerate does not set FSDP up without GPUs, so the model is sharded with torch's own `fully_shard`,
 which is what Accelerate's FSDP 2 plugin calls."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -82,3 +83,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Past here only the interpreter's teardown runs, where torch's gloo threads can abort the process now and then
+    # ("terminate called without an active exception", seen once in a fresh-clone CI run after both ranks printed
+    # ok): leave without it. A failed assertion above still exits non-zero.
+    sys.stdout.flush()
+    os._exit(0)
