@@ -36,6 +36,9 @@ def run(cfg: DictConfig) -> dict:
     costs = OmegaConf.to_object(cfg.engine_costs)
     engine_name = cfg.engine.name if cfg.engine else None
     engines.check(engine_name, costs)
+    alone = bool(cfg.engine and cfg.engine.only)
+    if alone:
+        engines.check_alone(engine_name, plan)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     # The traffic is read first: a bad record fails before a model is loaded.
@@ -44,33 +47,37 @@ def run(cfg: DictConfig) -> dict:
     source = target_source(cfg.target)
     target, tokenizer = load_target(source, device=device, dtype=cfg.target.dtype,
                                     trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)
-    specs = resolve_specs([OmegaConf.to_container(spec, resolve=True) for spec in cfg.drafters], source, engine_name)
+    specs = resolve_specs([OmegaConf.to_container(spec, resolve=True) for spec in cfg.drafters], source, engine_name,
+                          loop=not alone)
     # A deployment is checked (reachable, serving the model) before anything is measured.
     endpoints = deployment.connect(cfg.engine, list(plan.ks), [s["name"] for s in specs]) \
         if engine_name == "openai" else None
-    # llama.cpp's own drafters run in the engine only; every other drafter in draftsmith's loop too.
-    drafters = [build_drafter(spec, target=target, tokenizer=tokenizer, trust_remote_code=cfg.target.trust_remote_code)
-                for spec in specs if spec["kind"] != "llamacpp"]
+    # llama.cpp's own drafters run in the engine only; every other drafter in draftsmith's loop too, unless the
+    # engine measures alone.
+    drafters = [] if alone else [
+        build_drafter(spec, target=target, tokenizer=tokenizer, trust_remote_code=cfg.target.trust_remote_code)
+        for spec in specs if spec["kind"] != "llamacpp"]
     limit, why = prompt_budget(target.config, plan.max_new_tokens, cfg.data.max_prompt_tokens)
     prompts = tokenize_prompts(traffic, tokenizer, device=device, max_per_category=cfg.data.max_prompts_per_category,
                                max_prompt_tokens=limit, why=why, on_bad_record=cfg.data.on_bad_record)
     work = Path(cfg.out_dir) / "engine"
-    converted = engines.convert(engine_name, specs, target, source, work)
-    rows = evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id, progress=cfg.progress)
+    converted = engines.convert(engine_name, specs, target, source, work, alone=alone)
+    rows = [] if alone else evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id,
+                                     progress=cfg.progress)
     if endpoints is not None:
         engine = deployment.run(rows, endpoints, {c: [p.tolist() for p in ps] for c, ps in prompts.items()}, plan,
                                 cfg.engine, costs, progress=cfg.progress)
     else:
         engine = engines.add_figures(rows, specs, target, source, prompts, plan, engine=engine_name, costs=costs,
                                      threads=cfg.threads or os.cpu_count(), work=work, converted=converted,
-                                     progress=cfg.progress)
+                                     progress=cfg.progress, alone=alone)
     engine_rows = engine.pop("engine_only", []) if engine else []
     settings = {"data": traffic.describe(prompts), **asdict(plan), "dtype": cfg.target.dtype, "device": str(device),
                 "engine": engine}
-    report = build_report(rows, target=source, baseline=drafters[0].name, settings=settings, engine_rows=engine_rows)
+    report = build_report(rows, target=source, baseline=specs[0]["name"], settings=settings, engine_rows=engine_rows)
     paths = write_report(report, cfg.out_dir)
     print(console_summary(report))
-    print(f"\nreport: {paths['md']}  ({paths['json'].name} and {len(paths) - 2} histogram PNGs beside it)")
+    print(f"\nreport: {paths['md']}  ({paths['json'].name} and {len(paths) - 2} PNG plots beside it)")
     if cfg.tracking.wandb:
         log_to_wandb(report, paths, project=cfg.tracking.project, entity=cfg.tracking.entity,
                      config=OmegaConf.to_container(cfg, resolve=True), run_dir=cfg.out_dir)

@@ -79,6 +79,9 @@ class EngineConfig:
     `spec_url` and without at `plain_url`, measured from outside (eval/deployment.py)."""
 
     name: str = MISSING  # llamacpp | openai
+    # llamacpp: measure in the engine alone, without draftsmith's PyTorch loop (no τ, speed-up or verdict of its
+    # own): the engine's τ, speed-up, costs and verdict per category and k, in the time the engine takes
+    only: bool = False
     spec_url: Optional[str] = None  # openai: base URL of the server that drafts
     plain_url: Optional[str] = None  # openai: base URL of the same model without a drafter (null: no speed-up)
     model: Optional[str] = None  # openai: the served model's name (null: the one model the server lists)

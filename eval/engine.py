@@ -70,8 +70,8 @@ ENGINES = {"llamacpp": "llama.cpp"}
 CHAINS_ONLY = "llama.cpp drafts and verifies chains only: a tree's τ and speed are draftsmith's"
 SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3"}
 # Fields every result row gets (None where a drafter or a temperature has no engine figure).
-FIELDS = ("engine", "engine_acceptance_length", "engine_ar_tokens_per_s", "engine_sd_tokens_per_s",
-          "engine_speedup", "engine_speedup_ci", "engine_verdict", "engine_lossless", "engine_cost_ratio",
+FIELDS = ("engine", "engine_acceptance_length", "engine_mean_proposed", "engine_ar_tokens_per_s",
+          "engine_sd_tokens_per_s", "engine_speedup", "engine_speedup_ci", "engine_verdict", "engine_lossless", "engine_cost_ratio",
           "engine_verify_overhead", "engine_predicted_speedup", "engine_ceiling", "engine_tau_ceiling", "engine_note")
 
 
@@ -418,13 +418,18 @@ NOTHING_DRAFTED = "it drafted nothing here: plain decoding"
 
 
 def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, repeats: int, pays_off_at: float,
-                   seed: int = 0, batch: int = 1) -> list[dict]:
+                   seed: int = 0, batch: int = 1, alone: bool = False, ks: list[int] | None = None) -> list[dict]:
     """Rows of draftsmith's report at batch size `batch` gain llama.cpp's figures for the same (drafter, k,
     category) at that batch size; rows at temperature > 0 and drafters llama.cpp cannot serve get a note
     instead. At batch > 1 the engine's τ is the server's over each category's stream, and c and β (measured
     at batch 1) and the prediction are left out. Returns the rows of the drafters only the engine runs
     (llama.cpp's n-gram modes), one per category and k as draftsmith's rows have them, with the engine's
-    figures alone."""
+    figures alone.
+
+    alone (`engine.only`: no loop of draftsmith's ran, `rows` is empty): every drafter the engine serves gets
+    such rows, one per category (and all traffic) and k of `ks`, and a drafter's prediction is its engine τ
+    through the engine's c and β, τ / (1 + n̄·c + β) with n̄ its drafted tokens per verification: the cost
+    model checked against the speed-up measured beside it."""
     completions, counters, items = measured["completions"], measured["counters"], measured["items"]
     plain = completions["plain"]
     step_ms = statistics.median(sum(g.predicted_ms for (r, _, _), g in plain.items() if r == rep)
@@ -443,12 +448,15 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
         chosen = sum((counters[key][rep, c, i] for rep in range(repeats) for c, i in keys), DraftStats()) \
             if key in counters else DraftStats()
         c, beta = costs.get(key, (None, None))
+        tau_engine = 1 + chosen.accepted / chosen.verifications if chosen.verifications else None
+        proposed_engine = chosen.drafted / chosen.verifications if chosen.verifications else None
+        if alone:  # no τ of draftsmith's: the engine's own through its costs
+            tau, proposed = tau_engine, proposed_engine
         predicted = (predicted_speedup(tau, proposed, c, beta)
                      if None not in (tau, proposed, c, beta) else None)
-        tau_engine = 1 + chosen.accepted / chosen.verifications if chosen.verifications else None
         drafted = sum(runs[rep, c, i].draft_n for rep in range(repeats) for c, i in keys)
         return dict(
-            engine=ENGINES["llamacpp"], engine_acceptance_length=tau_engine,
+            engine=ENGINES["llamacpp"], engine_acceptance_length=tau_engine, engine_mean_proposed=proposed_engine,
             engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_sd_tokens_per_s=spec_t.median_tokens_per_s(),
             engine_speedup=vs_plain.ratio, engine_speedup_ci=vs_plain.interval,
             engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at) if drafted else NOTHING_DRAFTED,
@@ -471,10 +479,13 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
         else:
             figures.update(figures_of(r["drafter"], r["k"], r["category"], r["acceptance_length"], r["mean_proposed"]))
         r.update(figures)
-    cells = list(dict.fromkeys((r["category"], r["k"]) for r in greedy))
+    if alone:
+        cells = [(category, k) for category in [*dict.fromkeys(c for c, _ in items), ALL] for k in ks]
+    else:
+        cells = list(dict.fromkeys((r["category"], r["k"]) for r in greedy))
     return [{"category": category, "drafter": s.name, "k": k, "batch_size": batch, "temperature": 0.0,
              "engine_only": s.spec_type, **dict.fromkeys(FIELDS), **figures_of(s.name, k, category, None, None)}
-            for s in served if s.engine_only for category, k in cells]
+            for s in served if s.spec_type is not None and (alone or s.engine_only) for category, k in cells]
 
 
 def ceilings(k: int, tau: float | None, beta: float | None) -> dict:
@@ -512,11 +523,13 @@ def convert_for_llama_cpp(drafter_specs: list[dict], target, target_name_or_path
 
 def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, list[list[int]]], *, ks: list[int],
                   max_new_tokens: int, repeats: int, pays_off_at: float, threads: int, work: Path,
-                  cost_prompts: int = 4, seed: int = 0, progress: bool = True, batch_sizes=(1,)) -> dict:
+                  cost_prompts: int = 4, seed: int = 0, progress: bool = True, batch_sizes=(1,),
+                  alone: bool = False) -> dict:
     """Everything `engine=llamacpp` adds once the models are converted: measure them in llama.cpp at each
     batch size (calibrating c and β at batch 1), and add the engine's figures to `rows`. Returns the
     settings to report, with the rows of the drafters only the engine runs under `engine_only` (the caller
-    reports them apart: report.json's `engine_results`)."""
+    reports them apart: report.json's `engine_results`); with `alone` (no loop of draftsmith's ran), the rows
+    of every drafter the engine serves."""
     target_gguf, served = converted.target_gguf, converted.served
     engine_only = []
     for batch in batch_sizes:
@@ -524,9 +537,9 @@ def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, lis
                                      threads=threads, log_dir=work, cost_prompts=cost_prompts, progress=progress,
                                      batch=batch)
         engine_only += engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed,
-                                      batch=batch)
+                                      batch=batch, alone=alone, ks=ks)
     return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "target_gguf": str(target_gguf),
-            "threads": threads, "work_dir": str(work),
+            "threads": threads, "work_dir": str(work), "alone": alone,
             "cost_prompts_per_category": cost_prompts, "served": {s.name: s.spec_type or s.note for s in served},
             "batch_sizes": list(batch_sizes), "engine_only": engine_only}
 
@@ -549,25 +562,47 @@ def check(engine: str | None, costs: EngineCosts, runs: tuple[str, ...] = ("llam
         llama_cpp.require()
 
 
-def convert(engine: str | None, specs: list[dict], target, target_name_or_path: str, work: Path) -> Converted | None:
+def check_alone(engine: str | None, plan) -> None:
+    """`engine.only`: what llama.cpp alone can measure. It verifies chains, greedy (eval/llama_cpp.py)."""
+    if engine != "llamacpp":
+        raise ValueError(f"engine.only=true measures in llama.cpp alone (engine=llamacpp); engine={engine} measures "
+                         "beside draftsmith's loop")
+    if list(plan.temperatures) != [0.0]:
+        raise ValueError(f"engine.only=true: llama.cpp is measured greedy, set temperatures=[0.0] (got "
+                         f"{list(plan.temperatures)}); sampled acceptance is draftsmith's loop's (engine.only=false)")
+    if plan.trees:
+        raise ValueError(f"engine.only=true: {CHAINS_ONLY}, so trees={list(plan.trees)} need draftsmith's loop "
+                         "(engine.only=false)")
+
+
+def convert(engine: str | None, specs: list[dict], target, target_name_or_path: str, work: Path,
+            alone: bool = False) -> Converted | None:
     """Before measuring: the models converted for the engine that will serve them (engine=llamacpp), so a
-    model it cannot read fails before draftsmith's own measurement, not after it."""
-    return convert_for_llama_cpp(specs, target, target_name_or_path, work) if engine == "llamacpp" else None
+    model it cannot read fails before draftsmith's own measurement, not after it. alone (`engine.only`): at
+    least one drafter must be one llama.cpp serves."""
+    if engine != "llamacpp":
+        return None
+    converted = convert_for_llama_cpp(specs, target, target_name_or_path, work)
+    if alone and not any(s.spec_type for s in converted.served):
+        raise ValueError("engine.only=true, but llama.cpp serves none of the drafters: "
+                         + "; ".join(f"{s.name}: {s.note}" for s in converted.served))
+    return converted
 
 
 def add_figures(rows: list[dict], specs: list[dict], target, target_name_or_path: str,
                 prompts: dict[str, list], plan, *, engine: str | None, costs: EngineCosts, threads: int, work: Path,
-                converted: Converted | None = None, progress: bool = True) -> dict | None:
+                converted: Converted | None = None, progress: bool = True, alone: bool = False) -> dict | None:
     """The engine's figures added to `rows` (from eval.evaluate, with `plan`, its EvalPlan, on `prompts`,
     token-id tensors per category, for the drafters `specs`): measured in llama.cpp (engine=llamacpp, the
     models `convert`ed unless given) or predicted from costs a team measured in its own engine. Returns what
-    the report's settings say of it."""
+    the report's settings say of it. alone: llama.cpp measures without draftsmith's loop (`rows` empty; every
+    drafter's figures are rows of the engine's own, under `engine_only`)."""
     if engine == "llamacpp":
         converted = converted or convert_for_llama_cpp(specs, target, target_name_or_path, work)
         return run_llama_cpp(rows, converted, {c: [p.tolist() for p in ps] for c, ps in prompts.items()}, ks=list(plan.ks),
                              max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, pays_off_at=plan.pays_off_at,
                              threads=threads, work=work, seed=plan.seed, progress=progress,
-                             batch_sizes=list(plan.batch_sizes))
+                             batch_sizes=list(plan.batch_sizes), alone=alone)
     if costs.given:
         predict(rows, costs, {s["name"]: s.get("engine_c") for s in specs}, plan.pays_off_at)
         return {"name": costs.name, "predicted": True, "c": costs.c, "beta": costs.beta,

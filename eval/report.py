@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from eval.evaluate import EvalPlan, base_drafter
+from eval.llama_cpp import NGRAM_TYPES
 
 SCHEMA = "draftsmith.eval/1"
 
@@ -110,6 +111,8 @@ def _sorted(rows: list[dict]) -> list[dict]:
 
 def markdown(report: dict) -> str:
     """report.md: settings, the summary table, the per-position acceptance and the verdicts."""
+    if not report["results"]:
+        return engine_alone_markdown(report)
     rows = _sorted(report["results"])
     hw = report["hardware"]
     out = [
@@ -185,7 +188,7 @@ def markdown(report: dict) -> str:
                 " table.", "",
                 *_pays_up_to(rows), "", *(f"![{p}]({p})" for p in report.get("plots", [])), "",
                 table([r for r in rows if r["k"] == r["best_k"]], BATCH_COLUMNS)]
-    out += engine_section(rows + report.get("engine_results", []))
+    out += engine_section(rows + report.get("engine_results", []), report.get("plots", []))
     return "\n".join(out) + "\n"
 
 
@@ -223,7 +226,8 @@ BATCH_COLUMNS = [
 ]
 ENGINE_COLUMNS = [
     ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("τ", "acceptance_length"),
-    ("τ engine", "engine_acceptance_length"), ("plain tok/s", "engine_ar_tokens_per_s"),
+    ("τ engine", "engine_acceptance_length"), ("prop engine", "engine_mean_proposed"),
+    ("plain tok/s", "engine_ar_tokens_per_s"),
     ("spec tok/s", "engine_sd_tokens_per_s"), ("c", "engine_cost_ratio"), ("β", "engine_verify_overhead"),
     ("pred ×", "engine_predicted_speedup"), ("speed-up ×", "engine_speedup"), ("95 % interval", "engine_speedup_ci"),
     ("ceiling ×", "engine_ceiling"), ("τ ceiling ×", "engine_tau_ceiling"), ("lossless", "engine_lossless"), ("verdict here", "verdict"), ("verdict in the engine", "engine_verdict"),
@@ -273,7 +277,51 @@ def deployment_section(rows: list[dict], name: str) -> list[str]:
     return out
 
 
-def engine_section(rows: list[dict]) -> list[str]:
+def engine_verdict_lines(rows: list[dict]) -> list[str]:
+    """Per category (and batch size): every drafter at its best k by the engine's measured speed-up, fastest first,
+    with its interval and the engine's verdict."""
+    best: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if r.get("engine_speedup") is None:
+            continue
+        group = best.setdefault((r["category"], r.get("batch_size", 1)), {})
+        if r["drafter"] not in group or r["engine_speedup"] > group[r["drafter"]]["engine_speedup"]:
+            group[r["drafter"]] = r
+    several = len({b for _, b in best}) > 1
+    lines = []
+    for (category, batch), group in best.items():
+        ranked = sorted(group.values(), key=lambda r: -r["engine_speedup"])
+        lines.append(f"- **{category}**{f', batch {batch}' if several else ''}: " + "; ".join(
+            f"{r['drafter']} k={r['k']} {r['engine_speedup']:.2f}× ({_interval(r.get('engine_speedup_ci'))}) → "
+            f"{r['engine_verdict']}" for r in ranked))
+    return lines
+
+
+def engine_alone_markdown(report: dict) -> str:
+    """report.md of `engine.only=true`: llama.cpp measured alone, no loop of draftsmith's beside it."""
+    hw = report["hardware"]
+    engine = report["settings"].get("engine") or {}
+    out = ["# draftsmith evaluation: " + f"{engine.get('name', 'the engine')} alone", "",
+           f"- target: `{report['target']}`",
+           *(f"- {line}" for line in traffic_lines(report["settings"])),
+           f"- hardware: {hw['gpu'] or hw['cpu']}, {engine.get('threads')} engine threads",
+           "- settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()
+                                      if k not in TRAFFIC_KEYS and k != "engine"),
+           "",
+           "Measured in the engine only (`engine.only=true`): no τ, speed-up or verdict of draftsmith's loop (τ –),"
+           " so pred × is the engine's own τ through its c and β, τ engine / (1 + n̄·c + β) with n̄ its drafted"
+           " tokens per verification: the cost model checked against the speed-up measured beside it. Verdict:"
+           f" pays off at a speed-up of {report['settings'].get('pays_off_at', EvalPlan.pays_off_at):g}× or more,"
+           " turn it off below, undecided where the 95 % interval holds 1."]
+    out += engine_section(report.get("engine_results", []), report.get("plots", []))
+    served = {r["drafter"] for r in report.get("engine_results", [])}
+    left_out = [f"- {name}: {why}" for name, why in (engine.get("served") or {}).items() if name not in served]
+    if left_out:
+        out += ["", "Not measured (the engine does not serve them):", "", *left_out]
+    return "\n".join(out) + "\n"
+
+
+def engine_section(rows: list[dict], report_plots: list[str] = ()) -> list[str]:
     """report.md's engine section: measured in llama.cpp beside draftsmith's loop, in a team's deployment through
     its API, or predicted for a team's own engine from the c and β it measured there (eval/engine.py)."""
     from eval.deployment import NAME
@@ -312,21 +360,27 @@ def engine_section(rows: list[dict]) -> list[str]:
                " the measured τ allows at no draft cost (a speed-up far below it: the draft costs too much; a low"
                " ceiling: the hardware, the quantization or k limits); lossless = its greedy output equals its"
                " plain output.", ""]
-        columns = ENGINE_COLUMNS
+        # Engine-only rows (llama.cpp alone, its n-gram modes) have no τ or verdict of draftsmith's loop.
+        columns = [c for c in ENGINE_COLUMNS if c[1] not in ("acceptance_length", "verdict")
+                   or any(r.get(c[1]) is not None for r in measured)]
         if len(batch_sizes(rows)) > 1:
-            columns = [*ENGINE_COLUMNS[:3], ("B", "batch_size"), *ENGINE_COLUMNS[3:]]
+            columns = [*columns[:3], ("B", "batch_size"), *columns[3:]]
             out += [f"At B > 1 {name} serves with B slots, each category's prompts streamed through them as under"
                     " constant load (a client per slot sends the next prompt when its answer is back; extra requests"
                     " keep every slot busy until every prompt is answered), plain and speculative alike; τ engine is"
                     " the server's over each category's stream (extra requests included); c and β are batch-1 figures.",
                     ""]
-        own = sorted({f"{r['drafter']} ({r['engine_only']})" for r in rows if r.get("engine_only")})
+        own = sorted({f"{r['drafter']} ({r['engine_only']})" for r in rows if r.get("engine_only") in NGRAM_TYPES})
         if own:
             out += [f"{', '.join(own)}: {name}'s own model-free speculation, what its users have without a draft"
                     " model; draftsmith has no loop for it (τ –), and as it drafts only where the text repeats, c and β"
                     " are not calibrated for it.",
                     ""]
         out.append(table(measured, columns))
+        out += ["", f"### Verdict per category in {name} (each drafter at its best k)", "",
+                f"Each drafter at the k {name} ran it fastest, fastest first; the verdict is {name}'s own.", "",
+                *engine_verdict_lines(measured)]
+        out += [f"![{p}]({p})" for p in report_plots if p.startswith("engine_k_")]
     if notes:
         out += ["", *(f"- {n}" for n in notes)]
     return out
@@ -379,6 +433,15 @@ def _fastest_lines(rows: list[dict]) -> list[str]:
 
 def console_summary(report: dict) -> str:
     """A short fixed-width summary for the terminal."""
+    if not report["results"]:  # llama.cpp alone
+        rows = [r for r in report.get("engine_results", []) if r.get("engine_speedup") is not None]
+        name = rows[0]["engine"] if rows else "the engine"
+        head = f"{'category':<14}{'drafter':<18}{'k':>3}{'B':>4}{'tau eng':>9}{'x eng':>8}{'pred':>7}{'ceil':>7}  verdict"
+        return "\n".join([*traffic_lines(report["settings"]), "", f"In {name} alone:", head, "-" * len(head), *(
+            f"{r['category'][:13]:<14}{r['drafter'][:17]:<18}{r['k']:>3}{r.get('batch_size', 1):>4}"
+            f"{_fmt(r.get('engine_acceptance_length')):>9}{_fmt(r['engine_speedup']):>8}"
+            f"{_fmt(r.get('engine_predicted_speedup')):>7}{_fmt(r.get('engine_ceiling')):>7}  {r['engine_verdict']}"
+            for r in rows), "", f"Each drafter at its best k in {name}:", *engine_verdict_lines(rows)])
     rows = _sorted(report["results"])
     traffic = traffic_lines(report["settings"])
     head = (f"{'category':<14}{'drafter':<18}{'k':>3}{'B':>4}{'T':>5}{'tau':>7}{'zero':>7}{'x':>7}{'pred':>7}"
@@ -419,6 +482,8 @@ def plot_histograms(report: dict, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     rows = report["results"]
+    if not rows:  # llama.cpp alone: its counters give no per-round histogram
+        return []
     smallest = min(batch_sizes(rows))  # acceptance is the batch's business only through timing: one batch size
     rows = [r for r in rows if r.get("batch_size", 1) == smallest]
     paths = []
@@ -512,6 +577,45 @@ def plot_batch_curves(report: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def plot_engine_k(report: dict, out_dir: Path) -> list[Path]:
+    """With several k measured in an engine, one PNG: a panel per category, each drafter's speed-up in the engine
+    against k (95 % intervals), beside the engine's ceiling (k+1)/(1+β), what a perfect drafter costing nothing
+    could reach, and the line of no gain: whether the drafter or the hardware limits, and at which k."""
+    rows = [r for r in report["results"] + report.get("engine_results", [])
+            if r.get("engine_speedup") is not None and r.get("batch_size", 1) == 1 and not r.get("tree")]
+    if len({r["k"] for r in rows}) < 2:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    fig, axes = plt.subplots(1, len(categories), figsize=(3.6 * len(categories), 3.4), squeeze=False, sharey=True)
+    for ax, category in zip(axes[0], categories):
+        here = [r for r in rows if r["category"] == category]
+        for drafter in dict.fromkeys(r["drafter"] for r in here):
+            mine = sorted((r for r in here if r["drafter"] == drafter), key=lambda r: r["k"])
+            ks, x = [r["k"] for r in mine], [r["engine_speedup"] for r in mine]
+            ci = [r.get("engine_speedup_ci") or (v, v) for r, v in zip(mine, x)]
+            ax.errorbar(ks, x, yerr=[[v - lo for v, (lo, _) in zip(x, ci)], [hi - v for v, (_, hi) in zip(x, ci)]],
+                        marker="o", capsize=2, label=drafter)
+        ceiling = {}
+        for r in here:  # the engine's ceiling at k, from the first drafter calibrated there
+            if r.get("engine_ceiling") is not None:
+                ceiling.setdefault(r["k"], r["engine_ceiling"])
+        if ceiling:
+            ks = sorted(ceiling)
+            ax.plot(ks, [ceiling[k] for k in ks], "k--", linewidth=1, label="ceiling (k+1)/(1+β)")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(category)
+        ax.set_xlabel("k")
+        ax.set_xticks(sorted({r["k"] for r in here}))
+    axes[0][0].set_ylabel(f"speed-up in {rows[0]['engine']}")
+    axes[0][0].legend(fontsize=7)
+    return [_save(fig, out_dir / "engine_k_speedup.png")]
+
+
 def _save(fig, path: Path) -> Path:
     """A finished figure written to `path` and closed."""
     import matplotlib.pyplot as plt
@@ -547,9 +651,9 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
 
     # The measurement first: a failure drawing or rendering it afterwards loses nothing measured.
     write("json", json.dumps(report, indent=2) + "\n")
-    for p in plot_batch_curves(report, out_dir):  # before report.md, which links them
+    for p in [*plot_batch_curves(report, out_dir), *plot_engine_k(report, out_dir)]:  # before report.md, which links them
         paths[p.stem] = p
-    report = {**report, "plots": sorted(p for p in paths if p.startswith("batch_curve_"))}
+    report = {**report, "plots": sorted(p for p in paths if p.startswith(("batch_curve_", "engine_k_")))}
     report["plots"] = [f"{name}.png" for name in report["plots"]]
     write("json", json.dumps(report, indent=2) + "\n")
     write("md", markdown(report))
@@ -569,9 +673,11 @@ def log_to_wandb(report: dict, paths: dict[str, Path], *, project: str, entity: 
     mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     run = wandb.init(project=project, entity=entity, config=config, dir=str(run_dir), mode=mode, job_type="eval")
     # Lists (histograms, positions, intervals) do not fit a table cell; an interval is None in some rows.
-    columns = [c for c in report["results"][0] if not any(isinstance(r[c], list) for r in report["results"])]
+    # llama.cpp alone (engine.only) has the engine's rows only.
+    rows = report["results"] or report["engine_results"]
+    columns = [c for c in rows[0] if not any(isinstance(r.get(c), list) for r in rows)]
     run.log({
-        "results": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in report["results"]]),
+        "results": wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows]),
         **{f"accept_hist/{name}": wandb.Image(str(p)) for name, p in paths.items() if p.suffix == ".png"},
     })
     run.finish()

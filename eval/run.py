@@ -63,10 +63,11 @@ def target_source(target) -> str:
     return models.source(target["name_or_path"], target.get("gguf_file"))
 
 
-def resolve_specs(specs: list[dict], target_source: str, engine: str | None) -> list[dict]:
+def resolve_specs(specs: list[dict], target_source: str, engine: str | None, loop: bool = True) -> list[dict]:
     """The drafter specs with what they stand for made concrete: a self-draft (`kind: draft_lm`, `layers`, no
     path) gets the path of the target's first layers (built once, traffic/models.py); llama.cpp's own
-    drafters (`kind: llamacpp`) are checked to have an engine that runs them."""
+    drafters (`kind: llamacpp`) are checked to have an engine that runs them, and, where draftsmith's loop runs
+    (`loop`), to come after a baseline it runs."""
     out = []
     for spec in specs:
         spec = dict(spec)
@@ -76,7 +77,7 @@ def resolve_specs(specs: list[dict], target_source: str, engine: str | None) -> 
             raise ValueError(f"drafter {spec.get('name')!r} (kind llamacpp) is llama.cpp's own speculation: it is "
                              "measured in the engine only, set engine=llamacpp")
         out.append(spec)
-    if out and out[0].get("kind") == "llamacpp":
+    if loop and out and out[0].get("kind") == "llamacpp":
         raise ValueError("the first drafter is the baseline draftsmith's loop measures against: list a drafter "
                          "it runs (draft_lm, head, ngram) before llama.cpp's own")
     return out

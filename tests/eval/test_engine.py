@@ -339,6 +339,77 @@ def test_a_target_without_a_draft_is_measured_against_llama_cpps_own_speculation
     assert "| prose | mod | 3 | – |" in md
 
 
+@pytest.mark.slow
+@needs_llama_cpp
+def test_llama_cpp_alone_measures_every_drafter_it_serves_without_draftsmiths_loop(tiny_world, eagle_run, tmp_path,
+                                                                                    monkeypatch):
+    """engine.only=true: no loop of draftsmith's runs (its evaluate is never called); every drafter llama.cpp serves,
+    llama.cpp's own n-gram mode first, gets the engine's rows per category and k: lossless, its τ and drafted
+    tokens per verification from its counters, c and β for the drafters that always draft, and the cost model's
+    prediction from the engine's own τ. A drafter with no llama.cpp format is named and left out."""
+    def no_loop(*args, **kwargs):
+        raise AssertionError("draftsmith's loop ran with engine.only=true")
+
+    monkeypatch.setattr(entry, "evaluate", no_loop)
+    out = tmp_path / "report"
+    cfg = make_cfg("target=tiny_deep", "target.off_the_shelf_draft=null", "engine=llamacpp", "engine.only=true",
+                   "ks=[2,3]", "repeats=1", "max_new_tokens=24", "data.max_prompts_per_category=3", "progress=false",
+                   "threads=1", "drafters=[{name: mod, kind: llamacpp, spec_type: ngram-mod}, "
+                   f"{{name: head, kind: head, path: '{eagle_run / 'best'}'}}, {{name: ngram, kind: ngram}}]",
+                   f"out_dir={out}")
+    report = entry.run(cfg)
+    assert report["results"] == [] and report["settings"]["engine"]["alone"] is True
+    rows = report["engine_results"]
+    cells = {(c, k) for c in ("code", "json", "prose", "all") for k in (2, 3)}
+    assert {(r["drafter"], r["category"], r["k"]) for r in rows} == {(d, c, k) for d in ("mod", "head")
+                                                                     for c, k in cells}
+    for r in rows:
+        assert r["engine_lossless"] is True and r["engine_speedup"] > 0 and "acceptance_length" not in r
+    for r in (r for r in rows if r["drafter"] == "head"):
+        assert r["engine_only"] == "draft-eagle3" and r["engine_acceptance_length"] > 1
+        assert 1 <= r["engine_mean_proposed"] <= r["k"]
+        c, beta = r["engine_cost_ratio"], r["engine_verify_overhead"]
+        assert c > 0 and beta is not None
+        assert r["engine_predicted_speedup"] == pytest.approx(
+            r["engine_acceptance_length"] / (1 + r["engine_mean_proposed"] * c + beta))
+        assert r["engine_ceiling"] == pytest.approx((r["k"] + 1) / (1 + beta))
+    md = (out / "report.md").read_text()
+    assert md.startswith("# draftsmith evaluation: llama.cpp alone")
+    assert "llama.cpp's own model-free speculation" in md and "head (draft-eagle3)" not in md
+    assert "### Verdict per category in llama.cpp (each drafter at its best k)" in md
+    assert "- ngram: draftsmith's n-gram drafter has no llama.cpp counterpart" in md
+    assert (out / "engine_k_speedup.png").stat().st_size > 0 and "![engine_k_speedup.png]" in md
+
+
+def test_llama_cpp_alone_takes_what_llama_cpp_measures(tiny_world, tmp_path):
+    """engine.only=true is llama.cpp's: greedy chains, and at least one drafter it serves."""
+    from eval.evaluate import EvalPlan
+
+    with pytest.raises(ValueError, match="engine.only=true measures in llama.cpp alone"):
+        engine.check_alone("openai", EvalPlan())
+    with pytest.raises(ValueError, match=r"set temperatures=\[0.0\]"):
+        engine.check_alone("llamacpp", EvalPlan(temperatures=[0.0, 1.0]))
+    with pytest.raises(ValueError, match="chains only"):
+        engine.check_alone("llamacpp", EvalPlan(trees=["d2t2n4"]))
+    engine.check_alone("llamacpp", EvalPlan(ks=[2, 8]))
+    if llama_cpp.available():
+        with pytest.raises(ValueError, match="llama.cpp serves none of the drafters: ngram: draftsmith's n-gram"):
+            engine.convert("llamacpp", [{"name": "ngram", "kind": "ngram"}], None, "toyworld://tiny_deep/target",
+                           tmp_path, alone=True)
+
+
+def test_engine_verdict_lines_rank_each_drafters_best_k():
+    def r(drafter, k, x, verdict_):
+        return {"category": "code", "drafter": drafter, "k": k, "engine_speedup": x, "engine_speedup_ci": (x - .1, x + .1),
+                "engine_verdict": verdict_}
+
+    from eval.report import engine_verdict_lines
+
+    (line,) = engine_verdict_lines([r("head", 2, 0.8, "turn it off"), r("head", 4, 1.2, "pays off"),
+                                    r("mod", 2, 0.99, "undecided"), {**r("mod", 4, 1.0, None), "engine_speedup": None}])
+    assert line == ("- **code**: head k=4 1.20× (1.10–1.30) → pays off; mod k=2 0.99× (0.89–1.09) → undecided")
+
+
 def test_llama_cpps_own_drafters_need_the_engine_and_cannot_be_the_baseline(tiny_world, tmp_path):
     from eval.run import resolve_specs
 
