@@ -54,7 +54,9 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM
 
 from eval import llama_cpp
 from eval.compare import Timings, compare, verdict
@@ -170,6 +172,7 @@ class Served:
     gguf: Path | None = None
     spec_type: str | None = None
     note: str | None = None
+    dtype: str | None = None  # its GGUF's weights (torch's name), where it has one
 
     @property
     def engine_only(self) -> bool:
@@ -180,7 +183,25 @@ class Served:
 # The type of the drafters' GGUFs that llama.cpp serves: f16, as deployments serve a draft (SGLang and vLLM in
 # 16 bits). In float32 a one-layer head's draft step costs about twice as much against a Q4 target (c 0.2 of a
 # step on SmolLM2's Q4_1 file, BENCHMARKS.md section 13.5), which would charge a draft cost no deployment pays.
+# But ggml converts a matmul's activations to its weights' type, and some targets' hidden states outgrow f16
+# (Gemma-3-270M's reach 10^5 from its middle layers on): an f16 head reading them drafts from inf (0 of 178
+# guesses kept). Such drafters are served in bf16, whose range is float32's (`draft_dtype`).
 DRAFT_DTYPE = "float16"
+F16_MAX = 65504.0
+
+
+@torch.inference_mode()
+def draft_dtype(model, layers: list[int] | None = None) -> str:
+    """DRAFT_DTYPE, or bfloat16 where `model`'s hidden states at `layers` (all of them if None: a draft LM's own)
+    reach half of f16's largest value on a probe of its first-token and 31 other ids (transformers' hidden-state
+    indices; the largest activations sit at the first token). SmolLM2-135M's peak there: about 25,000."""
+    vocab = model.config.vocab_size
+    first = model.config.bos_token_id if model.config.bos_token_id is not None else 1
+    ids = torch.tensor([[first, *range(min(100, vocab - 32), min(100, vocab - 32) + 31)]],
+                       device=next(model.parameters()).device)
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+    peak = max(float(hidden[i].abs().max()) for i in (layers if layers is not None else range(len(hidden))))
+    return DRAFT_DTYPE if peak < F16_MAX / 2 else "bfloat16"
 
 
 def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) -> Served:
@@ -194,23 +215,27 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
         return Served(name, spec_type=spec["spec_type"])
     out = work / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.gguf"
     if kind == "draft_lm":
-        return Served(name, llama_cpp.convert_to_gguf(target_directory(spec["path"]), out,
-                                                      outtype=GGUF_OUTTYPE[DRAFT_DTYPE]), SPEC_TYPES["draft_lm"])
+        directory = target_directory(spec["path"])
+        dtype = draft_dtype(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval())
+        return Served(name, llama_cpp.convert_to_gguf(directory, out, outtype=GGUF_OUTTYPE[dtype]),
+                      SPEC_TYPES["draft_lm"], dtype=dtype)
     if kind != "head":
         return Served(name, note="draftsmith's n-gram drafter has no llama.cpp counterpart (llama.cpp's ngram "
                                  "drafters are other algorithms)")
     head = Path(spec["path"])
     config = json.loads((head / "config.json").read_text())
+    layers = config.get("feature_layers") or config.get("eagle_aux_hidden_state_layer_ids")
+    dtype = draft_dtype(target, list(layers) if layers else None)
     if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):  # an SGLang export
-        gguf = llama_cpp.convert_to_gguf(head, out, outtype=GGUF_OUTTYPE[DRAFT_DTYPE],
+        gguf = llama_cpp.convert_to_gguf(head, out, outtype=GGUF_OUTTYPE[dtype],
                                          target_dir=target_directory(target_name_or_path))
     elif config.get("draftsmith_kind") == "eagle":
-        gguf = eagle3_gguf(head, target, target_name_or_path, out, DRAFT_DTYPE)
+        gguf = eagle3_gguf(head, target, target_name_or_path, out, dtype)
     else:
         what = config.get("draftsmith_kind") or "/".join(config.get("architectures") or ["unknown"])
         return Served(name, note=f"a {what} head has no llama.cpp format (llama.cpp serves draft models and "
                                  "EAGLE-3 in the SGLang export)")
-    return Served(name, gguf, SPEC_TYPES["eagle3"])
+    return Served(name, gguf, SPEC_TYPES["eagle3"], dtype=dtype)
 
 
 # --- llama.cpp: measuring ------------------------------------------------------------------------------
@@ -339,7 +364,8 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
     within each repeat (each server's first prompt is run once untimed); after each speculative server, the
     same drafter and k keeping none of its drafts over the first `cost_prompts` prompts of each category.
     Returns the completions and, for speculative servers, the drafting counters of each request, by
-    configuration and (repeat, category, prompt index), and the RoundCosts of each configuration.
+    configuration and (repeat, category, prompt index), the RoundCosts of each configuration, and the
+    completions of the servers that kept no drafts (`verified`: the target's own tokens, verified in rounds).
 
     batch > 1: servers with `batch` slots, each category's prompts streamed through them (`stream`); the
     drafting counters are then the stream's (the server's, its extra requests included), given with the
@@ -353,6 +379,7 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
     completions: dict = {}
     counters: dict = {}
     costs: dict = {}
+    verified: dict = {}  # the servers that keep no drafts: their completions, by configuration and prompt
     ctx = max(len(p) for _, _, p in items) + max_new_tokens + 16
 
     def serve(config, rep: int, todo: list, accept_none: bool = False):
@@ -400,10 +427,13 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
             # llama.cpp's n-gram modes draft only where the text repeats, so a server that keeps none of their
             # drafts says little of a round's cost: c and β are measured for drafters that always draft.
             if config is not None and cost_items and not config[0].engine_only:
-                for completion, stats in serve(config, rep, cost_items, accept_none=True):
+                for (category, i, _), (completion, stats) in zip(cost_items,
+                                                                 serve(config, rep, cost_items, accept_none=True)):
                     costs[key] = costs.get(key, RoundCosts()).add(completion, stats)
+                    verified.setdefault(key, {})[rep, category, i] = completion
     bar.close()
-    return {"completions": completions, "counters": counters, "costs": costs, "items": [(c, i) for c, i, _ in items]}
+    return {"completions": completions, "counters": counters, "costs": costs, "verified": verified,
+            "items": [(c, i) for c, i, _ in items]}
 
 
 def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
@@ -455,13 +485,15 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
         predicted = (predicted_speedup(tau, proposed, c, beta)
                      if None not in (tau, proposed, c, beta) else None)
         drafted = sum(runs[rep, c, i].draft_n for rep in range(repeats) for c, i in keys)
-        return dict(
+        generations = [(rep, c, i) for rep in range(repeats) for c, i in keys]
+        lossless = all(runs[g].tokens == plain[g].tokens for g in generations)
+        note = None if lossless else numerics_note(runs, plain, measured.get("verified", {}).get(key, {}), generations)
+        return dict(engine_note=note,
             engine=ENGINES["llamacpp"], engine_acceptance_length=tau_engine, engine_mean_proposed=proposed_engine,
             engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_sd_tokens_per_s=spec_t.median_tokens_per_s(),
             engine_speedup=vs_plain.ratio, engine_speedup_ci=vs_plain.interval,
             engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at) if drafted else NOTHING_DRAFTED,
-            engine_lossless=all(runs[rep, c, i].tokens == plain[rep, c, i].tokens
-                                for rep in range(repeats) for c, i in keys),
+            engine_lossless=lossless,
             engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted,
             **ceilings(k, tau_engine, beta))
 
@@ -486,6 +518,23 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
     return [{"category": category, "drafter": s.name, "k": k, "batch_size": batch, "temperature": 0.0,
              "engine_only": s.spec_type, **dict.fromkeys(FIELDS), **figures_of(s.name, k, category, None, None)}
             for s in served if s.spec_type is not None and (alone or s.engine_only) for category, k in cells]
+
+
+def numerics_note(runs: dict, plain: dict, verified: dict, keys: list[tuple]) -> str:
+    """Why a drafter's greedy output in llama.cpp differs from its plain output, where the server that kept none
+    of its drafts says: if that server's output (the target's own tokens, verified k+1 positions at a time) differs
+    from plain on the same prompts as the drafter's and equals the drafter's, the difference is llama.cpp's own
+    numerics (a batch of positions and a single one round differently at a near tie of the target's logits), not
+    the drafter's guesses."""
+    differs = [key for key in keys if runs[key].tokens != plain[key].tokens]
+    checked = [key for key in differs if key in verified]
+    same = [key for key in checked if verified[key].tokens == runs[key].tokens]
+    line = f"its output differs from plain decoding on {len(differs)} of {len(keys)} generations"
+    if checked and len(same) == len(checked):
+        return (f"{line}; on the {len(checked)} of them its server that kept none of its drafts measured, that "
+                "server's output (the target's own tokens, verified in rounds) is the drafter's: llama.cpp's "
+                "numerics when it verifies several positions at once, not the drafter")
+    return line + ("" if checked else "; none of them is a prompt the cost servers measured")
 
 
 def ceilings(k: int, tau: float | None, beta: float | None) -> dict:
@@ -541,6 +590,7 @@ def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, lis
     return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "target_gguf": str(target_gguf),
             "threads": threads, "work_dir": str(work), "alone": alone,
             "cost_prompts_per_category": cost_prompts, "served": {s.name: s.spec_type or s.note for s in served},
+            "draft_types": {s.name: s.dtype for s in served if s.dtype},
             "batch_sizes": list(batch_sizes), "engine_only": engine_only}
 
 

@@ -3,14 +3,16 @@
 The build is llama.cpp as vendored by the llama-cpp-python source distribution on PyPI, compiled once
 by `scripts/build_llama_cpp.sh` (`make llama-cpp`) into `$DRAFTSMITH_LLAMA_CPP`, by default
 `~/.cache/draftsmith/llama.cpp/llama-cpp-python-<version>/` (bin/llama-server, src/ with
-convert_hf_to_gguf.py and gguf-py/). Nothing of llama.cpp is edited or reimplemented here: conversion runs
-its own script, serving its own server, and what it reports (`timings.draft_n`, `draft_n_accepted`) is
-read as it reports it.
+convert_hf_to_gguf.py and gguf-py/). Nothing of llama.cpp is reimplemented here: conversion runs its own
+script, serving its own server, and what it reports (`timings.draft_n`, `draft_n_accepted`) is read as it
+reports it. Its source is built as vendored but for the patches in eval/llama_cpp_patches/, each with its
+reason at its head (`PATCHES`); a build made with other patches is rebuilt (`make llama-cpp`).
 """
 
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 import os
 import socket
@@ -35,17 +37,34 @@ def home() -> Path:
 
 
 BINARIES = ("llama-server",)
+PATCHES = Path(__file__).resolve().parent / "llama_cpp_patches"  # applied by scripts/build_llama_cpp.sh, in name order
+
+
+def patches_digest() -> str:
+    """sha256 of the patches concatenated in name order: what scripts/build_llama_cpp.sh records in
+    bin/patches.sha256 for the build it made."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(PATCHES.glob("*.patch")))).hexdigest()
+
+
+def built_with() -> str | None:
+    """The digest of the patches the build at home() was made with (None: no record, an older build)."""
+    stamp = home() / "bin" / "patches.sha256"
+    return stamp.read_text().strip() if stamp.exists() else None
 
 
 def available() -> bool:
-    return all((home() / "bin" / b).exists() for b in BINARIES) and (home() / "src" / "convert_hf_to_gguf.py").exists()
+    return (all((home() / "bin" / b).exists() for b in BINARIES) and (home() / "src" / "convert_hf_to_gguf.py").exists()
+            and built_with() == patches_digest())
 
 
 def require() -> Path:
     """The build's directory, or a FileNotFoundError saying how to build it."""
     if not available():
+        if (home() / "bin" / BINARIES[0]).exists():
+            raise FileNotFoundError(f"llama.cpp at {home()} was built without this clone's patches ({PATCHES}): run "
+                                    "`make llama-cpp` to rebuild it (about 5 minutes on 2 cores)")
         raise FileNotFoundError(f"llama.cpp is not built at {home()} (bin/{', bin/'.join(BINARIES)}, src/): run "
-                                "`make llama-cpp` (scripts/build_llama_cpp.sh, about 15 minutes on 2 cores) or set "
+                                "`make llama-cpp` (scripts/build_llama_cpp.sh, about 5 minutes on 2 cores) or set "
                                 "DRAFTSMITH_LLAMA_CPP to a build")
     return home()
 
@@ -64,14 +83,17 @@ def tokenizer_pre_of(model_dir: str | Path) -> str:
     The converter names a BPE pre-tokenizer by hashing how the tokenizer splits a probe text; a tokenizer
     it has not seen has an unknown hash. A byte-level BPE whose only pre-tokenizer is ByteLevel with
     GPT-2's regex, no prefix space and no normalizer splits text exactly as GPT-2's does: llama.cpp's
-    `gpt-2` pre-tokenizer. A SentencePiece-style BPE (byte fallback, a decoder sequence, no pre-tokenizer:
-    Llama-2's layout, what scripts/import_llama2c.py writes) needs no name: the converter reads it as a
-    Llama vocabulary (its LlamaHfVocab), and "" is returned. Any other is an error naming what was found;
-    pass the name explicitly then.
+    `gpt-2` pre-tokenizer. A SentencePiece-style BPE (byte fallback, a decoder sequence, and no
+    pre-tokenizer, Llama-2's layout and what scripts/import_llama2c.py writes, or Gemma-3's split at spaces
+    after they are replaced by "▁") needs no name: the converter reads it as a Llama vocabulary (its
+    LlamaHfVocab), and "" is returned. Any other is an error naming what was found; pass the name explicitly
+    then.
     """
     tok = json.loads((Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8"))
     pre, normalizer, model = tok.get("pre_tokenizer"), tok.get("normalizer"), tok.get("model", {})
-    if (pre is None and model.get("type") == "BPE" and model.get("byte_fallback")
+    gemma_split = (pre == {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
+                   and normalizer == {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"})
+    if ((pre is None or gemma_split) and model.get("type") == "BPE" and model.get("byte_fallback")
             and (tok.get("decoder") or {}).get("type") == "Sequence"):
         return ""
     if pre and pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:

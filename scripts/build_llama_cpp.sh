@@ -7,14 +7,21 @@
 # It prints the directory it built, which holds bin/llama-server and the source tree (src/) with
 # convert_hf_to_gguf.py and gguf-py/. `drafters/export` and the engine tests find it the same way
 # (eval/llama_cpp.py: $DRAFTSMITH_LLAMA_CPP, else this cache). A cold build takes about 5 minutes on 2
-# cores; a built cache returns at once. Nothing of llama.cpp is edited.
+# cores; a built cache returns at once. llama.cpp's source is built as vendored, but for the patches in
+# eval/llama_cpp_patches/, each with its reason at its head; the build records their digest
+# (bin/patches.sha256), and a build whose patches differ from the clone's is rebuilt.
 set -euo pipefail
+export LC_ALL=C  # the patches' order, and so their digest, is the byte order of their names
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 PYTHON="${PYTHON:-python3}"
 DEST="${DRAFTSMITH_LLAMA_CPP:-$HOME/.cache/draftsmith/llama.cpp/llama-cpp-python-$VERSION}"
 
-if [ -x "$DEST/bin/llama-server" ] && [ -f "$DEST/src/convert_hf_to_gguf.py" ]; then
+PATCHES="$(cd "$(dirname "$0")/.." && pwd)/eval/llama_cpp_patches"
+DIGEST="$(cat "$PATCHES"/*.patch | sha256sum | cut -d' ' -f1)"
+
+if [ -x "$DEST/bin/llama-server" ] && [ -f "$DEST/src/convert_hf_to_gguf.py" ] \
+        && [ "$(cat "$DEST/bin/patches.sha256" 2>/dev/null)" = "$DIGEST" ]; then
     echo "$DEST"
     exit 0
 fi
@@ -28,6 +35,10 @@ echo "llama.cpp: fetching the llama-cpp-python $VERSION source distribution" >&2
 tar -xzf "$work/llama_cpp_python-$VERSION.tar.gz" -C "$work"
 rm -rf "$DEST/src"
 mv "$work/llama_cpp_python-$VERSION/vendor/llama.cpp" "$DEST/src"
+for p in "$PATCHES"/*.patch; do
+    echo "llama.cpp: applying $(basename "$p")" >&2
+    patch -p1 --quiet -d "$DEST/src" < "$p"
+done
 
 # No network at run time (no curl, no OpenSSL); the server only, no tests or examples.
 echo "llama.cpp: building llama-server (about 5 minutes on 2 cores)" >&2
@@ -36,6 +47,7 @@ cmake -S "$DEST/src" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OF
 cmake --build "$DEST/build" --target llama-server -j "$(nproc)" >&2
 mkdir -p "$DEST/bin.tmp"
 cp "$DEST/build/bin/llama-server" "$DEST/bin.tmp/"
+echo "$DIGEST" > "$DEST/bin.tmp/patches.sha256"
 rm -rf "$DEST/bin" "$DEST/build"
 mv "$DEST/bin.tmp" "$DEST/bin"  # last: a build interrupted before here is rebuilt next time
 echo "$DEST"

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 import eval.__main__ as entry
@@ -422,3 +423,28 @@ def test_llama_cpps_own_drafters_need_the_engine_and_cannot_be_the_baseline(tiny
         engine.llama_cpp_drafter({"name": "x", "kind": "llamacpp", "spec_type": "ngram-magic"}, None, "", tmp_path)
     spec, = resolve_specs([{"name": "self", "kind": "draft_lm", "layers": 1}], "toyworld://tiny/target", None)
     assert json.loads((Path(spec["path"]) / "config.json").read_text())["num_hidden_layers"] == 1
+
+
+def test_a_drafter_is_served_in_bf16_where_the_targets_hidden_states_outgrow_f16():
+    """ggml converts a matmul's activations to its weights' type: an f16 head reading features past f16's range
+    drafts from inf (Gemma-3-270M's reach 10^5), so such drafters are served in bf16, the others in f16."""
+    from helpers import tiny
+
+    target = tiny("llama")
+    assert engine.draft_dtype(target) == engine.draft_dtype(target, [0, 3]) == "float16"
+    with torch.no_grad():
+        target.get_input_embeddings().weight.mul_(1e6)  # massive activations from the first layer's input on
+    assert engine.draft_dtype(target, [0]) == engine.draft_dtype(target) == "bfloat16"
+
+
+def test_an_output_that_differs_as_the_verifying_servers_does_is_called_llama_cpps_numerics():
+    def c(tokens):
+        return llama_cpp.Completion(tokens, 0, 0, 1.0)
+
+    keys = [(0, "code", 0), (0, "code", 1)]
+    plain = {keys[0]: c([1, 2, 3]), keys[1]: c([4, 5, 6])}
+    runs = {keys[0]: c([1, 2, 9]), keys[1]: c([4, 5, 6])}  # the first differs at a near tie
+    note = engine.numerics_note(runs, plain, {keys[0]: c([1, 2, 9])}, keys)
+    assert note.startswith("its output differs from plain decoding on 1 of 2 generations") and "numerics" in note
+    assert "numerics" not in engine.numerics_note(runs, plain, {keys[0]: c([1, 2, 3])}, keys)  # the drafter's doing
+    assert engine.numerics_note(runs, plain, {}, keys).endswith("none of them is a prompt the cost servers measured")

@@ -19,7 +19,7 @@ from drafters.sampling import Sampling
 from eval import llama_cpp
 from eval.engine import DraftCounters
 from eval.run import build_drafter, load_target
-from eval.speculative import speculative_generate
+from eval.speculative import autoregressive_generate, speculative_generate
 from traffic import toyworld
 from train.export import ExportSettings, export
 
@@ -63,12 +63,12 @@ def llama_tau(stats) -> float:
     return 1 + stats.accepted / stats.verifications
 
 
-def draftsmith_tau(world, drafter) -> float:
+def draftsmith_tau(world, drafter, new_tokens: int = NEW_TOKENS) -> float:
     """draftsmith's own loop on the same prompts, k and budget (greedy), τ as its reports define it."""
     accepted = rounds = 0
     for p in world["prompts"]:
         g = speculative_generate(world["target"], drafter, torch.tensor(p), k=K, sampling=Sampling(),
-                                 max_new_tokens=NEW_TOKENS, eos_token_id=world["tok"].eos_token_id)
+                                 max_new_tokens=new_tokens, eos_token_id=world["tok"].eos_token_id)
         accepted, rounds = accepted + sum(r.accepted for r in g.rounds), rounds + len(g.rounds)
     return 1 + accepted / rounds
 
@@ -156,3 +156,82 @@ def test_a_collapsed_export_fails_the_engine_check(world, eagle_run, plant):
     lossless = [c.tokens for c in completions] == world["plain"]
     close = abs(llama_tau(stats[0]) / draftsmith_tau(world, head) - 1) <= TAU_TOLERANCE
     assert not (lossless and close)
+
+
+def test_a_gemma3_target_serves_an_eagle3_head_in_llama_cpp_as_in_draftsmith(tiny_world, tmp_path):
+    """The build's patch (eval/llama_cpp_patches/gemma3-layer-inputs.patch): llama.cpp's Gemma-3 graph hands its
+    layers' inputs to an EAGLE-3 drafter, as its Llama graph does (unpatched, llama-server aborts at the first
+    decode). A tiny Gemma-3 target (transformers' config class, the toy world's tokenizer) and a head trained on
+    its outputs for a few seconds, both through llama.cpp's converter: lossless, and llama.cpp's τ is
+    draftsmith's on the same prompts, so it drafts from the same features (Gemma's scaled embedding included)."""
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    from drafters.heads import build_head, save_head
+    from eval.engine_formats import eagle3_gguf
+    from helpers import _common
+    from train.hidden_states import capture, default_layers
+
+    tok = AutoTokenizer.from_pretrained(toyworld.resolve(TARGET))
+    # Six layers: the head's default features [1, 3, 5] are layer inputs (helpers.tiny's three would read index n,
+    # the final norm's output, which llama.cpp's EAGLE-3 does not take). One rope base and the attention scale
+    # given as llama.cpp's converter reads them (it does not read transformers 5's per-layer-type rope_parameters).
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    config = Gemma3TextConfig(**{**_common(len(tok)), "head_dim": 8, "num_hidden_layers": 6, "query_pre_attn_scalar": 8,
+                                 "rope_parameters": {"sliding_attention": rope, "full_attention": rope}})
+    torch.manual_seed(0)
+    target = Gemma3ForCausalLM(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(4.0)  # random init is near uniform: decisive argmaxes
+    target_dir = tmp_path / "gemma3"
+    target.save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    layers = default_layers("eagle", 6)
+    assert max(layers) < 6  # layer inputs, which the patched graph exposes
+    torch.manual_seed(0)
+    head = build_head("eagle", target, layers, ttt_steps=3, ttt_decay=0.8)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(150):  # the head learns the target's argmax on random text: acceptance far above chance
+        ids = torch.randint(3, len(tok), (8, 32), generator=generator)
+        attn = torch.ones_like(ids)
+        features = capture(target, ids, attn, layers).flatten(2)
+        labels = target(input_ids=ids).logits.argmax(-1)
+        loss, _ = head(features, ids, attn, attn, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.eval()
+    head_gguf = eagle3_gguf(save_head(head, tmp_path / "head"), target, str(target_dir), tmp_path / "head.gguf")
+    target_gguf = llama_cpp.convert_to_gguf(target_dir, tmp_path / "target.gguf")
+    prompts = [torch.randint(3, len(tok), (12,), generator=generator).tolist() for _ in range(6)]
+    with llama_cpp.LlamaServer(target_gguf) as server:
+        plain = [server.complete(p, 32).tokens for p in prompts]
+    with llama_cpp.LlamaServer(target_gguf, draft=head_gguf, spec_type="draft-eagle3", k=K, log_verbosity=4) as server:
+        completions = [server.complete(p, 32) for p in prompts]
+        stats = DraftCounters(server).after(len(prompts))
+    assert [c.tokens for c in completions] == plain  # lossless in the engine
+    ours_plain = [autoregressive_generate(target, torch.tensor(p), sampling=Sampling(), max_new_tokens=32,
+                                          eos_token_id=tok.eos_token_id).tokens for p in prompts]
+    assert ours_plain == plain  # the same model in both engines
+    head.attach(target)
+    ours = draftsmith_tau({"target": target, "tok": tok, "prompts": prompts}, head.drafter("head"), new_tokens=32)
+    assert ours > 1.2  # far above chance (1/320 a guess): a wrong feature would show in the engine's τ
+    assert abs(llama_tau(stats) / ours - 1) <= TAU_TOLERANCE, (ours, llama_tau(stats))
+
+
+def test_eagle3_keeps_its_guesses_when_requests_draft_together(world, eagle_run):
+    """eval/llama_cpp_patches/eagle3-backend-sampler-outputs.patch: unpatched, llama-server's EAGLE-3 drafts of
+    requests decoded together read the last request's candidate tokens (τ 1.37 at one slot, 1.11 at four on
+    SmolLM2). Four slots with the requests sent together keep what one slot keeps, outputs unchanged."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    written = export(eagle_run, world["out"] / "eagle-slots", ExportSettings(formats=["gguf"]))
+    taus = {}
+    for slots in (1, 4):
+        with llama_cpp.LlamaServer(world["gguf"], draft=written["gguf"], spec_type="draft-eagle3", k=K,
+                                   parallel=slots, log_verbosity=4) as server:
+            with ThreadPoolExecutor(slots) as pool:
+                completions = list(pool.map(lambda p: server.complete(p, NEW_TOKENS), world["prompts"]))
+            assert [c.tokens for c in completions] == world["plain"]
+            taus[slots] = llama_tau(DraftCounters(server).after(len(completions)))
+    assert taus[1] > 1.5 and abs(taus[4] / taus[1] - 1) <= TAU_TOLERANCE, taus
