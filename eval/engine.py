@@ -363,43 +363,56 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
     """Plain and speculative llama-server over every prompt, `repeats` times, the configurations in turn
     within each repeat (each server's first prompt is run once untimed); after each speculative server, the
     same drafter and k keeping none of its drafts over the first `cost_prompts` prompts of each category.
-    Returns the completions and, for speculative servers, the drafting counters of each request, by
-    configuration and (repeat, category, prompt index), the RoundCosts of each configuration, and the
-    completions of the servers that kept no drafts (`verified`: the target's own tokens, verified in rounds).
 
-    batch > 1: servers with `batch` slots, each category's prompts streamed through them (`stream`); the
-    drafting counters are then the stream's (the server's, its extra requests included), given with the
-    category's first prompt, and the costs are measured at batch 1 only."""
+    At batch 1 each speculative server is measured side by side with a plain one: both up at once, each prompt
+    sent to one and then the other (in alternating order), so the plain speed it is compared with was measured
+    seconds from it, not minutes before. (The machine's speed drifts over minutes: measured once at the start,
+    plain decoding read 0.93–1.11× of itself later in one run, BENCHMARKS.md section 13.7.)
+
+    Returns the completions and, for speculative servers, the drafting counters of each request, by
+    configuration and (repeat, category, prompt index), the plain completions measured beside each speculative
+    configuration (`beside`), the RoundCosts of each configuration, and the completions of the servers that kept
+    no drafts (`verified`: the target's own tokens, verified in rounds).
+
+    batch > 1: servers with `batch` slots, each category's prompts streamed through them (`stream`), the plain
+    server once before the speculative ones; the drafting counters are then the stream's (the server's, its extra
+    requests included), given with the category's first prompt, and the costs are measured at batch 1 only."""
     items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
     cost_items = [(c, i, p) for c, i, p in items if i < cost_prompts] if batch == 1 else []
-    configs = [None] + [(s, k) for s in served if s.spec_type is not None for k in ks]
-    calibrated = sum(1 for config in configs[1:] if not config[0].engine_only)
-    bar = tqdm(total=repeats * (len(items) * len(configs) + calibrated * len(cost_items)),
+    configs = [(s, k) for s in served if s.spec_type is not None for k in ks]
+    paired = batch == 1 and bool(configs)
+    calibrated = sum(1 for config in configs if not config[0].engine_only)
+    runs_per_repeat = 2 * len(configs) if paired else len(configs) + 1
+    bar = tqdm(total=repeats * (len(items) * runs_per_repeat + calibrated * len(cost_items)),
                desc="llama.cpp" if batch == 1 else f"llama.cpp (batch {batch})", unit="gen", disable=not progress)
     completions: dict = {}
     counters: dict = {}
+    beside: dict = {}  # the plain completions measured beside each speculative configuration (batch 1)
     costs: dict = {}
     verified: dict = {}  # the servers that keep no drafts: their completions, by configuration and prompt
     ctx = max(len(p) for _, _, p in items) + max_new_tokens + 16
 
-    def serve(config, rep: int, todo: list, accept_none: bool = False):
-        """(completion, its drafting counters or None) for each prompt of `todo`, from one server."""
+    def server(config, rep: int, accept_none: bool = False, tag: str = "") -> llama_cpp.LlamaServer:
         spec = {} if config is None else {"draft": config[0].gguf, "spec_type": config[0].spec_type, "k": config[1],
                                           "accept_none": accept_none}
         name = "plain" if config is None else f"{config[0].name}-k{config[1]}" + ("-accept-none" if accept_none else "")
-        name += f"-b{batch}" if batch > 1 else ""
+        name += tag + (f"-b{batch}" if batch > 1 else "")
+        return llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4, parallel=batch,
+                                     log_file=log_dir / f"llama-server-{name}-{rep}.log", **spec)
+
+    def serve(config, rep: int, todo: list, accept_none: bool = False):
+        """(completion, its drafting counters or None) for each prompt of `todo`, from one server."""
         out = []
-        with llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4, parallel=batch,
-                                   log_file=log_dir / f"llama-server-{name}-{rep}.log", **spec) as server:
-            server.complete(todo[0][2], max_new_tokens)  # warm-up, untimed
-            drafting = DraftCounters(server) if config is not None else None
+        with server(config, rep, accept_none) as running:
+            running.complete(todo[0][2], max_new_tokens)  # warm-up, untimed
+            drafting = DraftCounters(running) if config is not None else None
             before = drafting.after(1) if config is not None else None
             if batch > 1:  # each category's prompts streamed through the slots
                 sent = 1
                 for category in prompts:
                     chosen = [p for c, _, p in todo if c == category]
-                    answers, requests = stream(lambda p: server.complete(p, max_new_tokens), chosen, server.parallel,
-                                               bar.update)
+                    answers, requests = stream(lambda p: running.complete(p, max_new_tokens), chosen,
+                                               running.parallel, bar.update)
                     sent, stats = sent + requests, None
                     if config is not None:
                         now = drafting.after(sent)
@@ -409,7 +422,7 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
                     out += [(a, stats if n == 0 or stats is None else DraftStats()) for n, a in enumerate(answers)]
                 return out
             for n, (_, _, prompt) in enumerate(todo, start=2):
-                completion, stats = server.complete(prompt, max_new_tokens), None
+                completion, stats = running.complete(prompt, max_new_tokens), None
                 if config is not None:
                     now = drafting.after(n)
                     stats, before = now - before, now
@@ -417,23 +430,53 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
                 bar.update()
         return out
 
+    def serve_beside(config, rep: int) -> list:
+        """(plain completion, completion, its drafting counters) for every prompt, the plain and the speculative
+        server up together, each prompt sent to both in turn."""
+        out = []
+        with server(None, rep, tag=f"-beside-{config[0].name}-k{config[1]}") as plain, server(config, rep) as spec:
+            plain.complete(items[0][2], max_new_tokens)  # warm-ups, untimed
+            spec.complete(items[0][2], max_new_tokens)
+            drafting = DraftCounters(spec)
+            before = drafting.after(1)
+            for n, (_, _, prompt) in enumerate(items, start=2):
+                if n % 2:
+                    completion, reference = spec.complete(prompt, max_new_tokens), plain.complete(prompt, max_new_tokens)
+                else:
+                    reference, completion = plain.complete(prompt, max_new_tokens), spec.complete(prompt, max_new_tokens)
+                now = drafting.after(n)
+                out.append((reference, completion, now - before))
+                before = now
+                bar.update(2)
+        return out
+
     for rep in range(repeats):
+        if not paired:
+            for (category, i, _), (completion, _) in zip(items, serve(None, rep, items)):
+                completions.setdefault("plain", {})[rep, category, i] = completion
         for config in configs:
-            key = "plain" if config is None else (config[0].name, config[1])
-            for (category, i, _), (completion, stats) in zip(items, serve(config, rep, items)):
-                completions.setdefault(key, {})[rep, category, i] = completion
-                if stats is not None:
+            key = (config[0].name, config[1])
+            if paired:
+                for (category, i, _), (reference, completion, stats) in zip(items, serve_beside(config, rep)):
+                    beside.setdefault(key, {})[rep, category, i] = reference
+                    completions.setdefault(key, {})[rep, category, i] = completion
+                    counters.setdefault(key, {})[rep, category, i] = stats
+            else:
+                for (category, i, _), (completion, stats) in zip(items, serve(config, rep, items)):
+                    completions.setdefault(key, {})[rep, category, i] = completion
                     counters.setdefault(key, {})[rep, category, i] = stats
             # llama.cpp's n-gram modes draft only where the text repeats, so a server that keeps none of their
             # drafts says little of a round's cost: c and β are measured for drafters that always draft.
-            if config is not None and cost_items and not config[0].engine_only:
+            if cost_items and not config[0].engine_only:
                 for (category, i, _), (completion, stats) in zip(cost_items,
                                                                  serve(config, rep, cost_items, accept_none=True)):
                     costs[key] = costs.get(key, RoundCosts()).add(completion, stats)
                     verified.setdefault(key, {})[rep, category, i] = completion
     bar.close()
+    if paired:  # the first configuration's plain runs stand for plain decoding where one set is needed
+        completions["plain"] = beside[(configs[0][0].name, configs[0][1])]
     return {"completions": completions, "counters": counters, "costs": costs, "verified": verified,
-            "items": [(c, i) for c, i, _ in items]}
+            "beside": beside, "items": [(c, i) for c, i, _ in items]}
 
 
 def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
@@ -461,17 +504,25 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
     through the engine's c and β, τ / (1 + n̄·c + β) with n̄ its drafted tokens per verification: the cost
     model checked against the speed-up measured beside it."""
     completions, counters, items = measured["completions"], measured["counters"], measured["items"]
-    plain = completions["plain"]
-    step_ms = statistics.median(sum(g.predicted_ms for (r, _, _), g in plain.items() if r == rep)
-                                / sum(len(g.tokens) for (r, _, _), g in plain.items() if r == rep)
-                                for rep in range(repeats))
+    beside = measured.get("beside", {})
+
+    def step_ms(plain: dict) -> float:
+        """Plain decoding's time per generated token, the median over repeats."""
+        return statistics.median(sum(g.predicted_ms for (r, _, _), g in plain.items() if r == rep)
+                                 / sum(len(g.tokens) for (r, _, _), g in plain.items() if r == rep)
+                                 for rep in range(repeats))
+
     notes = {s.name: s.note for s in served if s.note}
-    costs = {key: (rc.c(step_ms), rc.beta(step_ms)) for key, rc in measured["costs"].items()}
+    # c and β over the plain time per token measured beside the configuration (at batch 1), else the plain run's
+    costs = {key: (rc.c(step_ms(beside.get(key, completions["plain"]))),
+                   rc.beta(step_ms(beside.get(key, completions["plain"]))))
+             for key, rc in measured["costs"].items()}
 
     def figures_of(drafter: str, k: int, category: str, tau: float | None, proposed: float | None) -> dict:
         """The engine's figures for one drafter, k and category (`tau`, `proposed`: draftsmith's, if any)."""
         key = (drafter, k)
         runs = completions[key]
+        plain = beside.get(key, completions["plain"])  # measured side by side with it, where it was
         keys = [(c, i) for c, i in items if category in (ALL, c)]
         spec_t, plain_t = _timings(runs, keys, repeats), _timings(plain, keys, repeats)
         vs_plain = compare(spec_t, plain_t, [c for c, _ in keys], seed=seed)
@@ -488,12 +539,12 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
         generations = [(rep, c, i) for rep in range(repeats) for c, i in keys]
         lossless = all(runs[g].tokens == plain[g].tokens for g in generations)
         note = None if lossless else numerics_note(runs, plain, measured.get("verified", {}).get(key, {}), generations)
-        return dict(engine_note=note,
+        return dict(
             engine=ENGINES["llamacpp"], engine_acceptance_length=tau_engine, engine_mean_proposed=proposed_engine,
             engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_sd_tokens_per_s=spec_t.median_tokens_per_s(),
             engine_speedup=vs_plain.ratio, engine_speedup_ci=vs_plain.interval,
             engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at) if drafted else NOTHING_DRAFTED,
-            engine_lossless=lossless,
+            engine_lossless=lossless, engine_note=note,
             engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted,
             **ceilings(k, tau_engine, beta))
 
