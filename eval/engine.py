@@ -8,7 +8,8 @@ and a drafter that pays in one engine can lose in another. `python -m eval engin
 measures, beside draftsmith's loop and on the same prompts, k and budget (greedy):
 
 - every drafter that has an engine format (a draft LM, an EAGLE-3 head) served by llama-server on
-  127.0.0.1 (eval/llama_cpp.py), the plain server and each speculative one in turn within every repeat;
+  127.0.0.1 (eval/llama_cpp.py), the plain server and every speculative one up together, each prompt sent to
+  each in turn (the machine's speed drifts over minutes; prompts seconds apart see the same machine);
 - the engine's acceptance length from its own counters (1 + accepted drafts per verification, from the
   drafting statistics llama-server logs for each request), its
   generation speed (tokens over llama-server's `predicted_ms`: the prompt's processing, the same with and
@@ -49,6 +50,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional
@@ -364,30 +366,27 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
     within each repeat (each server's first prompt is run once untimed); after each speculative server, the
     same drafter and k keeping none of its drafts over the first `cost_prompts` prompts of each category.
 
-    At batch 1 each speculative server is measured side by side with a plain one: both up at once, each prompt
-    sent to one and then the other (in alternating order), so the plain speed it is compared with was measured
-    seconds from it, not minutes before. (The machine's speed drifts over minutes: measured once at the start,
-    plain decoding read 0.93–1.11× of itself later in one run, BENCHMARKS.md section 13.7.)
+    At batch 1 the configurations are measured side by side: the plain server and every speculative one up at
+    once, each prompt sent to each in turn (the order rotating from prompt to prompt), so the speeds compared were
+    measured seconds apart, not minutes. (The machine's speed drifts over minutes: measured once at the start,
+    plain decoding read 0.97–1.06× of itself later in one run, BENCHMARKS.md section 13.7.)
 
     Returns the completions and, for speculative servers, the drafting counters of each request, by
-    configuration and (repeat, category, prompt index), the plain completions measured beside each speculative
-    configuration (`beside`), the RoundCosts of each configuration, and the completions of the servers that kept
-    no drafts (`verified`: the target's own tokens, verified in rounds).
+    configuration and (repeat, category, prompt index), the RoundCosts of each configuration, and the
+    completions of the servers that kept no drafts (`verified`: the target's own tokens, verified in rounds).
 
-    batch > 1: servers with `batch` slots, each category's prompts streamed through them (`stream`), the plain
-    server once before the speculative ones; the drafting counters are then the stream's (the server's, its extra
-    requests included), given with the category's first prompt, and the costs are measured at batch 1 only."""
+    batch > 1: servers with `batch` slots, each category's prompts streamed through them (`stream`), one
+    configuration after another; the drafting counters are then the stream's (the server's, its extra requests
+    included), given with the category's first prompt, and the costs are measured at batch 1 only."""
     items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
     cost_items = [(c, i, p) for c, i, p in items if i < cost_prompts] if batch == 1 else []
     configs = [(s, k) for s in served if s.spec_type is not None for k in ks]
-    paired = batch == 1 and bool(configs)
+    together = batch == 1
     calibrated = sum(1 for config in configs if not config[0].engine_only)
-    runs_per_repeat = 2 * len(configs) if paired else len(configs) + 1
-    bar = tqdm(total=repeats * (len(items) * runs_per_repeat + calibrated * len(cost_items)),
+    bar = tqdm(total=repeats * (len(items) * (len(configs) + 1) + calibrated * len(cost_items)),
                desc="llama.cpp" if batch == 1 else f"llama.cpp (batch {batch})", unit="gen", disable=not progress)
     completions: dict = {}
     counters: dict = {}
-    beside: dict = {}  # the plain completions measured beside each speculative configuration (batch 1)
     costs: dict = {}
     verified: dict = {}  # the servers that keep no drafts: their completions, by configuration and prompt
     ctx = max(len(p) for _, _, p in items) + max_new_tokens + 16
@@ -430,38 +429,40 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
                 bar.update()
         return out
 
-    def serve_beside(config, rep: int) -> list:
-        """(plain completion, completion, its drafting counters) for every prompt, the plain and the speculative
-        server up together, each prompt sent to both in turn."""
+    def serve_together(rep: int) -> list:
+        """For every prompt, the plain completion and each configuration's completion and drafting counters: every
+        server up at once, each prompt sent to each in turn (the order rotating from prompt to prompt)."""
         out = []
-        with server(None, rep, tag=f"-beside-{config[0].name}-k{config[1]}") as plain, server(config, rep) as spec:
-            plain.complete(items[0][2], max_new_tokens)  # warm-ups, untimed
-            spec.complete(items[0][2], max_new_tokens)
-            drafting = DraftCounters(spec)
-            before = drafting.after(1)
-            for n, (_, _, prompt) in enumerate(items, start=2):
-                if n % 2:
-                    completion, reference = spec.complete(prompt, max_new_tokens), plain.complete(prompt, max_new_tokens)
-                else:
-                    reference, completion = plain.complete(prompt, max_new_tokens), spec.complete(prompt, max_new_tokens)
-                now = drafting.after(n)
-                out.append((reference, completion, now - before))
+        with ExitStack() as stack:
+            servers = [stack.enter_context(server(config, rep)) for config in [None, *configs]]
+            for running in servers:
+                running.complete(items[0][2], max_new_tokens)  # warm-ups, untimed
+            drafting = [DraftCounters(running) for running in servers[1:]]
+            before = [d.after(1) for d in drafting]
+            for n, (_, _, prompt) in enumerate(items):
+                answers = [None] * len(servers)
+                for j in range(len(servers)):
+                    which = (n + j) % len(servers)
+                    answers[which] = servers[which].complete(prompt, max_new_tokens)
+                    bar.update()
+                now = [d.after(n + 2) for d in drafting]
+                out.append((answers[0], [(a, b - b0) for a, b, b0 in zip(answers[1:], now, before)]))
                 before = now
-                bar.update(2)
         return out
 
+    keys = [(config[0].name, config[1]) for config in configs]
     for rep in range(repeats):
-        if not paired:
-            for (category, i, _), (completion, _) in zip(items, serve(None, rep, items)):
-                completions.setdefault("plain", {})[rep, category, i] = completion
-        for config in configs:
-            key = (config[0].name, config[1])
-            if paired:
-                for (category, i, _), (reference, completion, stats) in zip(items, serve_beside(config, rep)):
-                    beside.setdefault(key, {})[rep, category, i] = reference
+        if together:
+            for (category, i, _), (reference, answers) in zip(items, serve_together(rep)):
+                completions.setdefault("plain", {})[rep, category, i] = reference
+                for key, (completion, stats) in zip(keys, answers):
                     completions.setdefault(key, {})[rep, category, i] = completion
                     counters.setdefault(key, {})[rep, category, i] = stats
-            else:
+        else:
+            for (category, i, _), (completion, _) in zip(items, serve(None, rep, items)):
+                completions.setdefault("plain", {})[rep, category, i] = completion
+        for config, key in zip(configs, keys):
+            if not together:
                 for (category, i, _), (completion, stats) in zip(items, serve(config, rep, items)):
                     completions.setdefault(key, {})[rep, category, i] = completion
                     counters.setdefault(key, {})[rep, category, i] = stats
@@ -473,10 +474,8 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
                     costs[key] = costs.get(key, RoundCosts()).add(completion, stats)
                     verified.setdefault(key, {})[rep, category, i] = completion
     bar.close()
-    if paired:  # the first configuration's plain runs stand for plain decoding where one set is needed
-        completions["plain"] = beside[(configs[0][0].name, configs[0][1])]
     return {"completions": completions, "counters": counters, "costs": costs, "verified": verified,
-            "beside": beside, "items": [(c, i) for c, i, _ in items]}
+            "items": [(c, i) for c, i, _ in items]}
 
 
 def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
@@ -504,7 +503,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
     through the engine's c and β, τ / (1 + n̄·c + β) with n̄ its drafted tokens per verification: the cost
     model checked against the speed-up measured beside it."""
     completions, counters, items = measured["completions"], measured["counters"], measured["items"]
-    beside = measured.get("beside", {})
+    plain = completions["plain"]
 
     def step_ms(plain: dict) -> float:
         """Plain decoding's time per generated token, the median over repeats."""
@@ -513,16 +512,12 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
                                  for rep in range(repeats))
 
     notes = {s.name: s.note for s in served if s.note}
-    # c and β over the plain time per token measured beside the configuration (at batch 1), else the plain run's
-    costs = {key: (rc.c(step_ms(beside.get(key, completions["plain"]))),
-                   rc.beta(step_ms(beside.get(key, completions["plain"]))))
-             for key, rc in measured["costs"].items()}
+    costs = {key: (rc.c(step_ms(plain)), rc.beta(step_ms(plain))) for key, rc in measured["costs"].items()}
 
     def figures_of(drafter: str, k: int, category: str, tau: float | None, proposed: float | None) -> dict:
         """The engine's figures for one drafter, k and category (`tau`, `proposed`: draftsmith's, if any)."""
         key = (drafter, k)
         runs = completions[key]
-        plain = beside.get(key, completions["plain"])  # measured side by side with it, where it was
         keys = [(c, i) for c, i in items if category in (ALL, c)]
         spec_t, plain_t = _timings(runs, keys, repeats), _timings(plain, keys, repeats)
         vs_plain = compare(spec_t, plain_t, [c for c, _ in keys], seed=seed)
