@@ -37,7 +37,11 @@ rm -rf "$DEST/src"
 mv "$work/llama_cpp_python-$VERSION/vendor/llama.cpp" "$DEST/src"
 for p in "$PATCHES"/*.patch; do
     echo "llama.cpp: applying $(basename "$p")" >&2
-    patch -p1 --quiet -d "$DEST/src" < "$p"
+    if command -v patch > /dev/null; then
+        patch -p1 --quiet -d "$DEST/src" < "$p"
+    else  # git applies a patch outside a repository too
+        (cd "$DEST/src" && git apply -p1 < "$p")
+    fi
 done
 
 # No network at run time (no curl, no OpenSSL); the server only, no tests or examples.
