@@ -362,9 +362,9 @@ def stream(complete, prompts: list, concurrency: int, on_done=None) -> tuple[lis
 def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str, list[list[int]]], ks: list[int],
                       *, max_new_tokens: int, repeats: int, threads: int, log_dir: Path, cost_prompts: int = 4,
                       progress: bool = True, batch: int = 1) -> dict:
-    """Plain and speculative llama-server over every prompt, `repeats` times, the configurations in turn
-    within each repeat (each server's first prompt is run once untimed); after each speculative server, the
-    same drafter and k keeping none of its drafts over the first `cost_prompts` prompts of each category.
+    """Plain and speculative llama-server over every prompt, `repeats` times (each server's first prompt is run
+    once untimed); after them, each drafter and k keeping none of its drafts over the first `cost_prompts`
+    prompts of each category.
 
     At batch 1 the configurations are measured side by side: the plain server and every speculative one up at
     once, each prompt sent to each in turn (the order rotating from prompt to prompt), so the speeds compared were
