@@ -75,7 +75,8 @@ CHAINS_ONLY = "llama.cpp drafts and verifies chains only: a tree's τ and speed 
 SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3"}
 # Fields every result row gets (None where a drafter or a temperature has no engine figure).
 FIELDS = ("engine", "engine_acceptance_length", "engine_mean_proposed", "engine_ar_tokens_per_s",
-          "engine_sd_tokens_per_s", "engine_speedup", "engine_speedup_ci", "engine_verdict", "engine_lossless", "engine_cost_ratio",
+          "engine_sd_tokens_per_s", "engine_speedup", "engine_speedup_ci", "engine_verdict", "engine_lossless",
+          "engine_cost_ratio",
           "engine_verify_overhead", "engine_predicted_speedup", "engine_ceiling", "engine_tau_ceiling", "engine_note")
 
 
@@ -391,11 +392,11 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
     verified: dict = {}  # the servers that keep no drafts: their completions, by configuration and prompt
     ctx = max(len(p) for _, _, p in items) + max_new_tokens + 16
 
-    def server(config, rep: int, accept_none: bool = False, tag: str = "") -> llama_cpp.LlamaServer:
+    def server(config, rep: int, accept_none: bool = False) -> llama_cpp.LlamaServer:
         spec = {} if config is None else {"draft": config[0].gguf, "spec_type": config[0].spec_type, "k": config[1],
                                           "accept_none": accept_none}
         name = "plain" if config is None else f"{config[0].name}-k{config[1]}" + ("-accept-none" if accept_none else "")
-        name += tag + (f"-b{batch}" if batch > 1 else "")
+        name += f"-b{batch}" if batch > 1 else ""
         return llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4, parallel=batch,
                                      log_file=log_dir / f"llama-server-{name}-{rep}.log", **spec)
 
@@ -505,14 +506,11 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
     completions, counters, items = measured["completions"], measured["counters"], measured["items"]
     plain = completions["plain"]
 
-    def step_ms(plain: dict) -> float:
-        """Plain decoding's time per generated token, the median over repeats."""
-        return statistics.median(sum(g.predicted_ms for (r, _, _), g in plain.items() if r == rep)
-                                 / sum(len(g.tokens) for (r, _, _), g in plain.items() if r == rep)
-                                 for rep in range(repeats))
-
+    step_ms = statistics.median(sum(g.predicted_ms for (r, _, _), g in plain.items() if r == rep)
+                                / sum(len(g.tokens) for (r, _, _), g in plain.items() if r == rep)
+                                for rep in range(repeats))
     notes = {s.name: s.note for s in served if s.note}
-    costs = {key: (rc.c(step_ms(plain)), rc.beta(step_ms(plain))) for key, rc in measured["costs"].items()}
+    costs = {key: (rc.c(step_ms), rc.beta(step_ms)) for key, rc in measured["costs"].items()}
 
     def figures_of(drafter: str, k: int, category: str, tau: float | None, proposed: float | None) -> dict:
         """The engine's figures for one drafter, k and category (`tau`, `proposed`: draftsmith's, if any)."""
