@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from eval.engine_formats import GGUF_OUTTYPE
 from eval.evaluate import EvalPlan, base_drafter
 from eval.llama_cpp import NGRAM_TYPES
 
@@ -305,6 +306,8 @@ def engine_alone_markdown(report: dict) -> str:
            f"- target: `{report['target']}`",
            *(f"- {line}" for line in traffic_lines(report["settings"])),
            f"- hardware: {hw['gpu'] or hw['cpu']}, {engine.get('threads')} engine threads",
+           f"- served: {engine.get('name')} {engine.get('version')} on `{engine.get('target_gguf')}`"
+           + "".join(f"; {name} as {GGUF_OUTTYPE.get(t, t)}" for name, t in (engine.get("draft_types") or {}).items()),
            "- settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()
                                       if k not in TRAFFIC_KEYS and k != "engine"),
            "",

@@ -376,6 +376,7 @@ def test_llama_cpp_alone_measures_every_drafter_it_serves_without_draftsmiths_lo
         assert r["engine_ceiling"] == pytest.approx((r["k"] + 1) / (1 + beta))
     md = (out / "report.md").read_text()
     assert md.startswith("# draftsmith evaluation: llama.cpp alone")
+    assert f"- served: llama.cpp {llama_cpp.VERSION} on `" in md and "; head as f16" in md  # the file and types served
     assert "llama.cpp's own model-free speculation" in md and "head (draft-eagle3)" not in md
     assert "### Verdict per category in llama.cpp (each drafter at its best k)" in md
     assert "- ngram: draftsmith's n-gram drafter has no llama.cpp counterpart" in md
