@@ -98,7 +98,7 @@ class DrafterConfig:
 
     kind: str = MISSING
     # draft_lm
-    init_from: Optional[str] = None  # hub id or directory of the model to start from
+    init_from: Optional[str] = None  # draft_lm: hub id or directory of the model to start from; heads: a saved head
     init_layers: Optional[int] = None  # or, without init_from: the target's own first N layers and head (a self-draft)
     loss: str = "forward_kl"  # sft | forward_kl | reverse_kl | jsd | tvd
     temperature: float = 1.0  # distillation temperature (both sides)

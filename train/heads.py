@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from drafters.heads import KINDS, build_head, save_head
+from drafters.heads import KINDS, build_head, load_head, save_head
 from drafters.layers import ReadRows, finish_logits
 from traffic.checkpoint import full_model_state
 from train.distill import DistillRecipe, _records_batch
@@ -36,6 +36,8 @@ from train.hidden_states import ShardReader, capture, default_layers, write_shar
 from train.shards import complete
 
 log = logging.getLogger(__name__)
+# EAGLE-3's maps between draft and target ids: a run's own, never another head's (HeadRecipe._start_from).
+VOCABULARY_MAPS = ("d2t", "t2d")
 
 # The settings of each kind that go into its config (conf/drafter/<kind>.yaml documents them).
 SETTINGS = {
@@ -153,10 +155,31 @@ class HeadRecipe(DistillRecipe):
         self.coverage = self.mass = None
         if d.kind == "eagle" and settings["draft_vocab_size"]:
             self._set_draft_vocabulary(head, settings["draft_vocab_size"], counts)
+        if d.init_from:
+            self._start_from(head, d.init_from)
         self.model = head.to(self.device)
         if self.is_main:
             own = sum(p.numel() for p in head.parameters())
             log.info("%s head: %.2fM parameters of its own, layers %s", d.kind, own / 1e6, self.layers)
+
+    def _start_from(self, head, path: str) -> None:
+        """Start from a saved head of the same kind, layers and shape (`drafter.init_from`: a run's `best` or a
+        checkpoint, e.g. last month's head trained further on this month's traffic). EAGLE-3's draft vocabulary
+        is this run's (it only picks rows of the target's output head, which the head does not own)."""
+        saved = load_head(path, self.target)
+        kind = getattr(saved.config, "draftsmith_kind", None)
+        if kind != self.cfg.drafter.kind or list(saved.config.feature_layers) != list(head.config.feature_layers):
+            raise ValueError(f"drafter.init_from={path}: a {kind} head on layers {list(saved.config.feature_layers)}, "
+                             f"not the {self.cfg.drafter.kind} head on layers {list(head.config.feature_layers)} this "
+                             "run trains (set drafter.layers to match, or start afresh)")
+        state = {k: v for k, v in saved.state_dict().items() if k not in VOCABULARY_MAPS}
+        own = {k: v for k, v in head.state_dict().items() if k not in VOCABULARY_MAPS}
+        wrong = sorted(set(state) ^ set(own)) or sorted(k for k in own if own[k].shape != state[k].shape)
+        if wrong:
+            raise ValueError(f"drafter.init_from={path}: its weights do not fit this run's head ({', '.join(wrong[:4])}"
+                             f"{' ...' if len(wrong) > 4 else ''}); its config.json and the drafter settings differ")
+        head.load_state_dict(state, strict=False)
+        log.info("head weights from %s", path)
 
     def _always_kept(self) -> list[int]:
         return [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []

@@ -173,6 +173,21 @@ def llama_cpp_writer(gguf: str | Path, *, parallel: int, ctx_size: int, threads:
         yield EndpointWriter(endpoint, f"llama.cpp {llama_cpp.VERSION} ({Path(gguf).name})", parallel)
 
 
+def target_gguf(target_source: str, work: str | Path) -> Path:
+    """The GGUF llama-server serves for the target: the file itself when the target was given as one, else the
+    target converted into `work` by llama.cpp's converter in float32 (once)."""
+    from eval import llama_cpp
+    from eval.engine_formats import target_directory
+    from traffic import models
+
+    gguf = models.gguf_file(target_source)
+    if gguf is None:
+        gguf = Path(work) / "target-f32.gguf"
+        if not gguf.exists():
+            llama_cpp.convert_to_gguf(target_directory(target_source), gguf)
+    return gguf
+
+
 @contextlib.contextmanager
 def answer_writer(settings: dict, tokenizer, target_source: str, records: list[Record], *, max_new_tokens: int,
                   work: Path) -> Iterator[Writer | None]:
@@ -194,15 +209,7 @@ def answer_writer(settings: dict, tokenizer, target_source: str, records: list[R
     if engine == "torch":
         yield None
         return
-    from eval import llama_cpp
-    from eval.engine_formats import target_directory
-    from traffic import models
-
-    gguf = models.gguf_file(target_source)
-    if gguf is None:
-        gguf = Path(work) / "target-f32.gguf"
-        if not gguf.exists():
-            llama_cpp.convert_to_gguf(target_directory(target_source), gguf)
+    gguf = target_gguf(target_source, work)
     by_id = {r.id: r for r in records}
     longest = max((len(_prompt(by_id[rid], turn, tokenizer)) for rid, turn in _jobs(records)), default=0)
     ctx = -(-(longest + max_new_tokens + 1) // 256) * 256

@@ -294,3 +294,27 @@ def test_a_head_trains_on_agent_traffic_and_the_final_evaluation_reports_the_age
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert "agent" in {r["category"] for r in report["results"]}
     assert all(r["lossless"] for r in report["results"])
+
+
+def test_a_head_starts_from_a_saved_one_with_its_own_draft_vocabulary(tiny_world, tmp_path):
+    """drafter.init_from: a saved head's weights are where training starts (with lr 0 they are what it saves);
+    EAGLE-3's draft vocabulary is the new run's; a head of another kind or shape is refused with the reason."""
+    first = ["drafter=eagle", "trainer.max_steps=4", "trainer.eval_every=4", "evaluate.enabled=false"]
+    train(smoke(tmp_path, *first, "drafter.draft_vocab_size=200", run="first"))
+    again = ["drafter=eagle", f"drafter.init_from={tmp_path / 'first' / 'best'}", "drafter.draft_vocab_size=150",
+             "trainer.max_steps=1", "trainer.eval_every=1", "trainer.lr=0", "trainer.warmup_steps=0",
+             "evaluate.enabled=false"]
+    train(smoke(tmp_path, *again, run="again"))
+    a = load_file(str(tmp_path / "first" / "best" / "model.safetensors"))
+    b = load_file(str(tmp_path / "again" / "best" / "model.safetensors"))
+    assert a["d2t"].numel() == 200 and b["d2t"].numel() == 150
+    assert all(torch.equal(a[k], b[k]) for k in a if k not in ("d2t", "t2d"))
+    fresh = train(smoke(tmp_path, *[o for o in again if not o.startswith("drafter.init_from")], run="fresh"))
+    c = load_file(str(tmp_path / "fresh" / "best" / "model.safetensors"))
+    assert fresh["steps"] == 1 and not torch.equal(a["fc.weight"], c["fc.weight"])
+    with pytest.raises(ValueError, match="drafter.init_from=.*intermediate_size|do not fit this run's head"):
+        train(smoke(tmp_path, *again, "drafter.intermediate_size=16", run="narrow"))
+    train(smoke(tmp_path, "drafter=mtp", "trainer.max_steps=1", "trainer.eval_every=1", "evaluate.enabled=false",
+                run="mtp"))
+    with pytest.raises(ValueError, match="a mtp head on layers .* not the eagle head"):
+        train(smoke(tmp_path, *again[:1], f"drafter.init_from={tmp_path / 'mtp' / 'best'}", *again[2:], run="wrong"))
