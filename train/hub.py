@@ -138,6 +138,8 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     out += ["", "## Recipe", ""]
     recipe = [["steps", t["max_steps"]], ["batch size", t["batch_size"]], ["learning rate", t["lr"]],
               ["checkpoint chosen by", t["select_by"]]]
+    if kind != "draft_lm" and d.get("init_from"):
+        recipe.append(["started from the head", d["init_from"]])
     if kind == "eagle":
         recipe += [["label temperature", d["label_temperature"]], ["training-time test steps", d["ttt_steps"]]]
         if best.get("vocabulary_coverage"):

@@ -309,6 +309,12 @@ def test_a_head_starts_from_a_saved_one_with_its_own_draft_vocabulary(tiny_world
     b = load_file(str(tmp_path / "again" / "best" / "model.safetensors"))
     assert a["d2t"].numel() == 200 and b["d2t"].numel() == 150
     assert all(torch.equal(a[k], b[k]) for k in a if k not in ("d2t", "t2d"))
+    from train.export import read_run
+    from train.hub import model_card
+
+    card = model_card(read_run(tmp_path / "again"), {}, repo_id="acme/h", license=None, k=4)
+    assert f"| started from the head | {tmp_path / 'first' / 'best'} |" in card
+    assert "started from" not in model_card(read_run(tmp_path / "first"), {}, repo_id="acme/h", license=None, k=4)
     fresh = train(smoke(tmp_path, *[o for o in again if not o.startswith("drafter.init_from")], run="fresh"))
     c = load_file(str(tmp_path / "fresh" / "best" / "model.safetensors"))
     assert fresh["steps"] == 1 and not torch.equal(a["fc.weight"], c["fc.weight"])
