@@ -103,7 +103,8 @@ def synthesize(endpoint, prefixes: list[list[int]], out: str | Path, *, count: i
                max_tokens: int = 256, min_chars: int = 16, parallel: int = 4, batch_size: int = 32,
                max_batches: int | None = None, progress: bool = True) -> SynthesisStats:
     """Append requests sampled from `endpoint` (an eval.endpoint.Endpoint) to the chat-format JSONL file `out`
-    until it holds `count` of them, each a record {id, category, messages: [user turn]}.
+    until it holds `count` of them, each a record {id, category, messages: [user turn], batch} (`batch`: the
+    batch that sampled it, which a resume starts after; readers of the chat format ignore it).
 
     Request i (counted from 0 over the whole run) continues prefixes[i % len(prefixes)] (user_turn_prefix of
     `system` and leads[i % len(leads)], the words it starts with), sampled with seed crc32(f"{seed}-{i}"); its
