@@ -99,8 +99,8 @@ def _read(path: Path) -> tuple[list[dict], int]:
 
 
 def synthesize(endpoint, prefixes: list[list[int]], out: str | Path, *, count: int, category: str = "chat",
-               system: str | None = None, leads: list[str] = ("",), seed: int = 0, temperature: float = 1.0, top_p: float = 1.0,
-               max_tokens: int = 256, min_chars: int = 16, parallel: int = 4, batch_size: int = 32,
+               system: str | None = None, leads: list[str] = ("",), seed: int = 0, temperature: float = 1.0,
+               top_p: float = 1.0, max_tokens: int = 256, min_chars: int = 16, parallel: int = 4, batch_size: int = 32,
                max_batches: int | None = None, progress: bool = True) -> SynthesisStats:
     """Append requests sampled from `endpoint` (an eval.endpoint.Endpoint) to the chat-format JSONL file `out`
     until it holds `count` of them, each a record {id, category, messages: [user turn], batch} (`batch`: the
@@ -108,9 +108,8 @@ def synthesize(endpoint, prefixes: list[list[int]], out: str | Path, *, count: i
 
     Request i (counted from 0 over the whole run) continues prefixes[i % len(prefixes)] (user_turn_prefix of
     `system` and leads[i % len(leads)], the words it starts with), sampled with seed crc32(f"{seed}-{i}"); its
-    record's id is
-    f"{category}-synth-{i}". Resumes an interrupted run with the same settings (`out`.meta.json holds them; other
-    settings are an error). Stops after `max_batches` batches (default: enough for 4 × `count` requests) and
+    record's id is f"{category}-synth-{i}". Resumes an interrupted run with the same settings (`out`.meta.json
+    holds them; other settings are an error). Stops after `max_batches` batches (default: enough for 4 × `count` requests) and
     says how many it kept, so a model that rarely ends its requests does not sample forever.
     """
     if count < 1 or batch_size < 1 or parallel < 1:
@@ -121,9 +120,8 @@ def synthesize(endpoint, prefixes: list[list[int]], out: str | Path, *, count: i
     if len(leads) != len(prefixes) or not prefixes:
         raise ValueError(f"one prefix per lead: {len(prefixes)} prefixes, {len(leads)} leads")
     meta = {"prefixes": zlib.crc32(json.dumps(prefixes).encode()), "category": category, "system": system,
-            "leads": leads, "seed": seed,
-            "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "min_chars": min_chars,
-            "batch_size": batch_size, "model": getattr(endpoint, "model", None)}
+            "leads": leads, "seed": seed, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
+            "min_chars": min_chars, "batch_size": batch_size, "model": getattr(endpoint, "model", None)}
     meta_path = out.with_name(out.name + ".meta.json")
     if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
         raise ValueError(f"{out} was written with other settings or another model ({meta_path}): delete both, or "
@@ -138,8 +136,8 @@ def synthesize(endpoint, prefixes: list[list[int]], out: str | Path, *, count: i
     started = time.perf_counter()
 
     def one(i: int):
-        return endpoint.complete(prefixes[i % len(prefixes)], max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                 seed=zlib.crc32(f"{seed}-{i}".encode()))
+        return endpoint.complete(prefixes[i % len(prefixes)], max_tokens=max_tokens, temperature=temperature,
+                                 top_p=top_p, seed=zlib.crc32(f"{seed}-{i}".encode()))
 
     try:
         with open(out, "ab") as f, ThreadPoolExecutor(max_workers=parallel) as pool:

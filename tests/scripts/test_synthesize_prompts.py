@@ -1,4 +1,4 @@
-"""scripts/synthesize_prompts.py against a real llama-server (traffic/synthesize.py: tests/traffic/test_synthesize.py)."""
+"""scripts/synthesize_prompts.py against a real llama-server (the library: tests/traffic/test_synthesize.py)."""
 
 import json
 
