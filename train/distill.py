@@ -152,6 +152,14 @@ class DistillRecipe:
             n_train = min(n_train, cfg.data.max_records)
         self.trained_on = {"path": cfg.data.path, "records": n_train, "checkpoint_chosen_on": held,
                            "categories": dict(Counter(r.category for r in records[:n_train]))}
+        missing = sorted(set(self.trained_on["categories"]) - {r.category for r in records[-held:]})
+        if missing and self.is_main:
+            # The checkpoint is then chosen on traffic unlike part of what the drafter serves.
+            msg = (f"the {held} records that choose the best checkpoint (the last trainer.eval_examples of "
+                   f"{cfg.data.path}) hold no {', '.join(missing)} records; order the file so its end mixes every "
+                   f"category")
+            log.warning(msg)
+            print(f"warning: {msg}")
         if cfg.evaluate.enabled:  # read now, so a bad held-out file fails before training, not after it
             self.eval_traffic = self._final_eval_traffic()
         # The target is loaded once here; prepare() regenerates with it and training scores with it.

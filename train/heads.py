@@ -13,8 +13,9 @@ step) or they are precomputed once to fp16 shards (`offline`, train/hidden_state
 next-token distribution, the label of every head, comes from its last-layer feature through its own
 output head, so it is always captured with the head's layers. The best checkpoint is chosen by the
 held-out estimate of tokens accepted per round, 1 + sum_s prod_{r<=s} alpha_r, where alpha_r is the
-expected acceptance sum_x min(p, q) of draft step r (or, with `trainer.select_by=top1`, its greedy
-top-1 agreement).
+expected acceptance sum_x min(p, q) of draft step r; with `trainer.select_by=top1`, by the τ of greedy
+chain drafting replayed on the held-out answers (`greedy_rounds`), which the loop measures exactly where
+those answers are the target's greedy output.
 """
 
 from __future__ import annotations
@@ -59,6 +60,35 @@ def tokens_per_round_estimate(alphas: list[float]) -> float:
         prod *= a
         total += prod
     return total
+
+
+def greedy_rounds(hits: list[torch.Tensor], answer: torch.Tensor) -> list[tuple[int, int]]:
+    """Greedy chain drafting at k = len(hits), replayed on teacher-forced answers: (tokens, rounds) per row.
+
+    hits[s][b, e]: the head's guess of step s from entry e (the target's features through position e,
+    tokens through e+1) is the target's greedy token e+s+2; answer (B, T): the assistant tokens. A round
+    starts at an entry whose next two tokens are answer tokens (the first comes from the target), keeps
+    the leading run of hits, and yields it plus the target's own token, so the next round starts that
+    many entries on. Where the answers are the target's greedy output, this is the τ greedy serving
+    measures on them: unlike 1 + a1 + a1·a2 + ..., it keeps how misses cluster (a round starts right
+    after one)."""
+    steps = [h.cpu() for h in hits]
+    answer = answer.bool().cpu()
+    out = []
+    for b in range(answer.shape[0]):
+        row, e, T = answer[b].tolist(), 0, answer.shape[1]
+        tokens = rounds = 0
+        while e + 2 < T:
+            if not (row[e + 1] and row[e + 2]):
+                e += 1
+                continue
+            kept = 0
+            while kept < len(steps) and e + kept + 2 < T and row[e + kept + 2] and bool(steps[kept][b, e]):
+                kept += 1
+            tokens, rounds = tokens + kept + 1, rounds + 1
+            e += kept + 1
+        out.append((tokens, rounds))
+    return out
 
 
 def label_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -236,11 +266,19 @@ class HeadRecipe(DistillRecipe):
                   f"it, the most sampled serving can accept: {self.mass}")
         short = {c: v for c, v in self.coverage.items() if v < WARN_BELOW_COVERAGE}
         if short and self.is_main:
-            # Greedy serving rejects every guess at a token the head cannot propose.
+            # Greedy serving rejects every guess at a token the head cannot propose. Counted from tokens, a
+            # vocabulary sized from the training answers never reaches the tokens they lack.
+            seen = t2d | (counts.to(t2d.device) > 0)  # unseen: left out, and never in the training answers
+            unseen = {c: 1 - vocabulary_coverage(per_category[c], seen) for c in short} \
+                if d.draft_vocab_from == "tokens" else {}
             msg = (f"the draft vocabulary of {size} tokens cannot propose "
-                   + ", ".join(f"{1 - v:.1%} of held-out {c} tokens" for c, v in short.items())
+                   + ", ".join(f"{1 - v:.1%} of held-out {c} tokens"
+                               + (f" ({unseen[c]:.1%} never in the training answers)" if unseen.get(c) else "")
+                               for c, v in short.items())
                    + "; a larger one (drafter.draft_vocab_share, or drafter.draft_vocab_coverage=0.999) "
-                     "costs one wider output-head matmul per drafted token")
+                     "costs one wider output-head matmul per drafted token"
+                   + ("; tokens the training answers lack need traffic that has them (or draft_vocab_share=1)"
+                      if any(unseen.values()) else ""))
             log.warning(msg)
             print(f"warning: {msg}")
 
@@ -310,10 +348,13 @@ class HeadRecipe(DistillRecipe):
 
     @torch.no_grad()
     def evaluate_heldout(self) -> dict:
-        """Per-step expected acceptance and top-1 agreement on held-out assistant tokens, and the
-        tokens-per-round estimate the best checkpoint is chosen by."""
+        """Per-step expected acceptance and top-1 agreement on held-out assistant tokens, the
+        tokens-per-round estimate from them, and greedy serving's τ replayed on the held-out answers (over all
+        and per category, `greedy_rounds`): the best checkpoint is chosen by the estimate when sampling
+        (`trainer.select_by=acceptance`), by the replayed τ when greedy (`top1`)."""
         self.model.eval()
         totals: dict[str, list[torch.Tensor]] = {}
+        replayed: dict[str, list[int]] = {}  # category: [tokens, rounds] of greedy_rounds
         bs, limit = self.cfg.trainer.batch_size, self.cfg.trainer.max_length
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for start in range(0, len(self.eval_set), bs):
@@ -321,24 +362,35 @@ class HeadRecipe(DistillRecipe):
             batch = _records_batch(rows, pad, limit, self.device)
             features, probs = self._features(batch)
             _, stats = self.model(features, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], probs)
+            hits = [st.pop("hits") for st in stats]
+            answer = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+            for row, (tokens, rounds) in zip(rows, greedy_rounds(hits, answer)):
+                total = replayed.setdefault(row["category"], [0, 0])
+                total[0], total[1] = total[0] + tokens, total[1] + rounds
             for s, st in enumerate(stats):
                 for key, value in st.items():
                     totals.setdefault(f"{key}_{s}", []).append(value)
         self.model.train()
         sums = {key: float(self.acc.reduce(torch.stack(v).sum(), "sum")) for key, v in totals.items()}
+        # Every process replays the whole held-out set: nothing to gather.
+        tokens, rounds = (sum(t[i] for t in replayed.values()) for i in (0, 1))
         steps = len([k for k in sums if k.startswith("count_")])
         alphas = [sums[f"accept_{s}"] / max(sums[f"count_{s}"], 1.0) for s in range(steps)]
         top1 = [sums[f"top1_{s}"] / max(sums[f"count_{s}"], 1.0) for s in range(steps)]
         result = {"heldout_acceptance": alphas[0], "heldout_top1": top1[0],
                   "heldout_step_acceptance": [round(a, 4) for a in alphas],
                   "heldout_tokens_per_round": tokens_per_round_estimate(alphas),
-                  "heldout_tokens_per_round_greedy": tokens_per_round_estimate(top1)}
-        # select_by=acceptance: tokens per round when sampling (alpha = sum min(p, q)); top1: when greedy.
-        key = "tokens_per_round" if self.cfg.trainer.select_by == "acceptance" else "tokens_per_round_greedy"
+                  "heldout_tokens_per_round_greedy": tokens_per_round_estimate(top1),
+                  "heldout_tau_greedy": tokens / max(rounds, 1),
+                  "heldout_tau_greedy_by_category": {c: round(t / max(r, 1), 4) for c, (t, r) in sorted(replayed.items())}}
+        # select_by=acceptance: tokens per round when sampling (alpha = sum min(p, q)); top1: greedy serving's
+        # τ, replayed on the held-out answers.
+        key = "tokens_per_round" if self.cfg.trainer.select_by == "acceptance" else "tau_greedy"
         if self.best is None or result[f"heldout_{key}"] > self.best.get(key, float("-inf")):
             self.best = {"acceptance": alphas[0], "top1": top1[0], "step": self.step,
                          "tokens_per_round": result["heldout_tokens_per_round"],
-                         "tokens_per_round_greedy": result["heldout_tokens_per_round_greedy"]}
+                         "tokens_per_round_greedy": result["heldout_tokens_per_round_greedy"],
+                         "tau_greedy": result["heldout_tau_greedy"]}
             self._save_best()
         return result
 

@@ -99,8 +99,8 @@ def test_loss_ignores_padding_and_non_assistant_tokens(target, kind):
 
 
 def _eagle_reference(head, feats, ids, attn, loss_mask, probs):
-    """EAGLE-3's loss and per-step sums written out over every position of `unroll` (the output head on
-    all of them), the target's distribution restricted to the draft vocabulary: what forward computes."""
+    """EAGLE-3's loss, per-step sums and greedy hits written out over every position of `unroll` (the output
+    head on all of them), the target's distribution restricted to the draft vocabulary: what forward computes."""
     B, T = ids.shape
     S = head.config.ttt_steps
     pad = lambda t: torch.cat([t, t.new_zeros((B, S + 1, *t.shape[2:]))], dim=1)  # noqa: E731
@@ -114,8 +114,11 @@ def _eagle_reference(head, feats, ids, attn, loss_mask, probs):
         per_pos = -(p_draft * torch.log_softmax(logits, -1)).sum(-1)
         loss = loss + head.config.ttt_decay ** s * per_pos[m].mean()
         q = torch.zeros_like(p).index_copy_(-1, kept, torch.softmax(logits, -1))
-        stats.append({"accept": torch.minimum(q, p).sum(-1)[m].sum(),
-                      "top1": (q.argmax(-1) == p.argmax(-1))[m].float().sum(), "count": m.sum().float()})
+        agree = q.argmax(-1) == p.argmax(-1)
+        hits = torch.zeros(B, T, dtype=torch.bool)  # entry e's greedy guess right, at e (what greedy_rounds replays)
+        hits[:, : T - 1] = agree & m
+        stats.append({"accept": torch.minimum(q, p).sum(-1)[m].sum(), "top1": agree[m].float().sum(),
+                      "count": m.sum().float(), "hits": hits})
     return loss, stats
 
 
@@ -128,6 +131,7 @@ def test_eagle_loss_reads_the_output_head_only_at_assistant_tokens_and_labels_eq
     want_loss, want_stats = _eagle_reference(head, feats, ids, attn, loss_mask, probs)
     loss, stats = head(feats, ids, attn, loss_mask, probs)
     torch.testing.assert_close(loss, want_loss)
+    assert any(st["hits"].any() for st in want_stats)  # some guesses right: their places are checked
     for got, want in zip(stats, want_stats, strict=True):
         torch.testing.assert_close(got, want)
     # Temperature 0: the argmax as token ids is the one-hot distribution, loss, sums and gradients alike.

@@ -9,8 +9,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
+from drafters.heads import build_head
+from drafters.sampling import Sampling
 from eval.run import build_drafter, load_target
+from eval.speculative import autoregressive_generate, speculative_generate
+from helpers import tiny_llama
 from train.__main__ import train
+from train.heads import greedy_rounds
+from train.hidden_states import capture, default_layers
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 KINDS = ["eagle", "eagle1", "mtp", "medusa"]
@@ -33,11 +39,14 @@ def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_greedy_selection_picks_the_best_greedy_estimate(tiny_world, tmp_path):
+def test_greedy_selection_picks_the_best_replayed_tau(tiny_world, tmp_path):
     summary = train(smoke(tmp_path, "drafter=medusa", "trainer.max_steps=9", "trainer.eval_every=3",
                           f"trainer.lr={LR['medusa']}", "evaluate.enabled=false", "trainer.select_by=top1"))
-    evals = [r for r in metrics(tmp_path / "run") if "heldout_tokens_per_round_greedy" in r]
-    best = max(evals, key=lambda r: r["heldout_tokens_per_round_greedy"])
+    evals = [r for r in metrics(tmp_path / "run") if "heldout_tau_greedy" in r]
+    assert all(1.0 <= r["heldout_tau_greedy"] <= 5.0 for r in evals)
+    assert all(r["heldout_tau_greedy_by_category"] and min(r["heldout_tau_greedy_by_category"].values()) >= 1.0
+               for r in evals)
+    best = max(evals, key=lambda r: r["heldout_tau_greedy"])
     assert summary["best"]["step"] == best["step"]
 
 
@@ -91,7 +100,8 @@ def test_draft_vocabulary_sized_by_coverage_of_the_training_tokens(tiny_world, t
     train(smoke(tmp_path, "drafter=eagle", "drafter.draft_vocab_coverage=0.9", "trainer.max_steps=1",
                 "trainer.eval_every=1", "evaluate.enabled=false"))
     target, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
-    rows = datasets.load_from_disk(str(next((tmp_path / "data").glob("tiny-train-*")) / "tokenized"))
+    rows_dir = next((tmp_path / "data").glob("tiny-train-*"))
+    rows = datasets.load_from_disk(str(rows_dir / "tokenized"))
     counts = torch.zeros(target.config.vocab_size)
     for row in rows:
         counts += torch.bincount(torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)],
@@ -116,6 +126,26 @@ def test_draft_vocabulary_sized_by_coverage_of_the_training_tokens(tiny_world, t
     warning = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:"))
     assert "draft vocabulary of 2 tokens" in warning
     assert all(f"of held-out {c} tokens" in warning for c in short)
+    assert "never in the training answers" not in warning  # the tiny world's held-out tokens all occur in training
+    # Held-out answers with tokens the training answers lack: those are named apart (no share of the
+    # training traffic's tokens covers them).
+    path = tmp_path / "unseen.jsonl"
+    answers = ["a a a a b b b b"] * 12 + ["q x z q x z 9 9"] * 8  # the last 8 (trainer.eval_examples) are held out
+    path.write_text("".join(json.dumps({"id": str(i), "category": "code" if i % 2 or i >= 12 else "chat", "messages": [
+        {"role": "user", "content": "say it"}, {"role": "assistant", "content": a}]}) + "\n"
+        for i, a in enumerate(answers)))
+    capsys.readouterr()
+    train(smoke(tmp_path, "data=jsonl", f"data.path={path}", "data.max_records=null", "regenerate.enabled=false",
+                "drafter=eagle", "drafter.draft_vocab_size=2", "trainer.max_steps=1", "trainer.eval_every=1",
+                "evaluate.enabled=false", run="unseen"))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    # ... and the held-out records, all code, choose a checkpoint for chat as well: the recipe says so.
+    assert any("the 8 records that choose the best checkpoint" in w and "hold no chat records" in w for w in warnings)
+    warning = next(w for w in warnings if "draft vocabulary" in w)
+    _, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
+    seen, held = set(tok("a a a a b b b b")["input_ids"]), tok("q x z q x z 9 9", add_special_tokens=False)["input_ids"]
+    assert any(t not in seen for t in held), "the test needs held-out tokens the training answers lack"
+    assert "never in the training answers)" in warning and "need traffic that has them" in warning
 
 
 def test_expected_token_counts_sum_the_targets_distribution_at_assistant_positions(tiny_world):
@@ -324,3 +354,62 @@ def test_a_head_starts_from_a_saved_one_with_its_own_draft_vocabulary(tiny_world
                 run="mtp"))
     with pytest.raises(ValueError, match="a mtp head on layers .* not the eagle head"):
         train(smoke(tmp_path, *again[:1], f"drafter.init_from={tmp_path / 'mtp' / 'best'}", *again[2:], run="wrong"))
+
+
+def _self_trained_head(kind, target, settings, steps=40):
+    """A head given a few steps on the target's own greedy text: its guesses mix hits and misses."""
+    torch.manual_seed(0)
+    head = build_head(kind, target, default_layers(kind, target.config.num_hidden_layers), **settings)
+    starts = torch.randint(0, target.config.vocab_size, (8, 1), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ids = target.generate(starts, max_new_tokens=23, do_sample=False, pad_token_id=0)
+        probs = torch.softmax(target(input_ids=ids).logits, -1)
+    attn = torch.ones_like(ids)
+    feats = capture(target, ids, attn, list(head.config.feature_layers)).flatten(2)
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(steps):
+        loss, _ = head(feats, ids, attn, attn, probs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
+@pytest.mark.parametrize("kind, settings", [
+    ("eagle", dict(ttt_steps=4, ttt_decay=0.8)), ("eagle1", dict(token_loss_weight=0.1)),
+    ("mtp", dict(depth=3, module_decay=0.8)), ("medusa", dict(num_heads=4, num_layers=1, head_decay=0.8))])
+def test_the_greedy_replay_keeps_what_the_loop_keeps(kind, settings):
+    # The held-out τ the recipe selects by replays greedy drafting on teacher-forced answers: on the
+    # target's own greedy answer it must give the loop's rounds and tokens exactly.
+    target = tiny_llama(64, hidden=32, layers=4, seed=0, logit_scale=4.0).requires_grad_(False)
+    head = _self_trained_head(kind, target, settings)
+    answers, hits_and_misses = [], 0
+    for n in (2, 5, 9):
+        prompt = torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n))
+        ids = torch.cat([prompt, torch.tensor(autoregressive_generate(target, prompt, sampling=Sampling(),
+                                                                      max_new_tokens=40).tokens)])[None]
+        attn, answer = torch.ones_like(ids), torch.zeros_like(ids)
+        answer[:, n:] = 1
+        feats = capture(target, ids, attn, list(head.config.feature_layers)).flatten(2)
+        with torch.no_grad():
+            labels = torch.nn.functional.one_hot(target(input_ids=ids).logits.argmax(-1), 64).float()
+            _, stats = head(feats, ids, attn, answer, labels)
+        hits = [st["hits"] for st in stats]
+        out = speculative_generate(target, head.drafter(kind), prompt, k=len(hits), sampling=Sampling(),
+                                   max_new_tokens=40)
+        assert out.tokens == ids[0, n:].tolist()
+        assert greedy_rounds(hits, answer) == [(sum(r.accepted + 1 for r in out.rounds), len(out.rounds))], n
+        hits_and_misses += len({r.accepted for r in out.rounds})
+    assert hits_and_misses > 3  # rounds that kept different numbers of guesses: not all hits, not all misses
+
+
+def test_the_greedy_replay_on_a_hand_made_answer():
+    answer = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])  # the target's first answer token at 2
+    all_hits = [torch.ones_like(answer, dtype=torch.bool)] * 3
+    # rounds at entries 1 (keeps 3: tokens 3-5, +6), 5 (keeps 3: 7-9, +10 past the answer): 8 tokens, 2 rounds
+    assert greedy_rounds(all_hits, answer) == [(8, 2)]
+    assert greedy_rounds([torch.zeros_like(answer, dtype=torch.bool)] * 3, answer) == [(7, 7)]
+    second_misses = [all_hits[0], torch.zeros_like(answer, dtype=torch.bool), all_hits[2]]
+    # rounds at 1, 3, 5, 7 keep 1 each; the last one's own token falls past the answer and counts, as in the loop
+    assert greedy_rounds(second_misses, answer) == [(8, 4)]
+    assert greedy_rounds([h.repeat(2, 1) for h in all_hits], torch.cat([answer, answer.roll(1)])) == [(8, 2), (8, 2)]
