@@ -89,6 +89,9 @@ class DistillRecipe:
             engine.check(self.cfg.evaluate.engine, engine.EngineCosts(), runs=("llamacpp",))
         if t.select_by not in ("acceptance", "top1"):
             raise ValueError(f"trainer.select_by must be acceptance or top1, got {t.select_by!r}")
+        if t.max_steps < 0:
+            raise ValueError(f"trainer.max_steps must be 0 (evaluate the starting weights only) or more, "
+                             f"got {t.max_steps}")
         self._validate()
         self.acc = Accelerator(cpu=t.cpu or not torch.cuda.is_available(), mixed_precision=t.precision)
         self.device = self.acc.device
@@ -367,6 +370,8 @@ class DistillRecipe:
         bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step",
                    disable=not (self.cfg.progress and self.is_main), file=sys.stderr)
         tokens, started = 0, time.perf_counter()
+        if t.max_steps == 0 and self.step == 0:  # evaluate only: the starting weights' held-out numbers, kept as best/
+            self._log({"step": 0, **self.evaluate_heldout()})
         self.model.train()
         while self.step < t.max_steps:
             on_policy = random.Random(t.seed * 1_000_003 + self.step).random() < self.cfg.drafter.on_policy.ratio

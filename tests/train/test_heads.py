@@ -345,6 +345,15 @@ def test_a_head_starts_from_a_saved_one_with_its_own_draft_vocabulary(tiny_world
     card = model_card(read_run(tmp_path / "again"), {}, repo_id="acme/h", license=None, k=4)
     assert f"| started from the head | {tmp_path / 'first' / 'best'} |" in card
     assert "started from" not in model_card(read_run(tmp_path / "first"), {}, repo_id="acme/h", license=None, k=4)
+    # trainer.max_steps=0: the saved head's held-out numbers alone, and it is what best/ keeps.
+    only = train(smoke(tmp_path, *[o for o in again if not o.startswith("trainer.")], "trainer.max_steps=0",
+                       run="only"))
+    row = metrics(tmp_path / "only")
+    assert only["steps"] == 0 and [r["step"] for r in row] == [0] and row[0]["heldout_tau_greedy"] >= 1.0
+    d = load_file(str(tmp_path / "only" / "best" / "model.safetensors"))
+    assert all(torch.equal(a[k], d[k]) for k in a if k not in ("d2t", "t2d"))
+    with pytest.raises(ValueError, match="trainer.max_steps must be 0"):
+        train(smoke(tmp_path, *again, "trainer.max_steps=-1", run="negative"))
     fresh = train(smoke(tmp_path, *[o for o in again if not o.startswith("drafter.init_from")], run="fresh"))
     c = load_file(str(tmp_path / "fresh" / "best" / "model.safetensors"))
     assert fresh["steps"] == 1 and not torch.equal(a["fc.weight"], c["fc.weight"])
