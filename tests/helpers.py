@@ -170,6 +170,29 @@ def stop_point(target, make_drafter, prompt, k: int, threshold: float, seed: int
     return expected
 
 
+def trained_to_self(target, head, steps: int = 60):
+    """A few steps of a head on the target's own greedy text, so that some guesses are accepted and rollback is
+    exercised."""
+    from train.hidden_states import capture
+
+    g = torch.Generator().manual_seed(7)
+    starts = torch.randint(0, target.config.vocab_size, (8, 1), generator=g)
+    with torch.no_grad():
+        ids = target.generate(starts, max_new_tokens=23, do_sample=False, pad_token_id=0)
+    attn = torch.ones_like(ids)
+    feats = capture(target, ids, attn, list(head.config.feature_layers)).flatten(2)
+    with torch.no_grad():
+        probs = torch.softmax(target(input_ids=ids).logits, -1)
+    head.train()
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(steps):
+        loss, _ = head(feats, ids, attn, attn, probs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
 def train_tiny_deep(out, *overrides):
     """A `python -m train` run on the tiny_deep world (a 4-layer target), a few steps, no final evaluation."""
     from hydra import compose, initialize_config_dir

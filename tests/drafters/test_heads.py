@@ -17,7 +17,7 @@ from drafters.tree import TreeShape
 from eval.batching import speculative_generate_batch
 from eval.speculative import autoregressive_generate, speculative_generate
 from helpers import (Recording, accept_path_without_residual, batched_pvalues, chi2_pvalue, empirical_joint,
-                     exact_joint, stop_point, tiny_llama)
+                     exact_joint, stop_point, tiny_llama, trained_to_self)
 from train.hidden_states import capture, default_layers
 
 VOCAB = 64
@@ -184,30 +184,10 @@ def _reduced_eagle(target, size=40):
     return head
 
 
-def _trained_to_self(target, head, steps=60):
-    """A few steps on the target's own text, so that some guesses are accepted and rollback is exercised."""
-    g = torch.Generator().manual_seed(7)
-    starts = torch.randint(0, VOCAB, (8, 1), generator=g)
-    with torch.no_grad():
-        ids = target.generate(starts, max_new_tokens=23, do_sample=False, pad_token_id=0)
-    attn = torch.ones_like(ids)
-    feats = capture(target, ids, attn, list(head.config.feature_layers)).flatten(2)
-    with torch.no_grad():
-        probs = torch.softmax(target(input_ids=ids).logits, -1)
-    head.train()
-    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(steps):
-        loss, _ = head(feats, ids, attn, attn, probs)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return head.eval()
-
-
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_equals_target_greedy_with_every_head(target, prompts, k):
     for name, head in _heads(target):
-        head = _trained_to_self(target, head) if k == 3 else head
+        head = trained_to_self(target, head) if k == 3 else head
         accepted = 0
         for prompt in prompts:
             ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=30).tokens
@@ -232,7 +212,7 @@ def test_rows_that_join_a_running_batch_draft_as_the_head_alone(target, prompts)
     refs = [autoregressive_generate(target, p, sampling=GREEDY, max_new_tokens=30, eos_token_id=eos).tokens
             for p in chosen]
     for name, head in _heads(target):
-        head = _trained_to_self(target, head)
+        head = trained_to_self(target, head)
         out = speculative_generate_batch(target, head.batch_drafter(name), chosen, k=3, sampling=GREEDY,
                                          max_new_tokens=30, eos_token_id=eos, slots=2)
         assert [r.tokens for r in out.rows] == refs, name
@@ -254,7 +234,7 @@ def test_batched_rows_equal_their_plain_greedy_output_with_every_head(target, pr
     for name, head in _heads(target):
         if name not in BATCHED:
             continue
-        head = _trained_to_self(target, head)
+        head = trained_to_self(target, head)
         out = speculative_generate_batch(target, head.batch_drafter(name), chosen, k=3, sampling=GREEDY,
                                          max_new_tokens=30)
         assert [r.tokens for r in out.rows] == refs, name
@@ -271,7 +251,7 @@ def test_batched_confidence_stop_cuts_each_row_where_the_head_alone_cuts_it(targ
     g = torch.Generator().manual_seed(4)
     chosen = [torch.randint(0, VOCAB, (n,), generator=g) for n in (12, 5)] + prompts[::-1]
     for name, head in _heads(target):
-        head = _trained_to_self(target, head)
+        head = trained_to_self(target, head)
         out = speculative_generate_batch(target, head.batch_drafter(name, stop_below=0.5), chosen, k=4,
                                          sampling=GREEDY, max_new_tokens=24)
         alone = [speculative_generate(target, head.drafter(name, stop_below=0.5), p, k=4, sampling=GREEDY,
@@ -328,7 +308,7 @@ TREE_KINDS = ["eagle", "eagle1", "eagle_reduced"]
 def test_a_tree_of_width_one_drafts_and_keeps_exactly_the_chain(target, prompts, kind):
     """A dynamic tree with top-1 and `depth` nodes is the greedy chain: the same guesses, round for round, through
     the tree mask, the tree's position ids and the path's cache gathering."""
-    head = _trained_to_self(target, _head(kind, target))
+    head = trained_to_self(target, _head(kind, target))
     for prompt in prompts:
         chain = speculative_generate(target, head.drafter(kind), prompt, k=3, sampling=GREEDY, max_new_tokens=30)
         tree = speculative_generate(target, head.drafter(kind), prompt, k=0, tree=TreeShape(3, 1, 3),
@@ -342,7 +322,7 @@ def test_a_heads_tree_scores_each_node_as_drafting_its_path_alone_would(target, 
     """Each node's score is the head's cumulative log-probability of its path, as the head drafting that path as a
     chain (one entry at a time on its own outputs) gives it: a tree's entries see the committed ones and their own
     ancestors only, at their own depth's position."""
-    head = _trained_to_self(target, _head(kind, target))
+    head = trained_to_self(target, _head(kind, target))
     prompt = prompts[2]
     with torch.no_grad():
         out = target(input_ids=prompt[None], output_hidden_states=True)
@@ -377,7 +357,7 @@ def _chain_score(head, kind, tokens, prompt, features):
 def test_greedy_trees_equal_target_greedy_and_keep_more_than_the_chain(target, prompts, shape):
     shape = TreeShape.parse(shape)
     for kind in TREE_KINDS:
-        head = _trained_to_self(target, _head(kind, target))
+        head = trained_to_self(target, _head(kind, target))
         kept, chain_kept = 0, 0
         for prompt in prompts:
             ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=30).tokens
@@ -444,7 +424,7 @@ def test_confidence_stop_ends_the_round_at_the_first_unsure_guess(target, prompt
 
 @pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
 def test_greedy_with_confidence_stop_equals_target_greedy(target, prompts, kind):
-    head, short = _trained_to_self(target, _head(kind, target)), 0
+    head, short = trained_to_self(target, _head(kind, target)), 0
     for prompt in prompts:
         ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=30).tokens
         out = speculative_generate(target, head.drafter(kind, stop_below=0.6), prompt, k=4, sampling=GREEDY,
@@ -551,7 +531,7 @@ class _Recorder:
 def test_loop_features_are_the_training_features_at_the_same_layers(target, prompts, kind):
     """The hidden states the loop passes are those train/hidden_states.capture (training, offline
     shards) computes for the same positions and layer indices: a drift by one layer fails here."""
-    head = _trained_to_self(target, make_head(kind, target))
+    head = trained_to_self(target, make_head(kind, target))
     layers = list(head.config.feature_layers)
     recorder = _Recorder(head.drafter(kind))
     prompt = prompts[2]

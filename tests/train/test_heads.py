@@ -13,7 +13,7 @@ from drafters.heads import build_head
 from drafters.sampling import Sampling
 from eval.run import build_drafter, load_target
 from eval.speculative import autoregressive_generate, speculative_generate
-from helpers import tiny_llama
+from helpers import tiny_llama, trained_to_self
 from train.__main__ import train
 from train.heads import greedy_rounds
 from train.hidden_states import capture, default_layers
@@ -365,23 +365,11 @@ def test_a_head_starts_from_a_saved_one_with_its_own_draft_vocabulary(tiny_world
         train(smoke(tmp_path, *again[:1], f"drafter.init_from={tmp_path / 'mtp' / 'best'}", *again[2:], run="wrong"))
 
 
-def _self_trained_head(kind, target, settings, steps=40):
+def _self_trained_head(kind, target, settings):
     """A head given a few steps on the target's own greedy text: its guesses mix hits and misses."""
     torch.manual_seed(0)
     head = build_head(kind, target, default_layers(kind, target.config.num_hidden_layers), **settings)
-    starts = torch.randint(0, target.config.vocab_size, (8, 1), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        ids = target.generate(starts, max_new_tokens=23, do_sample=False, pad_token_id=0)
-        probs = torch.softmax(target(input_ids=ids).logits, -1)
-    attn = torch.ones_like(ids)
-    feats = capture(target, ids, attn, list(head.config.feature_layers)).flatten(2)
-    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(steps):
-        loss, _ = head(feats, ids, attn, attn, probs)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return head.eval()
+    return trained_to_self(target, head, steps=40)
 
 
 @pytest.mark.parametrize("kind, settings", [
