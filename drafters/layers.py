@@ -543,9 +543,11 @@ def label_stats(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor,
             "count": torch.tensor(float(labels.numel()), device=labels.device), **_hits(agree, at)}
 
 
-def _hits(agree: torch.Tensor, at: tuple | None) -> dict[str, torch.Tensor]:
-    """{"hits": (B, T) bool, where each row's greedy guess agreed, placed at its (rows, entries) in a
-    (B, T) grid}: what `greedy_tau` replays; nothing without `at`."""
+def _hits(agree: torch.Tensor, at: tuple | None = None, mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """{"hits": (B, T) bool, where each row's greedy guess agreed, placed at its (rows, entries) of `at` or
+    at the mask's positions in a (B, T) grid}: what train/heads.py `greedy_rounds` replays; {} without either."""
+    if mask is not None:
+        return {"hits": torch.zeros_like(mask).masked_scatter_(mask, agree)}
     if at is None:
         return {}
     rows, entries, shape = at
@@ -580,7 +582,6 @@ def step_stats(draft_probs: torch.Tensor, target_probs: torch.Tensor, mask: torc
     (B, T)) naming where unmasked rows sit, also "hits": the agreements in a (B, T) grid."""
     if mask is not None:
         mask = mask.bool()
-        at = (*mask.nonzero(as_tuple=True), mask.shape)
         draft_probs, target_probs = draft_probs[mask], target_probs[mask]
     guess = draft_probs.argmax(-1)
     if draft_ids is not None:
@@ -590,4 +591,4 @@ def step_stats(draft_probs: torch.Tensor, target_probs: torch.Tensor, mask: torc
         accept = torch.minimum(draft_probs, target_probs).sum(-1)
     agree = guess == target_probs.argmax(-1)
     return {"accept": accept.sum(), "top1": agree.float().sum(),
-            "count": torch.tensor(float(agree.numel()), device=agree.device), **_hits(agree, at)}
+            "count": torch.tensor(float(agree.numel()), device=agree.device), **_hits(agree, at, mask)}
