@@ -255,7 +255,8 @@ class Eagle3(nn.Module):
             decay = self.config.ttt_decay ** s
             if labels:
                 loss = loss + decay * label_cross_entropy(logits, draft_index[p])
-                stats.append(label_stats(logits.detach(), p, draft_index[p], target_ids, at=(rows, entries, (B, T))))
+                stats.append(label_stats(logits.detach(), p, draft_index[p], target_ids, at=(rows, entries, (B, T)),
+                                         hits=not self.training))
                 continue
             p_draft = p
             if target_ids is not None:  # the target's distribution restricted to the draft vocabulary
@@ -263,7 +264,7 @@ class Eagle3(nn.Module):
                 p_draft = p_draft / p_draft.sum(-1, keepdim=True).clamp_min(1e-12)
             loss = loss + decay * soft_cross_entropy(logits, p_draft, torch.ones_like(rows))
             stats.append(step_stats(torch.softmax(logits.detach().float(), -1), p, draft_ids=target_ids,
-                                    at=(rows, entries, (B, T))))
+                                    at=(rows, entries, (B, T)), hits=not self.training))
         return loss, stats
 
     def drafter(self, name: str = "eagle", stop_below: float = 0.0) -> "Eagle3Drafter":

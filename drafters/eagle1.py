@@ -96,7 +96,7 @@ class Eagle1(nn.Module):
         logits = self.shared.logits(out)
         p = target_probs[:, 1:]
         loss = regression + self.config.token_loss_weight * soft_cross_entropy(logits, p, m)
-        return loss, [step_stats(torch.softmax(logits.detach(), -1), p, m)]
+        return loss, [step_stats(torch.softmax(logits.detach(), -1), p, m, hits=not self.training)]
 
     def drafter(self, name: str = "eagle1", stop_below: float = 0.0) -> "Eagle1Drafter":
         return Eagle1Drafter(self, name, stop_below)

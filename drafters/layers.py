@@ -529,10 +529,11 @@ def label_cross_entropy(logits: torch.Tensor, index: torch.Tensor) -> torch.Tens
 
 @torch.no_grad()
 def label_stats(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor,
-                draft_ids: torch.Tensor | None = None, at: tuple | None = None) -> dict[str, torch.Tensor]:
+                draft_ids: torch.Tensor | None = None, at: tuple | None = None,
+                hits: bool = False) -> dict[str, torch.Tensor]:
     """`step_stats` against one-hot labels (target ids, (N,)): sum_x min(p, q) is q(label); `index` is the
-    label's column in the logits (-1: none), `draft_ids` the target ids of the logits' columns; `at` as in
-    `step_stats`."""
+    label's column in the logits (-1: none), `draft_ids` the target ids of the logits' columns; `at` and
+    `hits` as in `step_stats`."""
     q = torch.softmax(logits.float(), -1)
     accept = q.gather(-1, index.clamp_min(0)[:, None])[:, 0] * (index >= 0)
     guess = q.argmax(-1)
@@ -540,7 +541,8 @@ def label_stats(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor,
         guess = draft_ids[guess]
     agree = guess == labels
     return {"accept": accept.sum(), "top1": agree.float().sum(),
-            "count": torch.tensor(float(labels.numel()), device=labels.device), **_hits(agree, at)}
+            "count": torch.tensor(float(labels.numel()), device=labels.device),
+            **(_hits(agree, at) if hits else {})}
 
 
 def _hits(agree: torch.Tensor, at: tuple | None = None, mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -574,12 +576,14 @@ class ReadRows:
 
 @torch.no_grad()
 def step_stats(draft_probs: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor | None = None,
-               draft_ids: torch.Tensor | None = None, at: tuple | None = None) -> dict[str, torch.Tensor]:
+               draft_ids: torch.Tensor | None = None, at: tuple | None = None,
+               hits: bool = False) -> dict[str, torch.Tensor]:
     """Sums (over masked positions, or every row without a mask) of the sampling acceptance estimate
     sum_x min(p, q) and of greedy top-1 agreement, plus the count: summed across batches and processes,
     then divided. `draft_ids`: the target ids of draft_probs' last dimension (a draft vocabulary; q is 0
-    elsewhere, so the sum runs over those ids alone). With a mask (B, T), or `at` = (rows, entries,
-    (B, T)) naming where unmasked rows sit, also "hits": the agreements in a (B, T) grid."""
+    elsewhere, so the sum runs over those ids alone). With `hits` (held-out evaluation; training steps skip
+    it) also "hits": the agreements in a (B, T) grid, placed by the mask (B, T) or by `at` = (rows, entries,
+    (B, T)) naming where unmasked rows sit."""
     if mask is not None:
         mask = mask.bool()
         draft_probs, target_probs = draft_probs[mask], target_probs[mask]
@@ -591,4 +595,5 @@ def step_stats(draft_probs: torch.Tensor, target_probs: torch.Tensor, mask: torc
         accept = torch.minimum(draft_probs, target_probs).sum(-1)
     agree = guess == target_probs.argmax(-1)
     return {"accept": accept.sum(), "top1": agree.float().sum(),
-            "count": torch.tensor(float(agree.numel()), device=agree.device), **_hits(agree, at, mask)}
+            "count": torch.tensor(float(agree.numel()), device=agree.device),
+            **(_hits(agree, at, mask) if hits else {})}

@@ -65,7 +65,7 @@ class Medusa(nn.Module):
             p = probs[:, i: i + T]  # position t+i: the target's distribution of token t+i+1
             m = lmask[:, i + 1: i + 1 + T].bool() & valid[:, i + 1: i + 1 + T].bool()
             loss = loss + self.config.head_decay ** (i - 1) * soft_cross_entropy(logits[i - 1], p, m)
-            stats.append(step_stats(torch.softmax(logits[i - 1].detach(), -1), p, m))
+            stats.append(step_stats(torch.softmax(logits[i - 1].detach(), -1), p, m, hits=not self.training))
         return loss, stats
 
     def drafter(self, name: str = "medusa", stop_below: float = 0.0) -> "MedusaDrafter":

@@ -93,7 +93,7 @@ class MTP(nn.Module):
             p = probs[:, k: k + T]  # position i+k: the target's distribution of token i+k+1
             m = lmask[:, k + 1: k + 1 + T].bool() & valid[:, k + 1: k + 1 + T].bool()
             loss = loss + self.config.module_decay ** (k - 1) * soft_cross_entropy(logits, p, m)
-            stats.append(step_stats(torch.softmax(logits.detach(), -1), p, m))
+            stats.append(step_stats(torch.softmax(logits.detach(), -1), p, m, hits=not self.training))
         return loss, stats
 
     def drafter(self, name: str = "mtp", stop_below: float = 0.0) -> "MTPDrafter":

@@ -392,6 +392,9 @@ def test_the_greedy_replay_keeps_what_the_loop_keeps(kind, settings):
             labels = torch.nn.functional.one_hot(target(input_ids=ids).logits.argmax(-1), 64).float()
             _, stats = head(feats, ids, attn, answer, labels)
         hits = [st["hits"] for st in stats]
+        with torch.no_grad():  # a training step places no hits: the replay's grid is built for evaluation only
+            assert not any("hits" in st for st in head.train()(feats, ids, attn, answer, labels)[1])
+        head.eval()
         out = speculative_generate(target, head.drafter(kind), prompt, k=len(hits), sampling=Sampling(),
                                    max_new_tokens=40)
         assert out.tokens == ids[0, n:].tolist()
