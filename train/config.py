@@ -144,7 +144,9 @@ class TrainerConfig:
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     max_grad_norm: float = 1.0
     max_length: int = 512  # training sequences are truncated to this many tokens
-    precision: str = "no"  # no | bf16 | fp16 (accelerate mixed precision)
+    # no | bf16 | fp16 (accelerate mixed precision) | auto: bf16 where the hardware multiplies it natively (a GPU
+    # with bf16, a CPU with AVX512-BF16 or AMX), else no
+    precision: str = "no"
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     eval_every: int = 50

@@ -46,6 +46,33 @@ log = logging.getLogger(__name__)
 LOSSES = ("sft", *DIVERGENCES)
 
 
+def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), where bf16 matrix products run
+    several times faster than float32 (BENCHMARKS.md section 13.10); without them bf16 is emulated."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def mixed_precision(precision: str, on_cpu: bool) -> str:
+    """trainer.precision as Accelerate takes it: `auto` is bf16 where the hardware multiplies bf16 natively,
+    else no (float32)."""
+    if precision not in ("no", "bf16", "fp16", "auto"):
+        raise ValueError(f"trainer.precision must be no, bf16, fp16 or auto, got {precision!r}")
+    if precision != "auto":
+        return precision
+    if on_cpu:
+        return "bf16" if cpu_multiplies_bf16() else "no"
+    return "bf16" if torch.cuda.is_bf16_supported() else "no"
+
+
 def _pad(rows: list[list[int]], value: int, left: bool = False) -> torch.Tensor:
     width = max(len(r) for r in rows)
     return torch.tensor([([value] * (width - len(r)) + r) if left else (r + [value] * (width - len(r))) for r in rows])
@@ -93,7 +120,11 @@ class DistillRecipe:
             raise ValueError(f"trainer.max_steps must be 0 (evaluate the starting weights only) or more, "
                              f"got {t.max_steps}")
         self._validate()
-        self.acc = Accelerator(cpu=t.cpu or not torch.cuda.is_available(), mixed_precision=t.precision)
+        on_cpu = t.cpu or not torch.cuda.is_available()
+        precision = mixed_precision(t.precision, on_cpu)
+        if precision != t.precision:
+            log.info("trainer.precision=auto: %s", precision)
+        self.acc = Accelerator(cpu=on_cpu, mixed_precision=precision)
         self.device = self.acc.device
         self.is_main = self.acc.is_main_process
         self._check_distributed()

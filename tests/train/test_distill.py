@@ -57,6 +57,23 @@ def test_config_errors_are_clear(tiny_world, tmp_path):
         train(make_cfg("experiment=smoke", "trainer.select_by=loss", f"out_dir={tmp_path}"))
 
 
+def test_precision_auto_is_bf16_where_the_hardware_multiplies_it(tiny_world, monkeypatch, tmp_path):
+    from train import distill
+
+    epyc = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+    sapphire_rapids = "flags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n"
+    older = "flags\t\t: fpu avx2 avx512f avx512bw\n"
+    assert distill.cpu_multiplies_bf16(epyc) and distill.cpu_multiplies_bf16(sapphire_rapids)
+    assert not distill.cpu_multiplies_bf16(older) and not distill.cpu_multiplies_bf16("")
+    for native in (True, False):
+        monkeypatch.setattr(distill, "cpu_multiplies_bf16", lambda native=native: native)
+        assert distill.mixed_precision("auto", on_cpu=True) == ("bf16" if native else "no")
+        assert distill.mixed_precision("no", on_cpu=True) == "no"
+        assert distill.mixed_precision("fp16", on_cpu=False) == "fp16"
+    with pytest.raises(ValueError, match="trainer.precision must be no, bf16, fp16 or auto, got 'half'"):
+        train(make_cfg("experiment=smoke", "trainer.precision=half", f"out_dir={tmp_path}"))
+
+
 @pytest.mark.parametrize("kind,lora,error", [("DEEPSPEED", False, "DeepSpeed is not supported"),
                                              ("FSDP", True, "drafter.lora with FSDP is not supported"),
                                              ("FSDP", False, None), ("MULTI_GPU", True, None)])

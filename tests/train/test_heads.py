@@ -77,6 +77,26 @@ def test_training_lowers_the_loss_and_saves_a_head_that_reloads(tiny_world, tmp_
     assert drafter.feature_layers == json.loads((best / "config.json").read_text())["feature_layers"]
 
 
+def test_bf16_mixed_precision_trains_a_head_like_float32(tiny_world, tmp_path):
+    """trainer.precision=bf16 on the CPU (what `auto` picks on one with AVX512-BF16 or AMX): the products run in
+    bf16, so the losses differ from float32's by bf16's rounding, and the saved head keeps float32 weights."""
+    common = ["drafter=eagle", "trainer.max_steps=6", "trainer.eval_every=6", "trainer.lr=3e-3",
+              "trainer.warmup_steps=1", "evaluate.enabled=false"]
+    from accelerate.state import AcceleratorState
+
+    train(smoke(tmp_path, *common, run="fp32"))
+    AcceleratorState._reset_state(reset_partial_state=True)  # one precision per process, as Accelerate keeps it
+    try:
+        train(smoke(tmp_path, *common, "trainer.precision=bf16", run="bf16"))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    fp32, bf16 = ([r["loss"] for r in metrics(tmp_path / run)] for run in ("fp32", "bf16"))
+    assert fp32 != bf16  # autocast ran
+    assert all(abs(a - b) < 0.05 * a for a, b in zip(fp32, bf16)), (fp32, bf16)
+    weights = load_file(str(tmp_path / "bf16" / "best" / "model.safetensors"))
+    assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.float32}
+
+
 def test_end_to_end_eagle_with_a_draft_vocabulary_prints_coverage(tiny_world, tmp_path, capsys):
     summary = train(smoke(tmp_path, "drafter=eagle", "drafter.draft_vocab_size=200"))
     report = json.loads(Path(summary["report"]).read_text())
