@@ -94,7 +94,7 @@ demo-real: $(VENV)/.installed llama-cpp
 	@echo "  from $(DATA), answers by llama.cpp, an EAGLE-3 head trained on them, measured in draftsmith's loop and"
 	@echo "  in llama.cpp against an n-gram drafter, a self-draft and llama.cpp's own n-gram modes. On 2 cores from a fresh"
 	@echo "  clone (BENCHMARKS.md section 13.4): llama.cpp's build 5 min, the answers 8 min, the features 4 min, 400 training"
-	@echo "  steps 9 min, the evaluation in both loops 10 min: 37 min in all."
+	@echo "  steps 6 min (bf16 where the CPU multiplies it), the evaluation in both loops 10 min: 34 min in all."
 	$(BIN)/python -c "from traffic import models; print(models.fetch('smollm2'))"
 	$(BIN)/python scripts/real_traffic.py $(DATA) runs/real_traffic
 	$(BIN)/python -m train experiment=smollm2_eagle data.path=runs/real_traffic/train.jsonl \

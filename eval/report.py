@@ -395,7 +395,9 @@ TRAFFIC_KEYS = ("data", "trained_on")
 def _records(d: dict) -> str:
     """'`F`: N records', or the slice of F training held out."""
     if d.get("held_out"):
-        return f"the last {d['records']} records of `{d['path']}` (held out of training)"
+        if d.get("held_out_by", "last") == "last":
+            return f"the last {d['records']} records of `{d['path']}` (held out of training)"
+        return f"{d['records']} records of `{d['path']}`, as many of each category (held out of training)"
     return f"`{d['path']}`: {d['records']} records"
 
 

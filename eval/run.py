@@ -119,13 +119,16 @@ class Traffic:
     source: str  # the path, glob or dataset id as the user gave it
     records: list[Record]
     summary: LoadSummary
-    held_out: int | None = None  # only the source's last `held_out` records (what training held out)
+    held_out: int | None = None  # only the `held_out` records training held out of the source
     too_long: int = 0  # prompts tokenize_prompts skipped as longer than the limit (on_bad_record=skip)
+    held_out_by: str = "last"  # which ones (trainer.heldout): the source's last | as many of each category
 
     def describe(self, prompts: dict[str, list] | None = None) -> dict:
-        """{path, records, held_out, prompts per category, prompts skipped as too long}: the `data` entry of a
-        report's settings."""
+        """{path, records, held_out (and by what), prompts per category, prompts skipped as too long}: the `data`
+        entry of a report's settings."""
         out = {"path": self.source, "records": len(self.records), "held_out": self.held_out}
+        if self.held_out:
+            out["held_out_by"] = self.held_out_by
         if prompts is not None:
             out["prompts"] = {category: len(p) for category, p in prompts.items()}
         if self.too_long:

@@ -151,6 +151,9 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     eval_every: int = 50
     eval_examples: int = 64  # held-out examples for the acceptance estimate
+    # Which: last (the file's last eval_examples records) | per_category (taken in turn from each category's last
+    # records, so every category the file has weighs alike in the choice of checkpoint and the held-out τ)
+    heldout: str = "last"
     # How the best checkpoint is chosen on them: acceptance (sum_x min(p, q): what sampled serving
     # accepts) | top1 (greedy agreement with the target: what greedy serving accepts)
     select_by: str = "acceptance"

@@ -12,10 +12,10 @@ against the target's logits, computed online in each step or, with `drafter.targ
 top-k log-probabilities computed once (train/logit_cache.py); `drafter.on_policy.ratio` replaces that share of steps by
 sequences the draft samples itself, scored by the target. The best checkpoint is chosen by a
 held-out estimate, not by the loss: the acceptance sum_x min(p, q) or, with `trainer.select_by=top1`,
-greedy top-1 agreement, on the last `trainer.eval_examples` records of the training traffic, which
-training never reads; the final evaluation measures the held-out traffic (`data.eval_path`, or the
-built-in world's held-out file; see eval.run.held_out_path), so its numbers are not the ones the checkpoint
-was chosen on.
+greedy top-1 agreement, on `trainer.eval_examples` records of the training traffic (its last ones, or as
+many of each category: `trainer.heldout`), which training never reads; the final evaluation measures the
+held-out traffic (`data.eval_path`, or the built-in world's held-out file; see eval.run.held_out_path), so
+its numbers are not the ones the checkpoint was chosen on.
 
 Data order is a seeded permutation per epoch and every random choice is seeded by the step, so a run
 resumed from a checkpoint continues exactly as the uninterrupted run would have.
@@ -44,6 +44,26 @@ from train.losses import DIVERGENCES, acceptance_estimate, divergence, divergenc
 
 log = logging.getLogger(__name__)
 LOSSES = ("sft", *DIVERGENCES)
+
+
+def held_out_indices(categories: list[str], n: int, how: str = "last") -> list[int]:
+    """Which records (given by their categories, in file order) training holds out to choose its checkpoint:
+    the last n (`last`), or n taken in turn from the end of each category's records (`per_category`), so
+    every category weighs alike in the choice and in the held-out τ. In file order."""
+    if how == "last":
+        return list(range(max(0, len(categories) - n), len(categories)))
+    if how != "per_category":
+        raise ValueError(f"trainer.heldout must be last or per_category, got {how!r}")
+    newest_first: dict[str, list[int]] = {}
+    for i in reversed(range(len(categories))):
+        newest_first.setdefault(categories[i], []).append(i)
+    queues = [newest_first[c] for c in sorted(newest_first)]
+    chosen: list[int] = []
+    for rank in range(max(map(len, queues), default=0)):
+        chosen += [q[rank] for q in queues if rank < len(q)][: n - len(chosen)]
+        if len(chosen) == n:
+            break
+    return sorted(chosen)
 
 
 def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
@@ -171,31 +191,36 @@ class DistillRecipe:
         from train.regenerate import answer_writer
 
         cfg = self.cfg
-        # The held-out examples that choose the best checkpoint are the last `trainer.eval_examples`
-        # records of the training traffic: never trained on, and never the prompts the final evaluation
-        # measures (those come from the held-out traffic), so the reported numbers are not selected on.
+        # The held-out examples that choose the best checkpoint are `trainer.eval_examples` records of the
+        # training traffic (the last ones, or as many of each category: trainer.heldout): never trained on, and
+        # never the prompts the final evaluation measures (those come from the held-out traffic), so the
+        # reported numbers are not selected on.
         records, summary = load_records(resolve_data(cfg.data.path), **reading(cfg.data))
         log.info("%s: %s", cfg.data.path, summary)
-        held = cfg.trainer.eval_examples
+        held, how = cfg.trainer.eval_examples, cfg.trainer.heldout
         if len(records) <= held:
-            raise ValueError(f"{cfg.data.path}: {len(records)} usable records, but training holds the last "
-                             f"trainer.eval_examples={held} out to choose the best checkpoint; lower "
-                             f"trainer.eval_examples or add records")
-        n_train = len(records) - held
+            raise ValueError(f"{cfg.data.path}: {len(records)} usable records, but training holds "
+                             f"{'the last ' if how == 'last' else ''}trainer.eval_examples={held} out to choose the "
+                             f"best checkpoint; lower trainer.eval_examples or add records")
+        held_idx = held_out_indices([r.category for r in records], held, how)
+        held_records, held_set = [records[i] for i in held_idx], set(held_idx)
+        train_records = [r for i, r in enumerate(records) if i not in held_set]
+        n_train = len(train_records)
         if cfg.data.max_records is not None:
             n_train = min(n_train, cfg.data.max_records)
         self.trained_on = {"path": cfg.data.path, "records": n_train, "checkpoint_chosen_on": held,
-                           "categories": dict(Counter(r.category for r in records[:n_train]))}
-        missing = sorted(set(self.trained_on["categories"]) - {r.category for r in records[-held:]})
+                           "categories": dict(Counter(r.category for r in train_records[:n_train]))}
+        missing = sorted(set(self.trained_on["categories"]) - {r.category for r in held_records})
         if missing and self.is_main:
             # The checkpoint is then chosen on traffic unlike part of what the drafter serves.
-            msg = (f"the {held} records that choose the best checkpoint (the last trainer.eval_examples of "
-                   f"{cfg.data.path}) hold no {', '.join(missing)} records; order the file so its end mixes every "
-                   f"category")
+            fix = ("order the file so its end mixes every category, or set trainer.heldout=per_category"
+                   if how == "last" else f"raise trainer.eval_examples to at least {len(set(r.category for r in records))}")
+            msg = (f"the {held} records that choose the best checkpoint (trainer.heldout={how} of {cfg.data.path}) "
+                   f"hold no {', '.join(missing)} records; {fix}")
             log.warning(msg)
             print(f"warning: {msg}")
         if cfg.evaluate.enabled:  # read now, so a bad held-out file fails before training, not after it
-            self.eval_traffic = self._final_eval_traffic()
+            self.eval_traffic = self._final_eval_traffic(held_records, summary)
         # The target is loaded once here; prepare() regenerates with it and training scores with it.
         self.target, self.tokenizer = load_target(target_source(cfg.target), device=self.device, dtype=cfg.target.dtype,
                                                   trust_remote_code=cfg.target.trust_remote_code,
@@ -203,7 +228,7 @@ class DistillRecipe:
         self.target.requires_grad_(False)
         regen = OmegaConf.to_container(cfg.regenerate, resolve=True)
         sampling = Sampling(regen["temperature"], regen["top_k"], regen["top_p"])
-        splits = {"train": (records[:n_train], [n_train]), "eval": (records[-held:], ["last", held])}
+        splits = {"train": (train_records[:n_train], [n_train]), "eval": (held_records, [how, held])}
         self.data_dirs = {}
         for split, (chosen, which) in splits.items():
             # Keyed by the records' content, not the path: a file edited in place is prepared anew.
@@ -540,19 +565,21 @@ class DistillRecipe:
     def _extra_specs(self) -> list[dict]:
         return [OmegaConf.to_container(spec, resolve=True) for spec in self.cfg.evaluate.drafters]
 
-    def _final_eval_traffic(self):
-        """The traffic the final evaluation measures: the held-out file, or the records training held out."""
-        from eval.run import held_out_path, read_traffic, reading
+    def _final_eval_traffic(self, held_records: list, summary):
+        """The traffic the final evaluation measures: the held-out file, or the records training held out
+        (`held_records`, read as training read them: split, bad-record policy)."""
+        from eval.run import Traffic, held_out_path, read_traffic, reading
 
         cfg = self.cfg
-        eval_path, last = held_out_path(cfg.data.path, cfg.data.eval_path), None
-        if eval_path is None:  # one file: measure the records training held out, never the trained-on ones
-            last = cfg.trainer.eval_examples
-            log.warning("data.eval_path is not set: the final evaluation reads the last %d records of %s, "
-                        "held out of training but also used to choose the best checkpoint; set "
-                        "data.eval_path to separate traffic for an unbiased measurement", last, cfg.data.path)
-        # Records read as training read them (split, bad-record policy), so `last` is training's held-out slice.
-        return read_traffic(eval_path or cfg.data.path, **reading(cfg.data), last=last)
+        eval_path = held_out_path(cfg.data.path, cfg.data.eval_path)
+        if eval_path is not None:
+            return read_traffic(eval_path, **reading(cfg.data))
+        # One file: measure the records training held out, never the trained-on ones.
+        log.warning("data.eval_path is not set: the final evaluation reads the %d records of %s held out of "
+                    "training (trainer.heldout=%s), which also chose the best checkpoint; set data.eval_path to "
+                    "separate traffic for an unbiased measurement", len(held_records), cfg.data.path,
+                    cfg.trainer.heldout)
+        return Traffic(cfg.data.path, held_records, summary, len(held_records), held_out_by=cfg.trainer.heldout)
 
     def _final_eval(self) -> str:
         from eval import engine

@@ -2,6 +2,7 @@
 two processes agree."""
 
 import json
+from collections import Counter
 import logging
 import os
 import random
@@ -224,23 +225,59 @@ def test_a_traffic_file_edited_in_place_is_prepared_anew(tiny_world, tmp_path):
     assert len(list((tmp_path / "data").glob("tiny-train-*"))) == 2
 
 
-def test_without_eval_path_the_final_evaluation_reads_the_held_out_records(tiny_world, tmp_path, monkeypatch, caplog):
-    """One traffic file: the final evaluation reads the last trainer.eval_examples records, loaded as
-    training loaded them (here skipping a malformed line), and warns that they also chose the checkpoint."""
-    import eval.run
-
+def test_without_eval_path_the_final_evaluation_reads_the_held_out_records(tiny_world, tmp_path, caplog):
+    """One traffic file: the final evaluation reads the records training held out (the last
+    trainer.eval_examples), loaded as training loaded them (here skipping a malformed line), and warns that
+    they also chose the checkpoint."""
     lines = (tiny_world / "company_logs" / "train.jsonl").read_text().splitlines()
     data = tmp_path / "traffic.jsonl"
     data.write_text("\n".join([*lines[:30], "{not json", *lines[30:]]) + "\n")
-    seen, real = [], eval.run.read_traffic
-    monkeypatch.setattr(eval.run, "read_traffic", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     with caplog.at_level(logging.WARNING):
         summary = train(smoke(tmp_path, f"data.path={data}", "data.on_bad_record=skip", "data.max_records=20",
                               "trainer.max_steps=1"))
-    assert [(kw["last"], kw["on_bad_record"]) for kw in seen] == [(8, "skip")]  # smoke: trainer.eval_examples=8
     assert "data.eval_path is not set" in caplog.text
     measured = json.loads(Path(summary["report"]).read_text())["settings"]["data"]
-    assert measured["path"] == str(data) and measured["records"] == 8 and measured["held_out"] == 8
+    assert measured["path"] == str(data) and measured["records"] == 8 and measured["held_out"] == 8  # smoke: 8
+    assert measured["held_out_by"] == "last"
+
+
+def test_held_out_records_taken_per_category():
+    from train.distill import held_out_indices
+
+    categories = ["a"] * 10 + ["b"] * 3 + ["a"] * 2
+    assert held_out_indices(categories, 4) == [11, 12, 13, 14]  # the last 4: b b a a
+    assert held_out_indices(categories, 4, "per_category") == [11, 12, 13, 14]  # the newest 2 a's, 2 b's
+    assert held_out_indices(categories, 5, "per_category") == [9, 11, 12, 13, 14]  # a, b in turn, then a
+    assert held_out_indices(categories, 8, "per_category") == [7, 8, 9, 10, 11, 12, 13, 14]  # b runs out at 3
+    assert held_out_indices(["a", "b", "c"], 2, "per_category") == [0, 1]  # fewer than the categories: by name
+    with pytest.raises(ValueError, match="trainer.heldout must be last or per_category, got 'random'"):
+        held_out_indices(categories, 4, "random")
+
+
+def test_per_category_held_out_records_choose_the_checkpoint(tiny_world, tmp_path, capsys):
+    """trainer.heldout=per_category: a file sorted by category still holds out every category, alike, and
+    trains on the rest; the final evaluation measures those records and says how they were taken."""
+    lines = (tiny_world / "company_logs" / "train.jsonl").read_text().splitlines()
+    rows = sorted((json.loads(line) for line in lines[:60]), key=lambda r: r["category"])
+    data = tmp_path / "sorted.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for how in ("last", "per_category"):
+        capsys.readouterr()
+        summary = train(smoke(tmp_path / how, f"data.path={data}", "data.max_records=null", "trainer.max_steps=1",
+                              f"trainer.heldout={how}", "evaluate.prompts_per_category=100"))
+        held = set(_prepared_ids(tmp_path / how / "data", "eval"))
+        trained = set(_prepared_ids(tmp_path / how / "data", "train"))
+        by_id = {r["id"]: r["category"] for r in rows}
+        counts = Counter(by_id[i] for i in held)
+        assert len(held) == 8 and not held & trained and held | trained == set(by_id)  # smoke: eval_examples=8
+        warned = any("hold no" in line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:"))
+        measured = json.loads(Path(summary["report"]).read_text())["settings"]["data"]
+        assert measured["held_out_by"] == how and sum(measured["prompts"].values()) == 8
+        if how == "last":  # the file ends with its last category only
+            assert len(counts) == 1 and warned
+        else:
+            assert set(counts) == set(by_id.values()) and max(counts.values()) - min(counts.values()) <= 1
+            assert not warned
 
 
 def _launch(tmp_path, *overrides, env=None):

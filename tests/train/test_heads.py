@@ -160,7 +160,8 @@ def test_draft_vocabulary_sized_by_coverage_of_the_training_tokens(tiny_world, t
                 "evaluate.enabled=false", run="unseen"))
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     # ... and the held-out records, all code, choose a checkpoint for chat as well: the recipe says so.
-    assert any("the 8 records that choose the best checkpoint" in w and "hold no chat records" in w for w in warnings)
+    assert any("the 8 records that choose the best checkpoint" in w and "hold no chat records" in w
+               and "trainer.heldout=per_category" in w for w in warnings)
     warning = next(w for w in warnings if "draft vocabulary" in w)
     _, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
     seen, held = set(tok("a a a a b b b b")["input_ids"]), tok("q x z q x z 9 9", add_special_tokens=False)["input_ids"]
