@@ -2,7 +2,6 @@
 two processes agree."""
 
 import json
-from collections import Counter
 import logging
 import os
 import random
@@ -10,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -239,6 +239,7 @@ def test_without_eval_path_the_final_evaluation_reads_the_held_out_records(tiny_
     measured = json.loads(Path(summary["report"]).read_text())["settings"]["data"]
     assert measured["path"] == str(data) and measured["records"] == 8 and measured["held_out"] == 8  # smoke: 8
     assert measured["held_out_by"] == "last"
+    assert _prepared_ids(tmp_path / "data", "eval") == [json.loads(line)["id"] for line in lines[-8:]]
 
 
 def test_held_out_records_taken_per_category():

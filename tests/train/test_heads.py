@@ -80,10 +80,10 @@ def test_training_lowers_the_loss_and_saves_a_head_that_reloads(tiny_world, tmp_
 def test_bf16_mixed_precision_trains_a_head_like_float32(tiny_world, tmp_path):
     """trainer.precision=bf16 on the CPU (what `auto` picks on one with AVX512-BF16 or AMX): the products run in
     bf16, so the losses differ from float32's by bf16's rounding, and the saved head keeps float32 weights."""
-    common = ["drafter=eagle", "trainer.max_steps=6", "trainer.eval_every=6", "trainer.lr=3e-3",
-              "trainer.warmup_steps=1", "evaluate.enabled=false"]
     from accelerate.state import AcceleratorState
 
+    common = ["drafter=eagle", "trainer.max_steps=6", "trainer.eval_every=6", "trainer.lr=3e-3",
+              "trainer.warmup_steps=1", "evaluate.enabled=false"]
     train(smoke(tmp_path, *common, run="fp32"))
     AcceleratorState._reset_state(reset_partial_state=True)  # one precision per process, as Accelerate keeps it
     try:
