@@ -15,8 +15,11 @@ the cross-entropy against the target's distribution, weighted by `ttt_decay ** s
 Draft vocabulary (`draft_vocab_size`; the recipe's default is a quarter of the target's, as EAGLE-3's
 32,000 of Llama 3's 128,256): the output head keeps only the most frequent target tokens of the
 training traffic. `d2t[d]` holds OFFSETS (target id = d + d2t[d]); `t2d` is a boolean
-mask over the target vocabulary; `check_vocab_maps` rejects inconsistent maps. Module and buffer
-names follow the EAGLE-3 checkpoints SGLang and vLLM load (`fc`, `midlayer.*`, `norm`, `d2t`, `t2d`).
+mask over the target vocabulary; `check_vocab_maps` rejects inconsistent maps. The output head is the
+target's, restricted to those rows and frozen, or with `config.own_lm_head` a `lm_head` of the head's own
+over the draft vocabulary, started from those rows and trained with the rest (EAGLE-3's reference recipe).
+Module and buffer names follow the EAGLE-3 checkpoints SGLang and vLLM load (`fc`, `midlayer.*`, `norm`,
+`lm_head`, `d2t`, `t2d`).
 """
 
 from __future__ import annotations
@@ -132,6 +135,9 @@ class Eagle3(nn.Module):
         size = getattr(config, "draft_vocab_size", None) or config.vocab_size
         self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        # config.own_lm_head: an output head of its own over the draft vocabulary, trained with the rest (EAGLE-3's
+        # reference recipe); otherwise the head drafts through the target's output head, restricted to those rows.
+        self.lm_head = nn.Linear(d, size, bias=False) if getattr(config, "own_lm_head", False) else None
         self.shared: SharedTarget | None = None
         self._rows: tuple | None = None  # (key, draft-vocabulary rows of the output head)
 
@@ -156,15 +162,31 @@ class Eagle3(nn.Module):
         return check_vocab_maps(self.d2t, self.t2d)
 
     def draft_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits over the draft vocabulary: the target's output head (only the kept rows) on norm(h).
-        `rows`: `_draft_rows()` already looked up (drafting fetches them once per round)."""
-        if rows is None and self.reduced:
+        """Logits over the draft vocabulary: the head's own output head, or the target's (only the kept rows),
+        on norm(h). `rows`: `_draft_rows()` already looked up (drafting fetches them once per round)."""
+        if rows is None and (self.reduced or self.lm_head is not None):
             rows = self._draft_rows()
         return self.shared.logits(norm(h, self.norm), rows)
 
+    def init_lm_head(self, saved: "Eagle3 | None" = None) -> None:
+        """Fill the head's own output head (config.own_lm_head) with the target's rows of the draft vocabulary;
+        where `saved` (a head this one starts from) owns one, with its rows for the tokens both vocabularies hold."""
+        ids = self.target_ids()
+        rows = self.shared.lm_head.weight.detach()[ids].to(self.lm_head.weight.dtype)
+        if saved is not None and saved.lm_head is not None:
+            at = torch.full((self.config.vocab_size,), -1, dtype=torch.long)
+            at[saved.target_ids().cpu()] = torch.arange(saved.d2t.numel())
+            where = at[ids.cpu()]
+            both = where >= 0
+            rows[both.to(rows.device)] = saved.lm_head.weight.detach()[where[both].to(rows.device)].to(rows)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(rows)
+
     def _draft_rows(self) -> torch.Tensor:
-        """The output head's rows of the draft vocabulary, gathered once (the target is frozen) and
-        again only when the maps or the device change."""
+        """The output head's rows of the draft vocabulary: the head's own, or the target's gathered once (the target
+        is frozen) and again only when the maps or the device change."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
         weight = self.shared.lm_head.weight
         key = (self.d2t.device, weight.device, weight.data_ptr())
         if self._rows is None or self._rows[0] != key:
@@ -352,9 +374,10 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
     """An EAGLE-3 head from an engine-format export (SGLang's LlamaForCausalLMEagle3 or speculators'
     Eagle3Speculator, as eval/engine_formats.py writes them), attached to `target`.
 
-    A draftsmith head drafts through the target's output head; an export carries those rows as its
-    `lm_head`. A checkpoint whose lm_head is not the target's rows (one trained elsewhere with its own
-    output head) is refused rather than silently drafting through different weights.
+    An export carries the output head the head drafts through as its `lm_head`: the target's rows of the draft
+    vocabulary (the head then shares the target's, as draftsmith heads do by default), or an output head of its
+    own (`drafter.own_lm_head`, or a head trained elsewhere, as EAGLE-3's reference recipe trains one), which the
+    head then keeps and drafts through, as the engines do.
     """
     from pathlib import Path
 
@@ -376,21 +399,28 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
         raise ValueError(f"{path}/config.json: target_hidden_size {raw['target_hidden_size']} is not the target's "
                          f"{target.config.hidden_size}")
     draft_vocab = state["d2t"].numel()
+    lm_head = state.get("lm_head.weight")
+    if lm_head is None:
+        raise ValueError(f"{path}/model.safetensors: no lm_head; an EAGLE-3 export carries the output head its head "
+                         "drafts through")
+    target_ids = check_vocab_maps(state["d2t"], state["t2d"])
+    shared = target.get_output_embeddings().weight.detach()[target_ids.to(lm_head.device)]
+    if lm_head.shape != shared.shape:
+        raise ValueError(f"{path}/model.safetensors: lm_head is {tuple(lm_head.shape)}, expected {tuple(shared.shape)} "
+                         "(a row per draft token, the head's width)")
+    own = not torch.equal(lm_head, shared.to(lm_head.dtype))
+    if not own:
+        state.pop("lm_head.weight")
     config = head_config(target.config, "eagle", list(layers), intermediate_size=layer["intermediate_size"],
                          draft_vocab_size=draft_vocab if draft_vocab < target.config.vocab_size else None,
-                         ttt_steps=1, ttt_decay=1.0)
+                         ttt_steps=1, ttt_decay=1.0, own_lm_head=own)
     head = Eagle3(config)
-    lm_head = state.pop("lm_head.weight", None)
     embed = state.pop("embed_tokens.weight", None)  # speculators stores the target's; SGLang's format has none
     if embed is not None and not torch.equal(embed, target.get_input_embeddings().weight.detach().to(embed.dtype)):
         raise ValueError(f"{path}: embed_tokens is not the target's embedding; draftsmith drafts with the target's")
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path}/model.safetensors: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    rows = target.get_output_embeddings().weight.detach()[head.target_ids()]
-    if lm_head is None or lm_head.shape != rows.shape or not torch.equal(lm_head, rows.to(lm_head.dtype)):
-        raise ValueError(f"{path}: lm_head is missing or is not the target's output head restricted to the draft "
-                         "vocabulary; draftsmith drafts through the target's output head")
     device = next(target.parameters()).device
     head = head.to(device=device, dtype=dtype or torch.float32).eval()
     head.attach(target)

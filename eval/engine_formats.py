@@ -7,7 +7,7 @@ eval engine=llamacpp` (eval/engine.py) serves a trained EAGLE-3 head in llama.cp
   vLLM's and SGLang's draft-model speculation and transformers' `assistant_model` load (the model's own
   `save_pretrained`, in train/export.py).
 - `sglang` (EAGLE-3): SGLang's `LlamaForCausalLMEagle3` (SpecForge's format): `midlayer.*`, `fc`, `norm`,
-  `lm_head` (the target's output-head rows of the draft vocabulary: the head drafts through them),
+  `lm_head` (the head's own output head, or the target's rows of the draft vocabulary it drafts through),
   `d2t` (offsets), `t2d` (bool), no embedding. The aux layer ids are written twice, nested in SGLang's
   convention (0-based layer outputs) and top-level in vLLM's (inputs of layers, the index into Hugging
   Face's `output_hidden_states`, which is draftsmith's), with an explicit `norm_before_residual`, so
@@ -41,7 +41,7 @@ from traffic import models
 
 log = logging.getLogger(__name__)
 
-# EAGLE-3 weights the head itself stores (the output head comes from the target, see `eagle3_tensors`).
+# EAGLE-3 weights the head itself stores (and `lm_head.weight` where it owns its output head, see `eagle3_tensors`).
 EAGLE3_OWN = ("fc.weight", "norm.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
               "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
               *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -100,6 +100,13 @@ def check_eagle3(state: dict[str, torch.Tensor], head_config: dict, target_confi
     expected_fc = (head_config["hidden_size"], len(layers) * head_config["target_hidden_size"])
     if tuple(state["fc.weight"].shape) != expected_fc:
         raise ExportRefused(f"{where}: fc.weight is {tuple(state['fc.weight'].shape)}, expected {expected_fc}")
+    if head_config.get("own_lm_head") and "lm_head.weight" not in state:
+        raise ExportRefused(f"{where}: config.json says own_lm_head but lm_head.weight is missing; an engine would "
+                            "load it as random")
+    expected_lm_head = (target_ids.numel(), head_config["hidden_size"])
+    if "lm_head.weight" in state and tuple(state["lm_head.weight"].shape) != expected_lm_head:
+        raise ExportRefused(f"{where}: lm_head.weight is {tuple(state['lm_head.weight'].shape)}, expected "
+                            f"{expected_lm_head} (the draft vocabulary's rows)")
     _refuse_at_chance(best, target_ids.numel(), "draft tokens", force=force, where=where)
     return target_ids
 
@@ -201,18 +208,22 @@ def _rope(head_config: dict) -> dict:
 def eagle3_tensors(head_dir: Path, target, *, best: dict | None, force: bool = False,
                    dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """The head's weights for an engine, guarded, and its config.json: the head's own weights plus
-    `lm_head`, the target's output-head rows of the draft vocabulary (the head drafts through exactly
-    those rows, so the engine's separate lm_head computes the same logits)."""
+    `lm_head`: its own output head where it trained one (`drafter.own_lm_head`), else the target's output-head
+    rows of the draft vocabulary (the head drafts through exactly those rows, so the engine's separate lm_head
+    computes the same logits)."""
     head_config = json.loads((head_dir / "config.json").read_text())
     state = load_file(str(head_dir / "model.safetensors"))
     target_ids = check_eagle3(state, head_config, target.config, eos_token_id=target.config.eos_token_id,
                               best=best, force=force, where=str(head_dir))
-    output = target.get_output_embeddings()
-    if output is None or output.weight.shape[0] != target.config.vocab_size:
-        raise ExportRefused(f"{head_dir}: the target has no output head of {target.config.vocab_size} rows to take "
-                            "the draft vocabulary's lm_head from")
     tensors = {name: state[name] for name in EAGLE3_OWN}
-    tensors["lm_head.weight"] = output.weight.detach()[target_ids].to(state["fc.weight"].dtype)
+    if "lm_head.weight" in state:  # its own, trained with the rest
+        tensors["lm_head.weight"] = state["lm_head.weight"]
+    else:
+        output = target.get_output_embeddings()
+        if output is None or output.weight.shape[0] != target.config.vocab_size:
+            raise ExportRefused(f"{head_dir}: the target has no output head of {target.config.vocab_size} rows to "
+                                "take the draft vocabulary's lm_head from")
+        tensors["lm_head.weight"] = output.weight.detach()[target_ids].to(state["fc.weight"].dtype)
     if dtype is not None:
         tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
     return {k: v.contiguous() for k, v in tensors.items()}, head_config

@@ -72,6 +72,14 @@ def eagle_run(tiny_world, shared_dir):
 
 
 @pytest.fixture(scope="session")
+def eagle_own_run(tiny_world, shared_dir):
+    """`eagle_run`'s head with an output head of its own (`drafter.own_lm_head=true`), trained with the rest."""
+    return trained(shared_dir, "eagle_own", "drafter=eagle", "trainer.max_steps=150", "trainer.eval_every=30",
+                   "trainer.checkpoint_every=30", "trainer.lr=5e-3", "drafter.label_temperature=0",
+                   "trainer.select_by=top1", "drafter.draft_vocab_size=120", "drafter.own_lm_head=true")
+
+
+@pytest.fixture(scope="session")
 def eagle1_run(tiny_world, shared_dir):
     """An EAGLE-1 head on tiny_deep, trained a few dozen steps: what the `vllm` export ships."""
     return trained(shared_dir, "eagle1", "drafter=eagle1", "trainer.max_steps=60", "trainer.eval_every=30",

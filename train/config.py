@@ -115,6 +115,7 @@ class DrafterConfig:
     label_temperature: float = 1.0  # heads: token-loss label softmax(target logits / T); 0 = the target's argmax
     ttt_steps: int = 4  # eagle: training-time-test unroll (as deep as the default k drafts)
     ttt_decay: float = 0.8  # eagle: weight of step s is ttt_decay ** s
+    own_lm_head: bool = False  # eagle: train an output head of its own over the draft vocabulary (from the target's rows)
     draft_vocab_size: Optional[int] = None  # eagle: draft vocabulary in tokens (overrides draft_vocab_share)
     draft_vocab_share: Optional[float] = None  # eagle: draft vocabulary as a share of the target's (null = all)
     draft_vocab_coverage: Optional[float] = None  # eagle: the fewest tokens holding this share of the training

@@ -42,7 +42,7 @@ VOCABULARY_MAPS = ("d2t", "t2d")
 
 # The settings of each kind that go into its config (conf/drafter/<kind>.yaml documents them).
 SETTINGS = {
-    "eagle": ("ttt_steps", "ttt_decay", "draft_vocab_size", "intermediate_size"),
+    "eagle": ("ttt_steps", "ttt_decay", "draft_vocab_size", "intermediate_size", "own_lm_head"),
     "eagle1": ("token_loss_weight",),
     "mtp": ("depth", "module_decay"),
     "medusa": ("num_heads", "num_layers", "head_decay"),
@@ -185,6 +185,8 @@ class HeadRecipe(DistillRecipe):
         self.coverage = self.mass = None
         if d.kind == "eagle" and settings["draft_vocab_size"]:
             self._set_draft_vocabulary(head, settings["draft_vocab_size"], counts)
+        if d.kind == "eagle" and d.own_lm_head:
+            head.init_lm_head()
         if d.init_from:
             self._start_from(head, d.init_from)
         self.model = head.to(self.device)
@@ -195,20 +197,27 @@ class HeadRecipe(DistillRecipe):
     def _start_from(self, head, path: str) -> None:
         """Start from a saved head of the same kind, layers and shape (`drafter.init_from`: a run's `best` or a
         checkpoint, e.g. last month's head trained further on this month's traffic). EAGLE-3's draft vocabulary
-        is this run's (it only picks rows of the target's output head, which the head does not own)."""
+        is this run's: it picks rows of the target's output head, or, where the head owns one
+        (`drafter.own_lm_head`), of its own, carried over token by token (`Eagle3.init_lm_head`)."""
         saved = load_head(path, self.target)
         kind = getattr(saved.config, "draftsmith_kind", None)
         if kind != self.cfg.drafter.kind or list(saved.config.feature_layers) != list(head.config.feature_layers):
             raise ValueError(f"drafter.init_from={path}: a {kind} head on layers {list(saved.config.feature_layers)}, "
                              f"not the {self.cfg.drafter.kind} head on layers {list(head.config.feature_layers)} this "
                              "run trains (set drafter.layers to match, or start afresh)")
-        state = {k: v for k, v in saved.state_dict().items() if k not in VOCABULARY_MAPS}
-        own = {k: v for k, v in head.state_dict().items() if k not in VOCABULARY_MAPS}
+        # An own output head is over the saved run's vocabulary: its rows are carried over token by token below.
+        state = {k: v for k, v in saved.state_dict().items() if k not in VOCABULARY_MAPS + ("lm_head.weight",)}
+        own = {k: v for k, v in head.state_dict().items() if k not in VOCABULARY_MAPS + ("lm_head.weight",)}
         wrong = sorted(set(state) ^ set(own)) or sorted(k for k in own if own[k].shape != state[k].shape)
         if wrong:
             raise ValueError(f"drafter.init_from={path}: its weights do not fit this run's head ({', '.join(wrong[:4])}"
                              f"{' ...' if len(wrong) > 4 else ''}); its config.json and the drafter settings differ")
+        if getattr(saved, "lm_head", None) is not None and getattr(head, "lm_head", None) is None:
+            raise ValueError(f"drafter.init_from={path}: the saved head trained an output head of its own; set "
+                             "drafter.own_lm_head=true to keep it (false would draft through the target's instead)")
         head.load_state_dict(state, strict=False)
+        if getattr(head, "lm_head", None) is not None:
+            head.init_lm_head(saved)
         log.info("head weights from %s", path)
 
     def _always_kept(self) -> list[int]:

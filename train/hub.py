@@ -141,7 +141,8 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     if kind != "draft_lm" and d.get("init_from"):
         recipe.append(["started from the head", d["init_from"]])
     if kind == "eagle":
-        recipe += [["label temperature", d["label_temperature"]], ["training-time test steps", d["ttt_steps"]]]
+        recipe += [["label temperature", d["label_temperature"]], ["training-time test steps", d["ttt_steps"]],
+                   ["output head", "its own, trained" if d.get("own_lm_head") else "the target's, frozen"]]
         if best.get("vocabulary_coverage"):
             out_cov = ", ".join(f"{c} {v:.3f}" for c, v in sorted(best["vocabulary_coverage"].items()))
             recipe.append(["draft vocabulary: held-out assistant tokens covered", out_cov])

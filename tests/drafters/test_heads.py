@@ -174,14 +174,27 @@ def prompts():
 
 def _heads(target):
     yield from ((kind, make_head(kind, target)) for kind in KINDS)
-    yield "eagle_reduced", _reduced_eagle(target)
+    yield from ((name, _head(name, target)) for name in VARIANTS)
 
 
-def _reduced_eagle(target, size=40):
-    head = make_head("eagle", target, draft_vocab_size=size)
-    counts = torch.arange(VOCAB, 0, -1).float()  # the lowest ids are the "most frequent"
+def _reduced_eagle(target, size=40, own_lm_head=False, counts=None):
+    head = make_head("eagle", target, draft_vocab_size=size, own_lm_head=own_lm_head)
+    counts = torch.arange(VOCAB, 0, -1).float() if counts is None else counts  # the lowest ids: "most frequent"
     head.set_vocabulary(*draft_vocabulary(counts, size))
+    if own_lm_head:  # an output head of its own: the target's rows, then moved off them as training would
+        head.init_lm_head()
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(5)
+            head.lm_head.weight.add_(torch.randn(head.lm_head.weight.shape, generator=g) * head.lm_head.weight.std())
     return head
+
+
+# EAGLE-3 variants beside the kinds: a reduced draft vocabulary, and one with an output head of its own.
+VARIANTS = {"eagle_reduced": {}, "eagle_own": {"own_lm_head": True}}
+
+
+def _head(kind, target):
+    return _reduced_eagle(target, **VARIANTS[kind]) if kind in VARIANTS else make_head(kind, target)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -198,7 +211,7 @@ def test_greedy_equals_target_greedy_with_every_head(target, prompts, k):
             assert accepted > 0, name
 
 
-BATCHED = KINDS + ["eagle_reduced"]
+BATCHED = KINDS + list(VARIANTS)
 
 
 def test_rows_that_join_a_running_batch_draft_as_the_head_alone(target, prompts):
@@ -271,10 +284,8 @@ def small_target():
 
 def _small_head(kind, small_target):
     torch.manual_seed(3)
-    if kind == "eagle_reduced":
-        head = make_head("eagle", small_target, draft_vocab_size=4)
-        head.set_vocabulary(*draft_vocabulary(torch.tensor([5.0, 1, 4, 3, 0, 2]), 4))
-        return head
+    if kind in VARIANTS:
+        return _reduced_eagle(small_target, 4, counts=torch.tensor([5.0, 1, 4, 3, 0, 2]), **VARIANTS[kind])
     return make_head(kind, small_target)
 
 
@@ -289,7 +300,7 @@ def test_batched_sampled_rows_follow_target_distribution(small_target, kind, slo
     assert min(pvalues) > 1e-3
 
 
-@pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
+@pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
 def test_sampled_output_follows_target_distribution(small_target, kind):
     head = _small_head(kind, small_target)
     prompt = torch.tensor([1, 4, 2])
@@ -301,7 +312,7 @@ def test_sampled_output_follows_target_distribution(small_target, kind):
 
 # --- trees (drafters/tree.py, heads.py TreeDrafting) ----------------------------------------------------
 
-TREE_KINDS = ["eagle", "eagle1", "eagle_reduced"]
+TREE_KINDS = ["eagle", "eagle1", *VARIANTS]
 
 
 @pytest.mark.parametrize("kind", TREE_KINDS)
@@ -409,11 +420,7 @@ def test_a_drafter_without_trees_is_a_clear_error(target, prompts, kind):
 # --- confidence stop (drafters/base.py) ----------------------------------------------------------------
 
 
-def _head(kind, target):
-    return _reduced_eagle(target) if kind == "eagle_reduced" else make_head(kind, target)
-
-
-@pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
+@pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
 def test_confidence_stop_ends_the_round_at_the_first_unsure_guess(target, prompts, kind):
     head = _head(kind, target)
     ends = [stop_point(target, lambda stop: head.drafter(kind, stop_below=stop), prompt, 4, 0.02, seed)
@@ -422,7 +429,7 @@ def test_confidence_stop_ends_the_round_at_the_first_unsure_guess(target, prompt
     assert min(ends) < 4 and max(ends) > 1, ends
 
 
-@pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
+@pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
 def test_greedy_with_confidence_stop_equals_target_greedy(target, prompts, kind):
     head, short = trained_to_self(target, _head(kind, target)), 0
     for prompt in prompts:
@@ -434,14 +441,9 @@ def test_greedy_with_confidence_stop_equals_target_greedy(target, prompts, kind)
     assert short > 0, kind  # the stop was exercised
 
 
-@pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
+@pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
 def test_sampled_output_with_confidence_stop_follows_target_distribution(small_target, kind):
-    torch.manual_seed(3)
-    if kind == "eagle_reduced":
-        head = make_head("eagle", small_target, draft_vocab_size=4)
-        head.set_vocabulary(*draft_vocabulary(torch.tensor([5.0, 1, 4, 3, 0, 2]), 4))
-    else:
-        head = make_head(kind, small_target)
+    head = _small_head(kind, small_target)
     prompt, sampling = torch.tensor([1, 4, 2]), Sampling(temperature=1.0)
     exact = exact_joint(small_target, prompt, sampling, SMALL_V)
     drafter = Recording(head.drafter(kind, stop_below=0.5))
@@ -463,7 +465,7 @@ def _reference_guesses(head, kind, ids, feats, guesses):
     padded = torch.cat([feats, feats.new_zeros(len(guesses) + 1, feats.shape[1])])[None]
     attn = torch.ones_like(seq)
     with torch.no_grad():
-        if kind in ("eagle", "eagle_reduced"):  # training-time test, anchor m-1
+        if kind.startswith("eagle") and kind != "eagle1":  # training-time test, anchor m-1
             steps = head.unroll(padded[:, : seq.shape[1]], seq, attn)[:n]
             drafts = torch.stack([s[0, m - 1].argmax() for s in steps])
             return (head.target_ids()[drafts] if head.reduced else drafts).tolist()
@@ -484,12 +486,12 @@ def _reference_guesses(head, kind, ids, feats, guesses):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", KINDS + ["eagle_reduced"])
+@pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
 def test_drafting_with_cache_and_rollback_is_the_training_computation(target, kind):
     """Random rounds of propose / commit (random acceptance, random corrections): every proposal must
     equal what the head computes from scratch on the committed sequence, so neither the cache, nor
     the rollback, nor the positions drift from training."""
-    head = _reduced_eagle(target) if kind == "eagle_reduced" else make_head(kind, target)
+    head = _head(kind, target)
     layers = list(head.config.feature_layers)
     rng = random.Random(0)
     drafter = head.drafter(kind)

@@ -83,8 +83,10 @@ def test_llama_cpp_tokenizes_like_the_target_tokenizer(world):
                                               "parse_special": True})["tokens"] == ours
 
 
-def test_the_exported_eagle3_head_runs_in_llama_cpp_as_in_draftsmith(world, eagle_run):
-    written = export(eagle_run, world["out"] / "eagle", ExportSettings(formats=["gguf"]))
+@pytest.mark.parametrize("run", ["eagle_run", "eagle_own_run"])  # drafting through the target's output head, or its own
+def test_the_exported_eagle3_head_runs_in_llama_cpp_as_in_draftsmith(world, run, request):
+    eagle_run = request.getfixturevalue(run)
+    written = export(eagle_run, world["out"] / run, ExportSettings(formats=["gguf"]))
     stats = []
     completions = serve(world, written["gguf"], "draft-eagle3", stats)
     assert [c.tokens for c in completions] == world["plain"]  # lossless in the engine

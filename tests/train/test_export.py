@@ -61,9 +61,39 @@ def test_the_eagle3_exports_carry_what_each_engine_reads(eagle_run, tmp_path):
     assert torch.equal(renamed["embed_tokens.weight"], target.model.embed_tokens.weight.detach())
 
 
+def test_an_own_output_head_is_exported_as_trained(eagle_own_run, tmp_path):
+    """`drafter.own_lm_head=true`: the exports carry the head's trained output head, not the target's rows, and
+    draftsmith reads it back from them as the head's own."""
+    from drafters.heads import load_head
+
+    written = export(eagle_own_run, tmp_path / "out", ExportSettings(formats=["sglang", "speculators"]))
+    target, _ = load_target(TARGET, device=torch.device("cpu"))
+    saved = load_file(str(eagle_own_run / "best" / "model.safetensors"))
+    assert json.loads((eagle_own_run / "best" / "config.json").read_text())["own_lm_head"] is True
+    tensors = load_file(str(written["sglang"] / "model.safetensors"))
+    target_ids = torch.arange(120) + tensors["d2t"]
+    assert set(tensors) == {*EAGLE3_OWN, "lm_head.weight"}
+    assert torch.equal(tensors["lm_head.weight"], saved["lm_head.weight"])
+    assert not torch.allclose(tensors["lm_head.weight"], target.lm_head.weight.detach()[target_ids], atol=1e-3)
+    for fmt in ("sglang", "speculators"):
+        head = load_head(written[fmt], target)
+        assert head.config.own_lm_head and torch.equal(head.lm_head.weight, saved["lm_head.weight"])
+    assert load_head(eagle_own_run / "best", target).lm_head is not None
+
+
+def test_an_own_output_head_that_is_missing_is_refused(eagle_own_run, tmp_path):
+    run = _planted(eagle_own_run, tmp_path, "own_missing")
+    _edit_weights(run, lambda s: s.pop("lm_head.weight"))
+    with pytest.raises(ExportRefused, match="own_lm_head but lm_head.weight is missing"):
+        export(run, tmp_path / "out", ExportSettings(formats=["sglang"], force=True))
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
-def test_every_export_loads_back_into_eval_with_the_runs_greedy_tau(eagle_run, eagle1_run, draft_run, tmp_path):
+def test_every_export_loads_back_into_eval_with_the_runs_greedy_tau(eagle_run, eagle_own_run, eagle1_run, draft_run,
+                                                                    tmp_path):
     heads = export(eagle_run, tmp_path / "eagle", ExportSettings(formats=["sglang", "speculators"]))
+    own = export(eagle_own_run, tmp_path / "eagle_own", ExportSettings(formats=["sglang", "speculators"]))
     draft = export(draft_run, tmp_path / "draft", ExportSettings(formats=["hf"]))
     eagle1 = export(eagle1_run, tmp_path / "eagle1", ExportSettings(formats=["vllm"]))
     drafters = [f"{{name: run_head, kind: head, path: {eagle_run / 'best'}}}",
@@ -71,6 +101,9 @@ def test_every_export_loads_back_into_eval_with_the_runs_greedy_tau(eagle_run, e
                 f"{{name: vllm_eagle1, kind: head, path: {eagle1['vllm']}}}",
                 f"{{name: sglang, kind: head, path: {heads['sglang']}}}",
                 f"{{name: speculators, kind: head, path: {heads['speculators']}}}",
+                f"{{name: run_own, kind: head, path: {eagle_own_run / 'best'}}}",
+                f"{{name: sglang_own, kind: head, path: {own['sglang']}}}",
+                f"{{name: speculators_own, kind: head, path: {own['speculators']}}}",
                 f"{{name: run_draft, kind: draft_lm, path: {draft_run / 'best'}}}",
                 f"{{name: hf, kind: draft_lm, path: {draft['hf']}}}"]
     report = eval_entry.run(compose_cfg("eval", "target=tiny_deep", f"drafters=[{','.join(drafters)}]", "ks=[3]",
@@ -80,6 +113,7 @@ def test_every_export_loads_back_into_eval_with_the_runs_greedy_tau(eagle_run, e
     tau = {(r["category"], r["drafter"]): r["acceptance_length"] for r in report["results"]}
     for category in {c for c, _ in tau}:
         assert tau[category, "sglang"] == tau[category, "speculators"] == tau[category, "run_head"]
+        assert tau[category, "sglang_own"] == tau[category, "speculators_own"] == tau[category, "run_own"]
         assert tau[category, "hf"] == tau[category, "run_draft"]
         assert tau[category, "vllm_eagle1"] == tau[category, "run_eagle1"]
     assert all(r["lossless"] for r in report["results"])
@@ -214,7 +248,8 @@ def _head_inputs(eagle_run):
     return target, head, ids, features, ours
 
 
-def test_specforge_loads_the_sglang_export_and_computes_the_heads_logits(eagle_run, tmp_path, specforge):
+@pytest.mark.parametrize("run", ["eagle_run", "eagle_own_run"])
+def test_specforge_loads_the_sglang_export_and_computes_the_heads_logits(run, request, tmp_path, specforge):
     """SpecForge's LlamaForCausalLMEagle3 (the class SGLang's format comes from) on the `sglang` export:
     lm_head(forward(...)) (its forward ends with the final norm) gives draftsmith's draft logits.
 
@@ -224,12 +259,13 @@ def test_specforge_loads_the_sglang_export_and_computes_the_heads_logits(eagle_r
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from transformers import LlamaConfig
 
+    eagle_run = request.getfixturevalue(run)
     written = export(eagle_run, tmp_path / "out", ExportSettings(formats=["sglang"]))
     target, head, ids, features, ours = _head_inputs(eagle_run)
     model = LlamaForCausalLMEagle3(LlamaConfig.from_pretrained(written["sglang"]), attention_backend="sdpa").eval()
     missing, unexpected = model.load_state_dict(load_file(str(written["sglang"] / "model.safetensors")), strict=False)
     assert missing == ["embed_tokens.weight"] and unexpected == []  # no embedding: SGLang reuses the target's
-    assert torch.equal(model.lm_head.weight, target.lm_head.weight[head.target_ids()])
+    assert torch.equal(model.lm_head.weight, head._draft_rows())  # the target's rows, or the head's own
     assert torch.equal(model.d2t, head.d2t)
     with torch.no_grad():  # the embedding is the target's, passed in as SGLang passes it
         theirs = model.lm_head(model(hidden_states=features[:, :-1],
@@ -237,11 +273,13 @@ def test_specforge_loads_the_sglang_export_and_computes_the_heads_logits(eagle_r
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
 
-def test_speculators_loads_the_export_and_computes_the_heads_logits(eagle_run, tmp_path, speculators):
+@pytest.mark.parametrize("run", ["eagle_run", "eagle_own_run"])
+def test_speculators_loads_the_export_and_computes_the_heads_logits(run, request, tmp_path, speculators):
     """speculators' own from_pretrained on the export: its EAGLE-3 forward gives draftsmith's head's draft
     logits on the same target features and tokens (within 1e-5: the same fp32 arithmetic in another order)."""
     from speculators import SpeculatorModel, SpeculatorModelConfig
 
+    eagle_run = request.getfixturevalue(run)
     written = export(eagle_run, tmp_path / "out", ExportSettings(formats=["speculators"]))
     target, head, ids, features, ours = _head_inputs(eagle_run)
 
@@ -252,7 +290,7 @@ def test_speculators_loads_the_export_and_computes_the_heads_logits(eagle_run, t
         assert type(model).__name__ == "Eagle3DraftModel"
         # What its loader fills silently (or leaves uninitialised) when a checkpoint lacks it.
         assert torch.equal(model.embed_tokens.weight, target.model.embed_tokens.weight)
-        assert torch.equal(model.lm_head.weight, target.lm_head.weight[head.target_ids()])
+        assert torch.equal(model.lm_head.weight, head._draft_rows())  # the target's rows, or the head's own
         logits = []
         hook = model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output))
         with torch.no_grad():  # speculators pairs hidden state t with token t+1, as draftsmith does: the caller shifts

@@ -365,6 +365,7 @@ def test_a_head_starts_from_a_saved_one_with_its_own_draft_vocabulary(tiny_world
 
     card = model_card(read_run(tmp_path / "again"), {}, repo_id="acme/h", license=None, k=4)
     assert f"| started from the head | {tmp_path / 'first' / 'best'} |" in card
+    assert "| output head | the target's, frozen |" in card
     assert "started from" not in model_card(read_run(tmp_path / "first"), {}, repo_id="acme/h", license=None, k=4)
     # trainer.max_steps=0: the saved head's held-out numbers alone, and it is what best/ keeps.
     only = train(smoke(tmp_path, *[o for o in again if not o.startswith("trainer.")], "trainer.max_steps=0",
@@ -384,6 +385,42 @@ def test_a_head_starts_from_a_saved_one_with_its_own_draft_vocabulary(tiny_world
                 run="mtp"))
     with pytest.raises(ValueError, match="a mtp head on layers .* not the eagle head"):
         train(smoke(tmp_path, *again[:1], f"drafter.init_from={tmp_path / 'mtp' / 'best'}", *again[2:], run="wrong"))
+
+
+def test_an_own_output_head_starts_from_the_targets_rows_and_trains(tiny_world, tmp_path):
+    """drafter.own_lm_head: the head's output head starts as the target's rows of the draft vocabulary (lr 0 saves
+    exactly them), trains with the rest, and a run started from it keeps its rows, token by token, under the new
+    run's vocabulary; the target's rows fill the tokens the saved vocabulary lacked."""
+    target, _ = load_target("toyworld://tiny/target", device=torch.device("cpu"))
+    rows = target.get_output_embeddings().weight.detach()
+    steps = ["trainer.eval_every=1", "trainer.warmup_steps=0", "evaluate.enabled=false"]
+    train(smoke(tmp_path, "drafter=eagle", "drafter.own_lm_head=true", "drafter.draft_vocab_size=200",
+                "trainer.max_steps=1", "trainer.lr=0", *steps, run="zero"))
+    zero = load_file(str(tmp_path / "zero" / "best" / "model.safetensors"))
+    assert torch.equal(zero["lm_head.weight"], rows[torch.arange(200) + zero["d2t"]])
+    train(smoke(tmp_path, "drafter=eagle", "drafter.own_lm_head=true", "drafter.draft_vocab_size=200",
+                "trainer.max_steps=4", "trainer.lr=5e-3", *steps, run="trained"))
+    trained = load_file(str(tmp_path / "trained" / "best" / "model.safetensors"))
+    ids = torch.arange(200) + trained["d2t"]
+    assert not torch.allclose(trained["lm_head.weight"], rows[ids], atol=1e-4)
+    train(smoke(tmp_path, "drafter=eagle", "drafter.own_lm_head=true", "drafter.draft_vocab_size=250",
+                f"drafter.init_from={tmp_path / 'trained' / 'best'}", "trainer.max_steps=1", "trainer.lr=0", *steps,
+                run="again"))
+    again = load_file(str(tmp_path / "again" / "best" / "model.safetensors"))
+    new_ids = torch.arange(250) + again["d2t"]
+    saved_at = {int(t): i for i, t in enumerate(ids)}
+    for j, t in enumerate(new_ids.tolist()):
+        expected = trained["lm_head.weight"][saved_at[t]] if t in saved_at else rows[t]
+        assert torch.equal(again["lm_head.weight"][j], expected), t
+    assert len(set(new_ids.tolist()) - set(saved_at)) == 50  # the rows the saved vocabulary lacked
+    from train.export import read_run
+    from train.hub import model_card
+
+    assert "| output head | its own, trained |" in model_card(read_run(tmp_path / "again"), {}, repo_id="acme/h",
+                                                             license=None, k=4)
+    with pytest.raises(ValueError, match="trained an output head of its own; set drafter.own_lm_head=true"):
+        train(smoke(tmp_path, "drafter=eagle", "drafter.draft_vocab_size=250", "trainer.max_steps=1", *steps,
+                    f"drafter.init_from={tmp_path / 'trained' / 'best'}", run="dropped"))
 
 
 def _self_trained_head(kind, target, settings):
