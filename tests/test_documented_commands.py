@@ -73,6 +73,38 @@ def _readme_commands() -> list[str]:
     return commands
 
 
+def _lines_inside_a_quote(text: str) -> list[int]:
+    """Lines (1-based) of shell code blocks that end inside a quoted argument without a backslash: the shell
+    passes that argument with a newline in it."""
+    found, block, current = [], False, ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            block, current = (not block and line.strip() in ("```bash", "```sh")), ""
+            continue
+        if block:
+            current += line + "\n"
+            if _complete(current):
+                current = ""
+            elif not line.rstrip().endswith("\\"):
+                found.append(number)
+    return found
+
+
+def test_no_documented_argument_spans_lines():
+    """Hydra's override parser rejects a value with a newline in it (a drafters list broken over two lines inside
+    its quotes), so a README command whose quoted argument goes on on the next line fails as a user pastes it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    assert parser.parse_overrides(["drafters=[{name: a, kind: ngram}, {name: b, kind: ngram}]"])
+    with pytest.raises(OverrideParseException):
+        parser.parse_overrides(["drafters=[{name: a, kind: ngram},\n    {name: b, kind: ngram}]"])
+    assert _lines_inside_a_quote("```bash\npython -m eval 'drafters=[{a: 1},\n    {b: 2}]'\n```\n") == [2]
+    for name in ("README.md", "BENCHMARKS.md"):
+        assert _lines_inside_a_quote((ROOT / name).read_text()) == [], name
+
+
 def documented_commands() -> list[tuple[str, str, list[str]]]:
     """(where, module, arguments) of every documented command that names a data file."""
     found = [(str(p.relative_to(ROOT)), c) for p in sorted(CONF.rglob("*.yaml")) for c in _header_commands(p)]
