@@ -185,7 +185,7 @@ class HeadRecipe(DistillRecipe):
         self.coverage = self.mass = None
         if d.kind == "eagle" and settings["draft_vocab_size"]:
             self._set_draft_vocabulary(head, settings["draft_vocab_size"], counts)
-        if d.kind == "eagle" and d.own_lm_head:
+        if d.kind == "eagle" and d.own_lm_head and not d.init_from:
             head.init_lm_head()
         if d.init_from:
             self._start_from(head, d.init_from)
