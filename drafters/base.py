@@ -37,6 +37,12 @@ ones after it are not drafted, so an unsure round costs fewer draft steps and a 
 This is transformers' `assistant_confidence_threshold` for assisted generation. It stays lossless:
 whether guess i+1 exists depends only on the drafter's own draws, and each position is still accepted
 or resampled against the q it was drawn from (a position with no guess gets the target's own token).
+`stop_rule="drop"` is llama.cpp's rule instead (`--spec-draft-p-min`, common/speculative.cpp): the unsure
+guess is not proposed either, so a round may propose nothing, and the probability is the one llama.cpp
+checks: its likeliest token's, in a softmax over the drafter's 10 likeliest (`LLAMA_CPP_CANDIDATES`), which
+does not depend on the token drawn (sampled rounds stay lossless: a dropped draw says nothing about q). Where
+verifying a position costs a large share of a decoding step (a quantized model on a CPU) dropping it pays;
+`python -m eval engine=llamacpp` serves a drafter's stop only with this rule, so both loops run the same one.
 """
 
 from __future__ import annotations
@@ -72,6 +78,48 @@ def check_stop_below(stop_below: float, name: str) -> float:
     return float(stop_below)
 
 
+STOP_RULES = ("propose", "drop")  # the unsure guess proposed (transformers) or not (llama.cpp)
+LLAMA_CPP_CANDIDATES = 10  # llama.cpp's draft samplers keep the top 10 tokens (common/speculative.cpp)
+
+
+class ConfidenceStop:
+    """A drafter's confidence stop: `below` (0 = off, falsy) and `rule` (`STOP_RULES`), checked."""
+
+    def __init__(self, below: float = 0.0, rule: str = "propose", name: str = "drafter") -> None:
+        self.below = check_stop_below(below, name)
+        if rule not in STOP_RULES:
+            raise ValueError(f"drafter {name!r}: stop_rule must be one of {list(STOP_RULES)}, got {rule!r}")
+        self.rule = rule
+
+    def __bool__(self) -> bool:
+        return self.below > 0.0
+
+    @property
+    def drops(self) -> bool:
+        """True when the unsure guess is dropped rather than proposed (llama.cpp's rule)."""
+        return self.rule == "drop"
+
+    def unsure(self, logits: torch.Tensor, q: torch.Tensor | None, token: torch.Tensor) -> bool:
+        """Whether the guess `token` (drawn from `logits`, or from q) ends the round. A host sync."""
+        if self.drops:
+            return bool(candidate_confidence(logits) < self.below)
+        return confidence(logits, q, token) < self.below
+
+    def rows_unsure(self, logits: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> list[bool]:
+        """`unsure` for a batch: logits (B, V'), q (B, V) or None, tokens (B,)."""
+        p = candidate_confidence(logits) if self.drops else row_confidences(logits, q, tokens)
+        return (p < self.below).tolist()
+
+
+def candidate_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's confidence in a draft step: the likeliest token's probability in a softmax over the
+    `LLAMA_CPP_CANDIDATES` likeliest (its draft sampler's top-k). logits (..., V') -> (...). It does not
+    depend on the token drawn, which keeps a sampled round lossless: whether a guess is proposed then
+    depends on the drafter's distribution only, so a proposed guess is still distributed as q."""
+    top = logits.float().topk(min(LLAMA_CPP_CANDIDATES, logits.shape[-1]), dim=-1).values
+    return torch.exp(top[..., 0] - torch.logsumexp(top, dim=-1))
+
+
 def confidence(logits: torch.Tensor, q: torch.Tensor | None, token: torch.Tensor) -> float:
     """The drafter's own probability of its guess `token`: q(token) when the guess was drawn from q,
     else (greedy, the argmax of `logits`) the argmax's probability under softmax(logits). A host sync,
@@ -90,12 +138,13 @@ def row_confidences(logits: torch.Tensor, q: torch.Tensor | None, tokens: torch.
 
 class Chains:
     """A batch's proposals built one draft step at a time: the step's tokens (B,) and distributions (B, V)
-    or None for the whole batch at once, each row's chain cut after its first unsure guess (`stop_below`)."""
+    or None for the whole batch at once, each row's chain cut at its first unsure guess (`stop`): after it,
+    or before it when the stop drops it."""
 
-    def __init__(self, batch: int, stop_below: float = 0.0) -> None:
+    def __init__(self, batch: int, stop: ConfidenceStop | None = None) -> None:
         self.tokens: list[torch.Tensor] = []
         self.dists: list[torch.Tensor] = []
-        self.stop_below = stop_below
+        self.stop = stop or ConfidenceStop()
         self.lengths: list[int | None] = [None] * batch  # None: still drafting
 
     def add(self, logits: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | None) -> bool:
@@ -103,9 +152,9 @@ class Chains:
         self.tokens.append(tokens)
         if q is not None:
             self.dists.append(q)
-        if self.stop_below:
-            unsure = (row_confidences(logits, q, tokens) < self.stop_below).tolist()
-            step = len(self.tokens)
+        if self.stop:
+            unsure = self.stop.rows_unsure(logits, q, tokens)
+            step = len(self.tokens) - self.stop.drops
             self.lengths = [n if n is not None or not u else step for n, u in zip(self.lengths, unsure)]
             return all(n is not None for n in self.lengths)
         return False

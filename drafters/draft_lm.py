@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from drafters.base import Chains, Proposal, check_stop_below, confidence
+from drafters.base import Chains, ConfidenceStop, Proposal
 from drafters.hf_cache import RaggedCache, cache_keyword, forward_rows, keep_path, masks_for
 from drafters.layers import RaggedRows
 from drafters.llama_decode import LeanLlama
@@ -71,10 +71,11 @@ class DraftLM:
     """Drafts with a small causal LM and its own KV cache."""
 
     def __init__(self, model: PreTrainedModel, name: str = "draft_lm", lean: bool = True,
-                 stop_below: float = 0.0) -> None:
+                 stop_below: float = 0.0, stop_rule: str = "propose") -> None:
         self.model = model.eval()
         self.name = name
-        self.stop_below = check_stop_below(stop_below, name)  # confidence stop (drafters/base.py); 0 = off
+        self.stop = ConfidenceStop(stop_below, stop_rule, name)  # confidence stop (drafters/base.py); 0 = off
+        self.stop_below, self.stop_rule = self.stop.below, self.stop.rule
         self.device = next(model.parameters()).device
         # The lean path when asked for and the model is one it reproduces; else Hugging Face's forward.
         self.lean = LeanLlama(model) if lean and LeanLlama.supports(model) else None
@@ -95,6 +96,7 @@ class DraftLM:
         trust_remote_code: bool = False,
         lean: bool = True,
         stop_below: float = 0.0,
+        stop_rule: str = "propose",
     ) -> "DraftLM":
         """Load a draft LM from a hub id or a local directory and check it against the target."""
         name = name or str(name_or_path)
@@ -113,7 +115,7 @@ class DraftLM:
             model.get_output_embeddings().weight.shape[0],
             name,
         )
-        return cls(model, name=name, lean=lean, stop_below=stop_below)
+        return cls(model, name=name, lean=lean, stop_below=stop_below, stop_rule=stop_rule)
 
     def start(self, prompt_ids: torch.Tensor) -> None:
         if self.lean is not None:
@@ -128,7 +130,7 @@ class DraftLM:
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
         # Feed every committed token the cache has not seen yet (1 or 2 of them), then one guess at a time.
         pending = self.ids[self._fed :]
-        tokens, dists = [], []
+        tokens, dists, dropped = [], [], False
         inputs = torch.tensor([pending], device=self.device)
         for _ in range(k):
             if self.lean is not None:
@@ -139,15 +141,23 @@ class DraftLM:
                                  logits_to_keep=1)
                 logits = out.logits[0, -1]
             token, q = draw(logits, sampling, generator)
+            unsure = bool(self.stop) and self.stop.unsure(logits, q, token)
+            if unsure and self.stop.drops:
+                dropped = True
+                break
             if q is not None:
                 dists.append(q)
             tokens.append(token)
-            if self.stop_below and confidence(logits, q, token) < self.stop_below:
+            if unsure:
                 break
             inputs = token.view(1, 1)
-        # The cache now holds ids plus every guess but the last (which was never fed).
-        self._fed = len(self.ids) + len(tokens) - 1
-        proposal = Proposal(torch.stack(tokens), torch.stack(dists) if dists else None)
+        # The cache now holds ids plus every guess but the last (which was never fed), or plus every guess
+        # when the stop dropped the next one.
+        self._fed = len(self.ids) + len(tokens) - 1 + dropped
+        if not tokens:  # the first guess was dropped
+            proposal = Proposal(torch.empty(0, dtype=torch.long, device=self.device))
+        else:
+            proposal = Proposal(torch.stack(tokens), torch.stack(dists) if dists else None)
         self._guesses = proposal.tokens.tolist()
         return proposal
 
@@ -229,7 +239,7 @@ class DraftLMBatch:
 
     def __init__(self, drafter: DraftLM) -> None:
         self.drafter = drafter
-        self.model, self.name, self.stop_below = drafter.model, drafter.name, drafter.stop_below
+        self.model, self.name, self.stop = drafter.model, drafter.name, drafter.stop
         self.device, self.lean = drafter.device, drafter.lean  # the lean path when the drafter has it
 
     def start(self, prompts: list[torch.Tensor], features=None) -> None:
@@ -274,7 +284,7 @@ class DraftLMBatch:
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
         feed = [ids[fed:] for ids, fed in zip(self.ids, self.fed)]
-        chains = Chains(len(self.ids), self.stop_below)
+        chains = Chains(len(self.ids), self.stop)
         for step in range(1, k + 1):
             logits = self._forward(feed)  # (B, V)
             tokens, q = draw(logits, sampling, generator)  # every row at once

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from drafters.base import Proposal, confidence
+from drafters.base import Proposal
 from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting
 from drafters.layers import (Attention, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
                              last_entries, label_cross_entropy, label_stats, mlp_decode, norm, soft_cross_entropy,
@@ -289,11 +289,11 @@ class Eagle3(nn.Module):
                                     at=(rows, entries, (B, T)), hits=not self.training))
         return loss, stats
 
-    def drafter(self, name: str = "eagle", stop_below: float = 0.0) -> "Eagle3Drafter":
-        return Eagle3Drafter(self, name, stop_below)
+    def drafter(self, name: str = "eagle", stop_below: float = 0.0, stop_rule: str = "propose") -> "Eagle3Drafter":
+        return Eagle3Drafter(self, name, stop_below, stop_rule)
 
-    def batch_drafter(self, name: str = "eagle", stop_below: float = 0.0) -> "Eagle3Batch":
-        return Eagle3Batch(self, name, stop_below)
+    def batch_drafter(self, name: str = "eagle", stop_below: float = 0.0, stop_rule: str = "propose") -> "Eagle3Batch":
+        return Eagle3Batch(self, name, stop_below, stop_rule)
 
 
 class Eagle3Drafter(TreeDrafting, FeatureDrafter):
@@ -327,13 +327,18 @@ class Eagle3Drafter(TreeDrafting, FeatureDrafter):
         for s in range(k):
             logits = head.draft_logits(h, rows)[0, -1]
             token, q = _pick(logits, sampling, generator, self.target_ids, head.config.vocab_size)
+            unsure = bool(self.stop) and self.stop.unsure(logits, q, token)
+            if unsure and self.stop.drops:
+                break
             guesses.append(token)
             dists.append(q)
-            if self.stop_below and confidence(logits, q, token) < self.stop_below:
+            if unsure:
                 break
             if s < k - 1:
                 h = head.step(h, token.view(1), m + s, self.cache)
-        self.guesses = torch.stack(guesses).tolist()
+        self.guesses = [int(t) for t in guesses]
+        if not guesses:  # the first guess was dropped
+            return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
         return Proposal(torch.stack(guesses), None if sampling.greedy else torch.stack(dists))
 
     def commit(self, n_accepted: int, next_token: int, features=None) -> None:

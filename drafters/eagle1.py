@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import Proposal, confidence
+from drafters.base import Proposal
 from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting
 from drafters.layers import DecoderLayer, KVCache, RaggedRows, Rotary, SharedTarget, causal_mask, soft_cross_entropy, step_stats
 from drafters.sampling import Sampling, draw
@@ -98,11 +98,11 @@ class Eagle1(nn.Module):
         loss = regression + self.config.token_loss_weight * soft_cross_entropy(logits, p, m)
         return loss, [step_stats(torch.softmax(logits.detach(), -1), p, m, hits=not self.training)]
 
-    def drafter(self, name: str = "eagle1", stop_below: float = 0.0) -> "Eagle1Drafter":
-        return Eagle1Drafter(self, name, stop_below)
+    def drafter(self, name: str = "eagle1", stop_below: float = 0.0, stop_rule: str = "propose") -> "Eagle1Drafter":
+        return Eagle1Drafter(self, name, stop_below, stop_rule)
 
-    def batch_drafter(self, name: str = "eagle1", stop_below: float = 0.0) -> "Eagle1Batch":
-        return Eagle1Batch(self, name, stop_below)
+    def batch_drafter(self, name: str = "eagle1", stop_below: float = 0.0, stop_rule: str = "propose") -> "Eagle1Batch":
+        return Eagle1Batch(self, name, stop_below, stop_rule)
 
 
 class Eagle1Drafter(TreeDrafting, FeatureDrafter):
@@ -134,14 +134,19 @@ class Eagle1Drafter(TreeDrafting, FeatureDrafter):
         for s in range(k):
             logits = head.shared.logits(h)[0, -1]
             token, q = draw(logits, sampling, generator)
+            unsure = bool(self.stop) and self.stop.unsure(logits, q, token)
+            if unsure and self.stop.drops:
+                break
             if q is not None:
                 dists.append(q)
             guesses.append(token)
-            if self.stop_below and confidence(logits, q, token) < self.stop_below:
+            if unsure:
                 break
             if s < k - 1:
                 h = head.step(h, token.view(1), m + s, self.cache)
-        self.guesses = torch.stack(guesses).tolist()
+        self.guesses = [int(t) for t in guesses]
+        if not guesses:  # the first guess was dropped
+            return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
         return Proposal(torch.stack(guesses), torch.stack(dists) if dists else None)
 
     def commit(self, n_accepted: int, next_token: int, features=None) -> None:

@@ -30,7 +30,7 @@ from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 from transformers import LlamaConfig
 
-from drafters.base import Chains, Proposal, check_stop_below
+from drafters.base import Chains, ConfidenceStop, Proposal
 from drafters.layers import KVCache, RaggedRows
 from drafters.sampling import Sampling
 from drafters.tree import Tree, entry_mask
@@ -167,16 +167,17 @@ class FeatureDrafter:
     been delivered at any time, the last `len(self.pending)` of them still unread by the head.
     """
 
-    def __init__(self, head: nn.Module, name: str, stop_below: float = 0.0) -> None:
+    def __init__(self, head: nn.Module, name: str, stop_below: float = 0.0, stop_rule: str = "propose") -> None:
         self.head, self.name = head, name
-        self.stop_below = check_stop_below(stop_below, name)  # confidence stop (drafters/base.py); 0 = off
+        self.stop = ConfidenceStop(stop_below, stop_rule, name)  # confidence stop (drafters/base.py); 0 = off
+        self.stop_below, self.stop_rule = self.stop.below, self.stop.rule
         self.feature_layers = list(head.config.feature_layers)
         self.device = next(head.parameters()).device
         self.dtype = next(head.parameters()).dtype
 
     def batched(self):
         """This drafter for a batch (drafters/base.py `BatchDrafter`): the head's batch drafter."""
-        return self.head.batch_drafter(self.name, self.stop_below)
+        return self.head.batch_drafter(self.name, self.stop_below, self.stop_rule)
 
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
         self.ids: list[int] = prompt_ids.tolist()
@@ -259,7 +260,7 @@ class FeatureBatch(FeatureDrafter):
 
     def join(self, prompts: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         """New rows after the running ones, each started on its prompt as `start` starts a batch."""
-        other = type(self)(self.head, self.name, self.stop_below)
+        other = type(self)(self.head, self.name, self.stop_below, self.stop_rule)
         other.start(prompts, features)
         self.absorb(other)
 
@@ -311,7 +312,7 @@ class ChainBatch(FeatureBatch):
         self.rows.advance(counts)
         self.fed = [len(ids) - 1 for ids in self.ids]
         self.pending = [p[:0] for p in self.pending]
-        chains = Chains(B, self.stop_below)
+        chains = Chains(B, self.stop)
         for step in range(1, k + 1):
             logits = self.logits(h)  # (B, V)
             tokens, q = self.pick(logits, sampling, generator)  # every row at once

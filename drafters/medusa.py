@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import Proposal, confidence, row_confidences
+from drafters.base import Proposal
 from drafters.heads import FeatureBatch, FeatureDrafter
 from drafters.layers import SharedTarget, soft_cross_entropy, step_stats
 from drafters.sampling import Sampling, draw
@@ -68,11 +68,11 @@ class Medusa(nn.Module):
             stats.append(step_stats(torch.softmax(logits[i - 1].detach(), -1), p, m, hits=not self.training))
         return loss, stats
 
-    def drafter(self, name: str = "medusa", stop_below: float = 0.0) -> "MedusaDrafter":
-        return MedusaDrafter(self, name, stop_below)
+    def drafter(self, name: str = "medusa", stop_below: float = 0.0, stop_rule: str = "propose") -> "MedusaDrafter":
+        return MedusaDrafter(self, name, stop_below, stop_rule)
 
-    def batch_drafter(self, name: str = "medusa", stop_below: float = 0.0) -> "MedusaBatch":
-        return MedusaBatch(self, name, stop_below)
+    def batch_drafter(self, name: str = "medusa", stop_below: float = 0.0, stop_rule: str = "propose") -> "MedusaBatch":
+        return MedusaBatch(self, name, stop_below, stop_rule)
 
 
 class MedusaDrafter(FeatureDrafter):
@@ -97,10 +97,11 @@ class MedusaDrafter(FeatureDrafter):
             return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
         logits = self.head.logits(self.pending[-1], n=k)  # (n, V), n = min(k, K)
         tokens, probs = draw(logits, sampling, generator)
-        if self.stop_below:  # all heads guess at once; keep guesses through the first unsure one
+        if self.stop:  # all heads guess at once; keep guesses through the first unsure one (or before it)
             for i in range(tokens.shape[0]):
-                if confidence(logits[i], None if probs is None else probs[i], tokens[i]) < self.stop_below:
-                    tokens, probs = tokens[: i + 1], None if probs is None else probs[: i + 1]
+                if self.stop.unsure(logits[i], None if probs is None else probs[i], tokens[i]):
+                    n = i if self.stop.drops else i + 1
+                    tokens, probs = tokens[:n], None if probs is None else probs[:n]
                     break
         self.guesses = tokens.tolist()
         return Proposal(tokens, probs)
@@ -122,9 +123,11 @@ class MedusaBatch(FeatureBatch):
         logits = self.head.logits(torch.stack([p[-1] for p in self.pending]), n=k).transpose(0, 1)  # (B, n, V)
         tokens, probs = draw(logits, sampling, generator)  # (B, n), every row and head at once
         cut = [tokens.shape[1]] * tokens.shape[0]
-        if self.stop_below:  # each row keeps its guesses through its first unsure one
-            unsure = (row_confidences(logits, probs, tokens) < self.stop_below).tolist()
-            cut = [next((i + 1 for i, u in enumerate(row) if u), len(row)) for row in unsure]
+        if self.stop:  # each row keeps its guesses through its first unsure one (or up to it)
+            B, n = tokens.shape
+            unsure = torch.tensor(self.stop.rows_unsure(logits.flatten(0, 1), None if probs is None
+                                                        else probs.flatten(0, 1), tokens.flatten())).view(B, n).tolist()
+            cut = [next((i + (not self.stop.drops) for i, u in enumerate(row) if u), len(row)) for row in unsure]
         proposals = [Proposal(tokens[b, :n], None if probs is None else probs[b, :n]) for b, n in enumerate(cut)]
         self.guesses = [p.tokens.tolist() for p in proposals]
         return proposals

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from drafters.base import Chains, Proposal, confidence
+from drafters.base import Chains, Proposal
 from drafters.heads import FeatureBatch, FeatureDrafter
 from drafters.layers import (DecoderLayer, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
                              soft_cross_entropy, step_stats)
@@ -96,11 +96,11 @@ class MTP(nn.Module):
             stats.append(step_stats(torch.softmax(logits.detach(), -1), p, m, hits=not self.training))
         return loss, stats
 
-    def drafter(self, name: str = "mtp", stop_below: float = 0.0) -> "MTPDrafter":
-        return MTPDrafter(self, name, stop_below)
+    def drafter(self, name: str = "mtp", stop_below: float = 0.0, stop_rule: str = "propose") -> "MTPDrafter":
+        return MTPDrafter(self, name, stop_below, stop_rule)
 
-    def batch_drafter(self, name: str = "mtp", stop_below: float = 0.0) -> "MTPBatch":
-        return MTPBatch(self, name, stop_below)
+    def batch_drafter(self, name: str = "mtp", stop_below: float = 0.0, stop_rule: str = "propose") -> "MTPBatch":
+        return MTPBatch(self, name, stop_below, stop_rule)
 
     def run_rows(self, k: int, hidden, tokens, rows: RaggedRows, cache: KVCache) -> torch.Tensor:
         """`run` for a ragged batch (eval/batching.py): row b's entries at its own next positions on top of
@@ -169,18 +169,23 @@ class MTPDrafter(FeatureDrafter):
                 last = tentative[-1:]
             logits = head.logits(j, last)[-1]
             token, q = draw(logits, sampling, generator)
+            unsure = bool(self.stop) and self.stop.unsure(logits, q, token)
+            if unsure and self.stop.drops:
+                break  # later modules catch up on their stable entries in a later round
             if q is not None:
                 dists.append(q)
             guesses.append(token)
             ids.append(int(token))
-            if self.stop_below and confidence(logits, q, token) < self.stop_below:
-                break  # later modules catch up on their stable entries in a later round
+            if unsure:
+                break
         # Forget stable outputs the next module has cached (it never reads below its cache length).
         for j in range(depth - 1):
             drop = len(self.caches[j + 1]) - self.base[j]
             if drop > 0:
                 self.outputs[j], self.base[j] = self.outputs[j][drop:], self.base[j] + drop
         self.guesses = [int(t) for t in guesses]
+        if not guesses:  # the first guess was dropped
+            return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
         return Proposal(torch.stack(guesses), torch.stack(dists) if dists else None)
 
 
@@ -237,7 +242,7 @@ class MTPBatch(FeatureBatch):
         head, depth, B = self.head, self.head.config.depth, len(self.ids)
         m = [len(ids) - 1 for ids in self.ids]
         ids = [list(x) for x in self.ids]  # committed tokens, then each row's guesses as they are made
-        chains = Chains(B, self.stop_below)
+        chains = Chains(B, self.stop)
         tentative = [p[:0] for p in self.pending]
         for j in range(min(k, depth)):
             # Stable entries not cached yet, per row: positions c..m-j-1, every input committed.

@@ -67,6 +67,9 @@ class DrafterSpec:
     # draft_lm, head: end a round at the first guess the drafter gives a probability below this (the guess
     # is still proposed); 0 = always draft k. Lossless either way (drafters/base.py).
     stop_below: float = 0.0
+    # propose: the unsure guess is still proposed (transformers) | drop: it is not, the probability over the
+    # drafter's 10 likeliest tokens (llama.cpp's --spec-draft-p-min; engine=llamacpp serves only this rule)
+    stop_rule: str = "propose"
     max_ngram: int = 3
     min_ngram: int = 1
     engine_c: Optional[float] = None  # c measured for this drafter in your engine (overrides engine_costs.c)

@@ -176,6 +176,7 @@ class Served:
     spec_type: str | None = None
     note: str | None = None
     dtype: str | None = None  # its GGUF's weights (torch's name), where it has one
+    p_min: float = 0.0  # its confidence stop, llama.cpp's --spec-draft-p-min (the spec's stop_below, rule drop)
 
     @property
     def engine_only(self) -> bool:
@@ -211,6 +212,10 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
     """The drafter of an eval spec ({name, kind, path}) converted for llama.cpp by its own converter; kind
     `llamacpp` is one of llama.cpp's model-free n-gram modes (`spec_type`), which needs no conversion."""
     name, kind = spec["name"], spec["kind"]
+    p_min = float(spec.get("stop_below") or 0.0)
+    if p_min and (spec.get("stop_rule") or "propose") != "drop":
+        raise ValueError(f"drafter {name!r}: llama.cpp's confidence stop (--spec-draft-p-min) does not propose the "
+                         "unsure guess: give the drafter stop_rule: drop to measure the same stop in both loops")
     if kind == "llamacpp":
         if spec.get("spec_type") not in llama_cpp.NGRAM_TYPES:
             raise ValueError(f"drafter {name!r} (kind llamacpp): spec_type must be one of "
@@ -221,7 +226,7 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
         directory = target_directory(spec["path"])
         dtype = draft_dtype(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval())
         return Served(name, llama_cpp.convert_to_gguf(directory, out, outtype=GGUF_OUTTYPE[dtype]),
-                      SPEC_TYPES["draft_lm"], dtype=dtype)
+                      SPEC_TYPES["draft_lm"], dtype=dtype, p_min=p_min)
     if kind != "head":
         return Served(name, note="draftsmith's n-gram drafter has no llama.cpp counterpart (llama.cpp's ngram "
                                  "drafters are other algorithms)")
@@ -238,37 +243,40 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
         what = config.get("draftsmith_kind") or "/".join(config.get("architectures") or ["unknown"])
         return Served(name, note=f"a {what} head has no llama.cpp format (llama.cpp serves draft models and "
                                  "EAGLE-3 in the SGLang export)")
-    return Served(name, gguf, SPEC_TYPES["eagle3"], dtype=dtype)
+    return Served(name, gguf, SPEC_TYPES["eagle3"], dtype=dtype, p_min=p_min)
 
 
 # --- llama.cpp: measuring ------------------------------------------------------------------------------
 
-_STATS = re.compile(r"statistics\s+\S+: #calls\(b,g,a\) =\s*\d+\s+\d+\s+(\d+),.*#gen tokens =\s*(\d+), "
+_STATS = re.compile(r"statistics\s+\S+: #calls\(b,g,a\) =\s*\d+\s+(\d+)\s+(\d+),.*#gen tokens =\s*(\d+), "
                     r"#acc tokens =\s*(\d+).*dur\(b,g,a\) = [\d.]+, ([\d.]+), [\d.]+ ms")
 
 
 @dataclass
 class DraftStats:
-    """llama-server's own drafting counters: verifications (its accept calls), tokens drafted, drafts
-    accepted, and milliseconds spent drafting."""
+    """llama-server's own drafting counters: rounds (its draft calls), verifications (its accept calls: the
+    rounds whose draft was not empty), tokens drafted, drafts accepted, and milliseconds spent drafting. A
+    drafter that always drafts verifies every round; one with a confidence stop, or an n-gram mode without a
+    match, drafts nothing in some rounds, which the target decodes as plain steps."""
 
     verifications: int = 0
     drafted: int = 0
     accepted: int = 0
     draft_ms: float = 0.0
+    rounds: int = 0
 
     def __add__(self, other: "DraftStats") -> "DraftStats":
         return DraftStats(self.verifications + other.verifications, self.drafted + other.drafted,
-                          self.accepted + other.accepted, self.draft_ms + other.draft_ms)
+                          self.accepted + other.accepted, self.draft_ms + other.draft_ms, self.rounds + other.rounds)
 
     def __sub__(self, other: "DraftStats") -> "DraftStats":
         return DraftStats(self.verifications - other.verifications, self.drafted - other.drafted,
-                          self.accepted - other.accepted, self.draft_ms - other.draft_ms)
+                          self.accepted - other.accepted, self.draft_ms - other.draft_ms, self.rounds - other.rounds)
 
 
 def _counters(groups: tuple[str, ...]) -> DraftStats:
-    verifications, drafted, accepted, draft_ms = groups
-    return DraftStats(int(verifications), int(drafted), int(accepted), float(draft_ms))
+    rounds, verifications, drafted, accepted, draft_ms = groups
+    return DraftStats(int(verifications), int(drafted), int(accepted), float(draft_ms), int(rounds))
 
 
 @dataclass
@@ -394,7 +402,7 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
 
     def server(config, rep: int, accept_none: bool = False) -> llama_cpp.LlamaServer:
         spec = {} if config is None else {"draft": config[0].gguf, "spec_type": config[0].spec_type, "k": config[1],
-                                          "accept_none": accept_none}
+                                          "accept_none": accept_none, "p_min": config[0].p_min}
         name = "plain" if config is None else f"{config[0].name}-k{config[1]}" + ("-accept-none" if accept_none else "")
         name += f"-b{batch}" if batch > 1 else ""
         return llama_cpp.LlamaServer(target_gguf, threads=threads, ctx_size=ctx, log_verbosity=4, parallel=batch,
@@ -522,12 +530,17 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
         chosen = sum((counters[key][rep, c, i] for rep in range(repeats) for c, i in keys), DraftStats()) \
             if key in counters else DraftStats()
         c, beta = costs.get(key, (None, None))
-        tau_engine = 1 + chosen.accepted / chosen.verifications if chosen.verifications else None
-        proposed_engine = chosen.drafted / chosen.verifications if chosen.verifications else None
+        # Per round, as draftsmith counts τ: a round whose draft was empty (a confidence stop, an n-gram mode
+        # without a match) emits the target's one token and verifies nothing. With several slots llama.cpp
+        # counts a draft call per batch, not per request: there τ is per verification, as the field gives it.
+        rounds = chosen.rounds if batch == 1 else chosen.verifications
+        tau_engine = 1 + chosen.accepted / rounds if chosen.verifications and rounds else None
+        proposed_engine = chosen.drafted / rounds if chosen.verifications and rounds else None
+        verified = chosen.verifications / rounds if chosen.verifications and rounds else None
         if alone:  # no τ of draftsmith's: the engine's own through its costs
             tau, proposed = tau_engine, proposed_engine
-        predicted = (predicted_speedup(tau, proposed, c, beta)
-                     if None not in (tau, proposed, c, beta) else None)
+        predicted = (predicted_speedup(tau, proposed, c, beta, verified=verified)
+                     if None not in (tau, proposed, c, beta, verified) else None)
         drafted = sum(runs[rep, c, i].draft_n for rep in range(repeats) for c, i in keys)
         generations = [(rep, c, i) for rep in range(repeats) for c, i in keys]
         lossless = all(runs[g].tokens == plain[g].tokens for g in generations)
@@ -539,7 +552,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
             engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at) if drafted else NOTHING_DRAFTED,
             engine_lossless=lossless, engine_note=note,
             engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted,
-            **ceilings(k, tau_engine, beta))
+            **ceilings(k, tau_engine, beta, verified))
 
     greedy = [r for r in rows if r.get("batch_size", 1) == batch and r["temperature"] == 0 and not r.get("tree")]
     for r in rows:
@@ -581,14 +594,16 @@ def numerics_note(runs: dict, plain: dict, verified: dict, keys: list[tuple]) ->
     return line + ("" if checked else "; none of them is a prompt the cost servers measured")
 
 
-def ceilings(k: int, tau: float | None, beta: float | None) -> dict:
+def ceilings(k: int, tau: float | None, beta: float | None, verified: float | None = 1.0) -> dict:
     """What the engine allows at zero draft cost, from its own β (verifying k+1 positions over one step, minus
-    1): `engine_ceiling` = (k+1)/(1+β), a perfect drafter's speed-up; `engine_tau_ceiling` = τ/(1+β), the
-    speed-up the engine's measured τ allows. Below the first, the hardware limits (a quantization whose
-    verification is compute-bound, a CPU); between the measured speed-up and the second, the draft's cost."""
+    1): `engine_ceiling` = (k+1)/(1+β), a perfect drafter's speed-up; `engine_tau_ceiling` = τ/(1+f·β), the
+    speed-up the engine's measured τ allows, f the share of rounds that verify (1 but for a drafter that drafts
+    nothing in some rounds). Below the first, the hardware limits (a quantization whose verification is
+    compute-bound, a CPU); between the measured speed-up and the second, the draft's cost."""
     if beta is None:
         return {"engine_ceiling": None, "engine_tau_ceiling": None}
-    return {"engine_ceiling": (k + 1) / (1 + beta), "engine_tau_ceiling": tau / (1 + beta) if tau else None}
+    f = 1.0 if verified is None else verified
+    return {"engine_ceiling": (k + 1) / (1 + beta), "engine_tau_ceiling": tau / (1 + f * beta) if tau else None}
 
 
 @dataclass
@@ -634,6 +649,7 @@ def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, lis
     return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "target_gguf": str(target_gguf),
             "threads": threads, "work_dir": str(work), "alone": alone,
             "cost_prompts_per_category": cost_prompts, "served": {s.name: s.spec_type or s.note for s in served},
+            "p_min": {s.name: s.p_min for s in served if s.p_min},
             "draft_types": {s.name: s.dtype for s in served if s.dtype},
             "batch_sizes": list(batch_sizes), "engine_only": engine_only}
 

@@ -198,7 +198,8 @@ NGRAM_TYPES = {"ngram-simple": "--spec-ngram-simple-size-m", "ngram-map-k": "--s
 class LlamaServer:
     """`llama-server` serving `model` (a GGUF) on 127.0.0.1 at a free port, optionally with a drafter:
     `draft` (a GGUF) and `spec_type` (`draft-simple` for a draft LM, `draft-eagle3` for an EAGLE-3 head),
-    or one of llama.cpp's model-free `NGRAM_TYPES` without a draft, drafting `k` tokens per round. Greedy, deterministic; `parallel` slots of `ctx_size` tokens each, whose
+    or one of llama.cpp's model-free `NGRAM_TYPES` without a draft, drafting `k` tokens per round (a draft
+    stops early at its first guess below `p_min`, which it drops: llama.cpp's confidence stop). Greedy, deterministic; `parallel` slots of `ctx_size` tokens each, whose
     requests the server decodes together (one slot: a request at a time). Use as a context manager.
 
     log_verbosity 4 makes it log its drafting statistics (eval/engine.py reads its drafting timer there).
@@ -209,7 +210,7 @@ class LlamaServer:
     def __init__(self, model: str | Path, *, draft: str | Path | None = None, spec_type: str | None = None,
                  k: int = 4, ctx_size: int = 2048, threads: int = 1, timeout: float = 120.0,
                  log_file: str | Path | None = None, log_verbosity: int | None = None,
-                 accept_none: bool = False, parallel: int = 1) -> None:
+                 accept_none: bool = False, parallel: int = 1, p_min: float = 0.0) -> None:
         if spec_type in NGRAM_TYPES:
             if draft is not None:
                 raise ValueError(f"{spec_type} drafts without a model: no `draft`")
@@ -220,6 +221,9 @@ class LlamaServer:
         self.model, self.draft, self.spec_type, self.k = Path(model), draft, spec_type, k
         self.ctx_size, self.threads, self.timeout, self.log_file = ctx_size, threads, timeout, log_file
         self.log_verbosity, self.accept_none, self.parallel = log_verbosity, accept_none, parallel
+        if p_min and self.draft is None:
+            raise ValueError("p_min is a draft model's confidence stop: it needs `draft`")
+        self.p_min = p_min
         self._log: LogReader | None = None
         self._temporary_log: Path | None = None
         self.process: subprocess.Popen | None = None
@@ -235,7 +239,7 @@ class LlamaServer:
                 cmd += ["--spec-ngram-mod-n-min", "1"]
         elif self.draft is not None:
             cmd += ["-md", str(self.draft), "--spec-type", self.spec_type, "--spec-draft-n-max", str(self.k),
-                    "--spec-draft-n-min", "0", "-td", str(self.threads)]
+                    "--spec-draft-n-min", "0", "-td", str(self.threads), "--spec-draft-p-min", str(self.p_min)]
         if self.accept_none:
             cmd += ["--spec-synth-len", "1"]
         if self.log_verbosity is not None:

@@ -144,13 +144,16 @@ def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, 
 
 
 def predicted_speedup(acceptance_length: float, proposed: float, c: float, beta: float, *,
-                      steps: float | None = None, prefill: float = 0.0, spec_prefill: float = 0.0) -> float:
+                      steps: float | None = None, prefill: float = 0.0, spec_prefill: float = 0.0,
+                      verified: float = 1.0) -> float:
     """The cost model's speed-up, in target steps (ANCHORS section 1). A round costs its n draft steps and
     the rest of the round, 1 + n*c + beta, and yields tau tokens: in the steady state (an engine's decoding
     phase) the speed-up is tau / (1 + n*c + beta). A whole generation of `steps` plain decoding steps also
     pays its prefill once, in both loops: (prefill + steps) / (spec_prefill + steps / tau * (1 + n*c + beta)),
-    with tau the tokens the generation advances per round."""
-    round_cost = 1 + proposed * c + beta
+    with tau the tokens the generation advances per round. `verified`: the share of rounds that verify a
+    draft, where the engine decodes a round with an empty draft as a plain step (llama.cpp), which pays no
+    beta: 1 + n*c + verified*beta."""
+    round_cost = 1 + proposed * c + verified * beta
     if steps is None:
         return acceptance_length / round_cost
     return (prefill + steps) / (spec_prefill + steps / acceptance_length * round_cost)

@@ -307,13 +307,16 @@ def engine_alone_markdown(report: dict) -> str:
            *(f"- {line}" for line in traffic_lines(report["settings"])),
            f"- hardware: {hw['gpu'] or hw['cpu']}, {engine.get('threads')} engine threads",
            f"- served: {engine.get('name')} {engine.get('version')} on `{engine.get('target_gguf')}`"
-           + "".join(f"; {name} as {GGUF_OUTTYPE.get(t, t)}" for name, t in (engine.get("draft_types") or {}).items()),
+           + "".join(f"; {name} as {GGUF_OUTTYPE.get(t, t)}" for name, t in (engine.get("draft_types") or {}).items())
+           + "".join(f"; {name} with --spec-draft-p-min {p:g}" for name, p in (engine.get("p_min") or {}).items()),
            "- settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()
                                       if k not in TRAFFIC_KEYS and k != "engine"),
            "",
            "Measured in the engine only (`engine.only=true`): no τ, speed-up or verdict of draftsmith's loop (τ –),"
-           " so pred × is the engine's own τ through its c and β, τ engine / (1 + n̄·c + β) with n̄ its drafted"
-           " tokens per verification: the cost model checked against the speed-up measured beside it. Verdict:"
+           " so pred × is the engine's own τ through its c and β, τ engine / (1 + n̄·c + f·β) with n̄ its drafted"
+           " tokens per round and f the share of its rounds that verify a draft (1 unless a confidence stop or an"
+           " n-gram mode leaves some rounds without one): the cost model checked against the speed-up measured"
+           " beside it. Verdict:"
            f" pays off at a speed-up of {report['settings'].get('pays_off_at', EvalPlan.pays_off_at):g}× or more,"
            " turn it off below, undecided where the 95 % interval holds 1."]
     out += engine_section(report.get("engine_results", []), report.get("plots", []))
@@ -354,12 +357,14 @@ def engine_section(rows: list[dict], report_plots: list[str] = ()) -> list[str]:
         measured = [r for r in rows if r.get("engine_speedup") is not None]
         out = ["", f"## In {name}", "",
                f"The same drafters, prompts, k and budget served by {name} (greedy). τ engine = 1 + accepted drafts per"
-               " verification from its own counters; tok/s = generated tokens over its own generation time, the median"
+               " round (its draft calls) from its own counters; tok/s = generated tokens over its own generation time, the median"
                " over repeats; speed-up × pooled over repeats and prompts, with a 95 % interval over prompts; c and β"
                " from the same drafter and k keeping none of its drafts (llama.cpp's synthetic acceptance): c = its"
                " drafting time per drafted token, β = the rest of its round minus 1, both over the plain time per token;"
-               " pred × = draftsmith's τ / (1 + prop·c + β); ceiling × = (k+1) / (1 + β), what a perfect drafter"
-               " costing nothing could reach in this engine on this hardware, τ ceiling × = τ engine / (1 + β), what"
+               " pred × = draftsmith's τ / (1 + prop·c + f·β), f the share of the engine's rounds that verify a draft (1"
+               " unless a confidence stop or an n-gram mode leaves some rounds without one); ceiling × = (k+1) / (1 +"
+               " β), what a perfect drafter costing nothing could reach in this engine on this hardware, τ ceiling ×"
+               " = τ engine / (1 + f·β), what"
                " the measured τ allows at no draft cost (a speed-up far below it: the draft costs too much; a low"
                " ceiling: the hardware, the quantization or k limits); lossless = its greedy output equals its"
                " plain output.", ""]

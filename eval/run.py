@@ -84,10 +84,10 @@ def resolve_specs(specs: list[dict], target_source: str, engine: str | None, loo
 
 
 def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remote_code: bool = False) -> Drafter:
-    """One drafter from its spec: {name, kind, path (draft_lm, head), lean (draft_lm), stop_below (draft_lm,
-    head), max_ngram / min_ngram (ngram)}."""
+    """One drafter from its spec: {name, kind, path (draft_lm, head), lean (draft_lm), stop_below and stop_rule
+    (draft_lm, head), max_ngram / min_ngram (ngram)}."""
     kind, name = spec.get("kind"), spec.get("name")
-    stop_below = spec.get("stop_below") or 0.0
+    stop_below, stop_rule = spec.get("stop_below") or 0.0, spec.get("stop_rule") or "propose"
     if kind == "draft_lm":
         if not spec.get("path"):
             raise ValueError(f"drafter {name!r} (kind draft_lm) needs a path: a hub id or a directory (a target "
@@ -95,13 +95,13 @@ def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remot
                              "to measure instead, e.g. 'drafters=[{name: ngram, kind: ngram}]')")
         return DraftLM.from_pretrained(models.resolve(spec["path"]), target=target, target_tokenizer=tokenizer,
                                        name=name, trust_remote_code=trust_remote_code, lean=spec.get("lean", True),
-                                       stop_below=stop_below)
+                                       stop_below=stop_below, stop_rule=stop_rule)
     if kind == "head":
         from drafters.heads import load_head
 
         if not spec.get("path"):
             raise ValueError(f"drafter {name!r} (kind head) needs a path: a directory saved by `python -m train`")
-        return load_head(spec["path"], target).drafter(name, stop_below=stop_below)
+        return load_head(spec["path"], target).drafter(name, stop_below=stop_below, stop_rule=stop_rule)
     if stop_below:
         raise ValueError(f"drafter {name!r}: stop_below needs a drafter with probabilities (draft_lm or head); "
                          f"kind {kind!r} guesses without them")

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from drafters.base import STOP_RULES, ConfidenceStop, candidate_confidence
 from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_coverage, vocabulary_size_for
 from drafters.heads import build_head, load_head, save_head
 from drafters.layers import ReadRows
@@ -258,17 +259,18 @@ def test_batched_rows_equal_their_plain_greedy_output_with_every_head(target, pr
         assert sum(r.accepted for gen in out.rows for r in gen.rounds) > 0, name
 
 
-def test_batched_confidence_stop_cuts_each_row_where_the_head_alone_cuts_it(target, prompts):
+@pytest.mark.parametrize("rule", STOP_RULES)
+def test_batched_confidence_stop_cuts_each_row_where_the_head_alone_cuts_it(target, prompts, rule):
     """With a confidence stop, each row proposes, round by round, as many guesses as the head drafting its
     prompt alone (rows stop at different steps; the batch's round ends when every row has stopped)."""
     g = torch.Generator().manual_seed(4)
     chosen = [torch.randint(0, VOCAB, (n,), generator=g) for n in (12, 5)] + prompts[::-1]
     for name, head in _heads(target):
         head = trained_to_self(target, head)
-        out = speculative_generate_batch(target, head.batch_drafter(name, stop_below=0.5), chosen, k=4,
-                                         sampling=GREEDY, max_new_tokens=24)
-        alone = [speculative_generate(target, head.drafter(name, stop_below=0.5), p, k=4, sampling=GREEDY,
-                                      max_new_tokens=24) for p in chosen]
+        out = speculative_generate_batch(target, head.batch_drafter(name, stop_below=0.5, stop_rule=rule), chosen,
+                                         k=4, sampling=GREEDY, max_new_tokens=24)
+        alone = [speculative_generate(target, head.drafter(name, stop_below=0.5, stop_rule=rule), p, k=4,
+                                      sampling=GREEDY, max_new_tokens=24) for p in chosen]
         assert [[(r.proposed, r.accepted) for r in gen.rounds] for gen in out.rows] == \
             [[(r.proposed, r.accepted) for r in a.rounds] for a in alone], name
         assert any(r.proposed < 4 for gen in out.rows for r in gen.rounds), name  # the stop fired somewhere
@@ -429,32 +431,64 @@ def test_confidence_stop_ends_the_round_at_the_first_unsure_guess(target, prompt
     assert min(ends) < 4 and max(ends) > 1, ends
 
 
+@pytest.mark.parametrize("rule", STOP_RULES)
 @pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
-def test_greedy_with_confidence_stop_equals_target_greedy(target, prompts, kind):
-    head, short = trained_to_self(target, _head(kind, target)), 0
-    for prompt in prompts:
-        ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=30).tokens
-        out = speculative_generate(target, head.drafter(kind, stop_below=0.6), prompt, k=4, sampling=GREEDY,
-                                   max_new_tokens=30)
-        assert out.tokens == ref, (kind, prompt.tolist())
-        short += sum(0 < r.proposed < 4 for r in out.rounds)
-    assert short > 0, kind  # the stop was exercised
+def test_greedy_with_confidence_stop_equals_target_greedy(target, prompts, kind, rule):
+    head, exercised = trained_to_self(target, _head(kind, target)), []
+    # The heads differ in how sure they are; over these thresholds every output is the target's, and at one
+    # at least the stop cuts some rounds and not others.
+    for stop in ((0.6,) if rule == "propose" else (0.1, 0.125, 0.15, 0.175, 0.2, 0.3, 0.5, 0.7)):
+        proposed = []
+        for prompt in prompts:
+            ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=30).tokens
+            out = speculative_generate(target, head.drafter(kind, stop_below=stop, stop_rule=rule), prompt, k=4,
+                                       sampling=GREEDY, max_new_tokens=30)
+            assert out.tokens == ref, (kind, stop, prompt.tolist())
+            proposed += [r.proposed for r in out.rounds]
+        if rule == "propose":  # the unsure guess is proposed: never an empty round
+            assert min(proposed) > 0, (kind, proposed)
+        # Cut somewhere, and not everywhere; the drop rule (llama.cpp's) also leaves rounds without a guess.
+        exercised.append(min(proposed) < (4 if rule == "propose" else 1) and max(proposed) > 0)
+    assert any(exercised), kind
 
 
+@pytest.mark.parametrize("rule", STOP_RULES)
 @pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
-def test_sampled_output_with_confidence_stop_follows_target_distribution(small_target, kind):
+def test_sampled_output_with_confidence_stop_follows_target_distribution(small_target, kind, rule):
     head = _small_head(kind, small_target)
     prompt, sampling = torch.tensor([1, 4, 2]), Sampling(temperature=1.0)
     exact = exact_joint(small_target, prompt, sampling, SMALL_V)
-    drafter = Recording(head.drafter(kind, stop_below=0.5))
+    if rule == "propose":
+        stop = 0.5
+    else:  # llama.cpp's probability is the argmax's, whatever is drawn: a threshold that cuts some rounds only
+        def lengths(stop):
+            drafter = Recording(head.drafter(kind, stop_below=stop, stop_rule=rule))
+            empirical_joint(small_target, drafter, prompt, sampling, SMALL_V, 2, 40)
+            return {len(p) for p in drafter.proposals}
+        stop = next(s for s in (0.5, 0.4, 0.6, 0.3, 0.7, 0.8) if {0, 2} <= lengths(s))
+    drafter = Recording(head.drafter(kind, stop_below=stop, stop_rule=rule))
     counts = empirical_joint(small_target, drafter, prompt, sampling, SMALL_V, 2, 2000)
     assert chi2_pvalue(counts, exact) > 1e-3
-    assert {len(p) for p in drafter.proposals} == {1, 2}  # first rounds stopped after one guess, and not
+    # First rounds stopped after one guess (the drop rule: before it, or after one), and not.
+    assert {len(p) for p in drafter.proposals} >= ({1, 2} if rule == "propose" else {0, 2}), rule
 
 
 def test_a_bad_stop_threshold_is_an_error(target):
     with pytest.raises(ValueError, match="stop_below must be in"):
         make_head("eagle", target).drafter("eagle", stop_below=1.0)
+    with pytest.raises(ValueError, match="stop_rule must be one of \\['propose', 'drop'\\], got 'skip'"):
+        make_head("eagle", target).drafter("eagle", stop_below=0.5, stop_rule="skip")
+
+
+def test_llama_cpps_confidence_is_the_likeliest_tokens_softmax_over_the_ten_likeliest():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 64, generator=g) * 3
+    p = candidate_confidence(logits)
+    assert p.tolist() == pytest.approx(torch.softmax(logits.topk(10).values, -1)[:, 0].tolist())
+    assert (p > torch.softmax(logits, -1).amax(-1)).all()  # renormalized: above the full softmax's
+    stop, drawn = ConfidenceStop(0.5, "drop"), torch.tensor([0, 1, 2])
+    assert stop.rows_unsure(logits, None, drawn) == (p < 0.5).tolist() and stop.drops  # whatever was drawn
+    assert not ConfidenceStop() and not ConfidenceStop(0.5).drops
 
 
 def _reference_guesses(head, kind, ids, feats, guesses):

@@ -98,11 +98,11 @@ def test_each_row_drafts_round_by_round_as_the_draft_lm_alone(target, draft, pro
     round by round, what it proposes and keeps drafting each prompt alone."""
     from eval.speculative import speculative_generate
 
-    for stop in (0.0, 0.6):
-        out = speculative_generate_batch(target, DraftLM(draft, lean=lean, stop_below=stop).batched(), prompts,
-                                         k=4, sampling=GREEDY, max_new_tokens=24)
-        alone = [speculative_generate(target, DraftLM(draft, lean=lean, stop_below=stop), p, k=4, sampling=GREEDY,
-                                      max_new_tokens=24) for p in prompts]
+    for stop, rule in ((0.0, "propose"), (0.6, "propose"), (0.6, "drop")):
+        out = speculative_generate_batch(target, DraftLM(draft, lean=lean, stop_below=stop, stop_rule=rule).batched(),
+                                         prompts, k=4, sampling=GREEDY, max_new_tokens=24)
+        alone = [speculative_generate(target, DraftLM(draft, lean=lean, stop_below=stop, stop_rule=rule), p, k=4,
+                                      sampling=GREEDY, max_new_tokens=24) for p in prompts]
         assert [[(r.proposed, r.accepted) for r in g.rounds] for g in out.rows] == \
             [[(r.proposed, r.accepted) for r in a.rounds] for a in alone]
         if stop:

@@ -98,7 +98,7 @@ def _engine_only_rows(draft_n: int) -> list[dict]:
     measured = {"items": items, "costs": {},
                 "completions": {"plain": {(0, c, i): gen(100.0, 0) for c, i in items},
                                 ("mod", 4): {(0, c, i): gen(80.0 + i, draft_n) for c, i in items}},
-                "counters": {("mod", 4): {(0, c, i): engine.DraftStats(verifications=draft_n) for c, i in items}}}
+                "counters": {("mod", 4): {(0, c, i): engine.DraftStats(verifications=draft_n, rounds=draft_n) for c, i in items}}}
     greedy = [dict(row("ngram", 1.5, 4, category="code"), batch_size=1)]  # draftsmith's row: a note in the engine
     served = [engine.Served("ngram", note="no llama.cpp counterpart"), engine.Served("mod", spec_type="ngram-mod")]
     return engine.engine_figures(greedy, measured, served, repeats=1, pays_off_at=1.05)
@@ -115,8 +115,8 @@ def test_a_drafter_that_drafted_nothing_is_not_called_faster_than_plain_decoding
 
 def test_draft_counters_read_the_statistics_line_of_each_request_even_when_split_across_reads():
     counters = engine.DraftCounters(FakeServer(STATS_1 + "slot release\n" + STATS_2[:60], "", STATS_2[60:]))
-    assert counters.after(1) == engine.DraftStats(verifications=94, drafted=373, accepted=274, draft_ms=66.426)
-    assert counters.after(2) == engine.DraftStats(verifications=109, drafted=433, accepted=321, draft_ms=76.950)
+    assert counters.after(1) == engine.DraftStats(verifications=94, drafted=373, accepted=274, draft_ms=66.426, rounds=94)
+    assert counters.after(2) == engine.DraftStats(verifications=109, drafted=433, accepted=321, draft_ms=76.950, rounds=109)
     with pytest.raises(RuntimeError, match="statistics for 2 of 3 requests"):
         counters.after(3, timeout=0.05)
 
@@ -449,3 +449,23 @@ def test_an_output_that_differs_as_the_verifying_servers_does_is_called_llama_cp
     assert note.startswith("its output differs from plain decoding on 1 of 2 generations") and "numerics" in note
     assert "numerics" not in engine.numerics_note(runs, plain, {keys[0]: c([1, 2, 3])}, keys)  # the drafter's doing
     assert engine.numerics_note(runs, plain, {}, keys).endswith("none of them is a prompt the cost servers measured")
+
+
+def test_a_confidence_stop_is_served_as_llama_cpps_p_min_only_with_its_rule(tmp_path):
+    """llama.cpp drops the unsure guess (--spec-draft-p-min): a drafter whose stop proposes it is not what
+    the engine would run, so the engine refuses it rather than measure another drafter under its name."""
+    spec = {"name": "h", "kind": "head", "path": str(tmp_path), "stop_below": 0.5}
+    with pytest.raises(ValueError, match="drafter 'h': llama.cpp's confidence stop .* stop_rule: drop"):
+        engine.llama_cpp_drafter(spec, None, "target", tmp_path)
+    server = llama_cpp.LlamaServer("t.gguf", draft="d.gguf", spec_type="draft-eagle3", k=4, p_min=0.5)
+    assert server.command(8080)[-2:] == ["--spec-draft-p-min", "0.5"]
+    with pytest.raises(ValueError, match="p_min is a draft model's confidence stop"):
+        llama_cpp.LlamaServer("t.gguf", spec_type="ngram-mod", p_min=0.5)
+
+
+def test_rounds_without_a_draft_count_in_tau_and_pay_no_verification():
+    """A drafter that drafts nothing in some rounds (a confidence stop): llama.cpp's τ per round, as
+    draftsmith's loop counts it, and the cost model's β paid by the rounds that verify only."""
+    assert engine.predicted_speedup(2.0, 1.5, 0.1, 1.0, verified=0.5) == pytest.approx(2.0 / (1 + 0.15 + 0.5))
+    assert engine.ceilings(4, 2.0, 1.0, 0.5)["engine_tau_ceiling"] == pytest.approx(2.0 / 1.5)
+    assert engine.ceilings(4, 2.0, 1.0)["engine_tau_ceiling"] == pytest.approx(1.0)

@@ -98,6 +98,24 @@ def test_the_exported_eagle3_head_runs_in_llama_cpp_as_in_draftsmith(world, run,
     assert abs(theirs / ours - 1) <= TAU_TOLERANCE, (ours, theirs)
 
 
+def test_llama_cpps_confidence_stop_is_the_drop_rule_of_draftsmiths_loop(world, eagle_run):
+    """The head served with --spec-draft-p-min (eval/engine.py passes a drafter's stop_below with stop_rule
+    drop): lossless, some rounds draft nothing, and τ per round (its draft calls) is draftsmith's loop's with
+    the same stop, which llama.cpp's f16 head reproduces but for a decision near the threshold."""
+    written = export(eagle_run, world["out"] / "stop", ExportSettings(formats=["gguf"]))
+    stop = 0.8
+    with llama_cpp.LlamaServer(world["gguf"], draft=written["gguf"], spec_type="draft-eagle3", k=K, log_verbosity=4,
+                               p_min=stop) as server:
+        completions = [server.complete(p, NEW_TOKENS) for p in world["prompts"]]
+        stats = DraftCounters(server).after(len(completions))
+    assert [c.tokens for c in completions] == world["plain"]
+    assert 0 < stats.verifications < stats.rounds  # the stop left some rounds without a draft, and not all
+    head = build_drafter({"name": "head", "kind": "head", "path": str(eagle_run / "best"), "stop_below": stop,
+                          "stop_rule": "drop"}, target=world["target"], tokenizer=world["tok"])
+    ours, theirs = draftsmith_tau(world, head), 1 + stats.accepted / stats.rounds
+    assert abs(theirs / ours - 1) <= 0.05, (ours, theirs)
+
+
 def test_the_exported_draft_lm_runs_in_llama_cpp(world, draft_run):
     written = export(draft_run, world["out"] / "draft", ExportSettings(formats=["gguf"]))
     completions = serve(world, written["gguf"], "draft-simple")

@@ -191,6 +191,19 @@ def test_draft_lm_greedy_with_confidence_stop_equals_target(target, prompts, lea
     assert min(proposed) < 5 and max(proposed) == 5, proposed  # the stop was exercised, and not always
 
 
+@pytest.mark.parametrize("lean", [True, False])
+def test_draft_lm_greedy_with_llama_cpps_stop_equals_target(target, prompts, lean):
+    """stop_rule=drop (llama.cpp's --spec-draft-p-min): the unsure guess is not proposed, so rounds propose
+    0 to k guesses, and the cache bookkeeping (every proposed guess fed) stays right."""
+    draft, proposed = tiny_llama(VOCAB, seed=5, logit_scale=4.0), []
+    for prompt in prompts:
+        drafter = DraftLM(draft, lean=lean, stop_below=0.15, stop_rule="drop")  # p 0.12-0.23 over its top 10
+        out = speculative_generate(target, drafter, prompt, k=5, sampling=GREEDY, max_new_tokens=40)
+        assert out.tokens == reference(target, prompt), prompt.tolist()
+        proposed += [r.proposed for r in out.rounds]
+    assert min(proposed) == 0 and 0 < max(proposed), proposed
+
+
 def test_draft_lm_sampled_with_confidence_stop_follows_target_distribution(small_pair):
     target, draft, prompt = small_pair
     exact = exact_joint(target, prompt, SAMPLED, SMALL_V)
@@ -198,6 +211,21 @@ def test_draft_lm_sampled_with_confidence_stop_follows_target_distribution(small
     counts = empirical_joint(target, drafter, prompt, SAMPLED, SMALL_V, 2, N_SAMPLES)
     assert chi2_pvalue(counts, exact) > 1e-3
     assert {len(p) for p in drafter.proposals} == {1, 2}  # first rounds stopped after one guess, and not
+
+
+def test_draft_lm_sampled_with_llama_cpps_stop_follows_target_distribution(small_pair):
+    target, draft, prompt = small_pair
+    exact = exact_joint(target, prompt, SAMPLED, SMALL_V)
+    def lengths(stop):  # llama.cpp's probability is the argmax's, whatever is drawn: find one that cuts some rounds
+        drafter = Recording(DraftLM(draft, stop_below=stop, stop_rule="drop"))
+        empirical_joint(target, drafter, prompt, SAMPLED, SMALL_V, 2, 40)
+        return {len(p) for p in drafter.proposals}
+
+    stop = next(s for s in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9) if {0, 2} <= lengths(s))
+    drafter = Recording(DraftLM(draft, stop_below=stop, stop_rule="drop"))
+    counts = empirical_joint(target, drafter, prompt, SAMPLED, SMALL_V, 2, N_SAMPLES)
+    assert chi2_pvalue(counts, exact) > 1e-3
+    assert {len(p) for p in drafter.proposals} >= {0, 2}  # the unsure first guess dropped, and not
 
 
 def test_draft_lm_rejects_a_bad_stop_threshold(target):
