@@ -10,8 +10,8 @@ measures, beside draftsmith's loop and on the same prompts, k and budget (greedy
 - every drafter that has an engine format (a draft LM, an EAGLE-3 head) served by llama-server on
   127.0.0.1 (eval/llama_cpp.py), the plain server and every speculative one up together, each prompt sent to
   each in turn (the machine's speed drifts over minutes; prompts seconds apart see the same machine);
-- the engine's acceptance length from its own counters (1 + accepted drafts per verification, from the
-  drafting statistics llama-server logs for each request), its
+- the engine's acceptance length from its own counters (1 + accepted drafts per round, its draft calls, from
+  the drafting statistics llama-server logs for each request; per verification at B > 1), its
   generation speed (tokens over llama-server's `predicted_ms`: the prompt's processing, the same with and
   without a drafter, is left out) with and without the drafter, the speed-up pooled over prompts and
   repeats with a 95 % interval over prompts (eval/compare.py), its verdict, and whether its greedy output
@@ -509,8 +509,8 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
 
     alone (`engine.only`: no loop of draftsmith's ran, `rows` is empty): every drafter the engine serves gets
     such rows, one per category (and all traffic) and k of `ks`, and a drafter's prediction is its engine τ
-    through the engine's c and β, τ / (1 + n̄·c + β) with n̄ its drafted tokens per verification: the cost
-    model checked against the speed-up measured beside it."""
+    through the engine's c and β, τ / (1 + n̄·c + f·β) with n̄ its drafted tokens per round and f the share of
+    its rounds that verify a draft: the cost model checked against the speed-up measured beside it."""
     completions, counters, items = measured["completions"], measured["counters"], measured["items"]
     plain = completions["plain"]
 
@@ -603,7 +603,10 @@ def ceilings(k: int, tau: float | None, beta: float | None, verified: float | No
     if beta is None:
         return {"engine_ceiling": None, "engine_tau_ceiling": None}
     f = 1.0 if verified is None else verified
-    return {"engine_ceiling": (k + 1) / (1 + beta), "engine_tau_ceiling": tau / (1 + f * beta) if tau else None}
+    # A drafter that leaves rounds without a draft verifies fewer than k+1 positions, so its β is not the cost of
+    # a perfect drafter's round: no ceiling from it (the same drafter without its stop gives one).
+    return {"engine_ceiling": (k + 1) / (1 + beta) if f == 1.0 else None,
+            "engine_tau_ceiling": tau / (1 + f * beta) if tau else None}
 
 
 @dataclass

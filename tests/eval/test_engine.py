@@ -346,7 +346,7 @@ def test_llama_cpp_alone_measures_every_drafter_it_serves_without_draftsmiths_lo
                                                                                     monkeypatch):
     """engine.only=true: no loop of draftsmith's runs (its evaluate is never called); every drafter llama.cpp serves,
     llama.cpp's own n-gram mode first, gets the engine's rows per category and k: lossless, its τ and drafted
-    tokens per verification from its counters, c and β for the drafters that always draft, and the cost model's
+    tokens per round from its counters, c and β for the drafters that always draft, and the cost model's
     prediction from the engine's own τ. A drafter with no llama.cpp format is named and left out."""
     def no_loop(*args, **kwargs):
         raise AssertionError("draftsmith's loop ran with engine.only=true")
@@ -467,5 +467,5 @@ def test_rounds_without_a_draft_count_in_tau_and_pay_no_verification():
     """A drafter that drafts nothing in some rounds (a confidence stop): llama.cpp's τ per round, as
     draftsmith's loop counts it, and the cost model's β paid by the rounds that verify only."""
     assert engine.predicted_speedup(2.0, 1.5, 0.1, 1.0, verified=0.5) == pytest.approx(2.0 / (1 + 0.15 + 0.5))
-    assert engine.ceilings(4, 2.0, 1.0, 0.5)["engine_tau_ceiling"] == pytest.approx(2.0 / 1.5)
+    assert engine.ceilings(4, 2.0, 1.0, 0.5) == {"engine_ceiling": None, "engine_tau_ceiling": pytest.approx(2.0 / 1.5)}
     assert engine.ceilings(4, 2.0, 1.0)["engine_tau_ceiling"] == pytest.approx(1.0)
