@@ -106,7 +106,7 @@ class ConfidenceStop:
         return confidence(logits, q, token) < self.below
 
     def rows_unsure(self, logits: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> list[bool]:
-        """`unsure` for a batch: logits (B, V'), q (B, V) or None, tokens (B,)."""
+        """`unsure` for a batch: logits (..., V'), q (..., V) or None, tokens (...) -> nested lists (...)."""
         p = candidate_confidence(logits) if self.drops else row_confidences(logits, q, tokens)
         return (p < self.below).tolist()
 

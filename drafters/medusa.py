@@ -124,9 +124,7 @@ class MedusaBatch(FeatureBatch):
         tokens, probs = draw(logits, sampling, generator)  # (B, n), every row and head at once
         cut = [tokens.shape[1]] * tokens.shape[0]
         if self.stop:  # each row keeps its guesses through its first unsure one (or up to it)
-            B, n = tokens.shape
-            unsure = torch.tensor(self.stop.rows_unsure(logits.flatten(0, 1), None if probs is None
-                                                        else probs.flatten(0, 1), tokens.flatten())).view(B, n).tolist()
+            unsure = self.stop.rows_unsure(logits, probs, tokens)  # (B, n)
             cut = [next((i + (not self.stop.drops) for i, u in enumerate(row) if u), len(row)) for row in unsure]
         proposals = [Proposal(tokens[b, :n], None if probs is None else probs[b, :n]) for b, n in enumerate(cut)]
         self.guesses = [p.tokens.tolist() for p in proposals]

@@ -217,6 +217,8 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
         raise ValueError(f"drafter {name!r}: llama.cpp's confidence stop (--spec-draft-p-min) does not propose the "
                          "unsure guess: give the drafter stop_rule: drop to measure the same stop in both loops")
     if kind == "llamacpp":
+        if p_min:
+            raise ValueError(f"drafter {name!r}: llama.cpp's n-gram modes have no confidence stop (stop_below)")
         if spec.get("spec_type") not in llama_cpp.NGRAM_TYPES:
             raise ValueError(f"drafter {name!r} (kind llamacpp): spec_type must be one of "
                              f"{sorted(llama_cpp.NGRAM_TYPES)}, got {spec.get('spec_type')!r}")

@@ -457,6 +457,9 @@ def test_a_confidence_stop_is_served_as_llama_cpps_p_min_only_with_its_rule(tmp_
     spec = {"name": "h", "kind": "head", "path": str(tmp_path), "stop_below": 0.5}
     with pytest.raises(ValueError, match="drafter 'h': llama.cpp's confidence stop .* stop_rule: drop"):
         engine.llama_cpp_drafter(spec, None, "target", tmp_path)
+    with pytest.raises(ValueError, match="drafter 'm': llama.cpp's n-gram modes have no confidence stop"):
+        engine.llama_cpp_drafter({"name": "m", "kind": "llamacpp", "spec_type": "ngram-mod", "stop_below": 0.5,
+                                  "stop_rule": "drop"}, None, "target", tmp_path)
     server = llama_cpp.LlamaServer("t.gguf", draft="d.gguf", spec_type="draft-eagle3", k=4, p_min=0.5)
     assert server.command(8080)[-2:] == ["--spec-draft-p-min", "0.5"]
     with pytest.raises(ValueError, match="p_min is a draft model's confidence stop"):
