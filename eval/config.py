@@ -63,6 +63,7 @@ class DrafterSpec:
     path: Optional[str] = None
     layers: Optional[int] = None  # draft_lm without a path: the target's first `layers` layers, its head kept
     spec_type: Optional[str] = None  # llamacpp: ngram-simple | ngram-map-k | ngram-map-k4v | ngram-mod | ngram-cache
+    #                                (ngram-cache: at k 8 only, whatever ks: llama.cpp fixes its draft length)
     lean: bool = True  # draft_lm: Llama-family models draft on the lean decode path (false: Hugging Face's forward)
     # draft_lm, head: end a round at the first guess the drafter gives a probability below this (the guess
     # is still proposed); 0 = always draft k. Lossless either way (drafters/base.py).

@@ -183,6 +183,11 @@ class Served:
         """llama.cpp's own model-free speculation: measured in the engine only, draftsmith has no loop for it."""
         return self.spec_type in llama_cpp.NGRAM_TYPES
 
+    def ks(self, ks: list[int]) -> list[int]:
+        """The k it is measured at: each of `ks`, or the one llama.cpp fixes for it (ngram-cache's 8)."""
+        fixed = llama_cpp.FIXED_K.get(self.spec_type)
+        return [fixed] if fixed else list(ks)
+
 
 # The type of the drafters' GGUFs that llama.cpp serves: f16, as deployments serve a draft (SGLang and vLLM in
 # 16 bits). In float32 a one-layer head's draft step costs about twice as much against a Q4 target (c 0.2 of a
@@ -391,7 +396,7 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
     included), given with the category's first prompt, and the costs are measured at batch 1 only."""
     items = [(c, i, p) for c, ps in prompts.items() for i, p in enumerate(ps)]
     cost_items = [(c, i, p) for c, i, p in items if i < cost_prompts] if batch == 1 else []
-    configs = [(s, k) for s in served if s.spec_type is not None for k in ks]
+    configs = [(s, k) for s in served if s.spec_type is not None for k in s.ks(ks)]
     together = batch == 1
     calibrated = sum(1 for config in configs if not config[0].engine_only)
     bar = tqdm(total=repeats * (len(items) * (len(configs) + 1) + calibrated * len(cost_items)),
@@ -506,8 +511,8 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
     category) at that batch size; rows at temperature > 0 and drafters llama.cpp cannot serve get a note
     instead. At batch > 1 the engine's τ is the server's over each category's stream, and c and β (measured
     at batch 1) and the prediction are left out. Returns the rows of the drafters only the engine runs
-    (llama.cpp's n-gram modes), one per category and k as draftsmith's rows have them, with the engine's
-    figures alone.
+    (llama.cpp's n-gram modes), one per category and k as draftsmith's rows have them (ngram-cache at its
+    fixed k, `Served.ks`), with the engine's figures alone.
 
     alone (`engine.only`: no loop of draftsmith's ran, `rows` is empty): every drafter the engine serves gets
     such rows, one per category (and all traffic) and k of `ks`, and a drafter's prediction is its engine τ
@@ -576,7 +581,8 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
         cells = list(dict.fromkeys((r["category"], r["k"]) for r in greedy))
     return [{"category": category, "drafter": s.name, "k": k, "batch_size": batch, "temperature": 0.0,
              "engine_only": s.spec_type, **dict.fromkeys(FIELDS), **figures_of(s.name, k, category, None, None)}
-            for s in served if s.spec_type is not None and (alone or s.engine_only) for category, k in cells]
+            for s in served if s.spec_type is not None and (alone or s.engine_only)
+            for category, k in dict.fromkeys((c, k) for c, k0 in cells for k in s.ks([k0]))]
 
 
 def numerics_note(runs: dict, plain: dict, verified: dict, keys: list[tuple]) -> str:

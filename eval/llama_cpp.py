@@ -193,6 +193,11 @@ class LogReader:
 NGRAM_TYPES = {"ngram-simple": "--spec-ngram-simple-size-m", "ngram-map-k": "--spec-ngram-map-k-size-m",
                "ngram-map-k4v": "--spec-ngram-map-k4v-size-m", "ngram-mod": "--spec-ngram-mod-n-max",
                "ngram-cache": "--spec-draft-n-max"}
+# Those whose draft length llama.cpp fixes whatever the flag says: ngram-cache drafts up to 8 tokens
+# (common/speculative.cpp, create_state_ngram_cache: `n_draft = 8; // TODO get from config?`), so it is served,
+# measured and reported at that k alone (at --spec-draft-n-max 2 and 8 it proposed the same 769 tokens on the
+# same 8 SmolLM2 prompts).
+FIXED_K = {"ngram-cache": 8}
 
 
 class LlamaServer:
@@ -214,6 +219,9 @@ class LlamaServer:
         if spec_type in NGRAM_TYPES:
             if draft is not None:
                 raise ValueError(f"{spec_type} drafts without a model: no `draft`")
+            if FIXED_K.get(spec_type, k) != k:
+                raise ValueError(f"llama.cpp's {spec_type} drafts up to {FIXED_K[spec_type]} tokens whatever the "
+                                 f"maximum it is given: k must be {FIXED_K[spec_type]}, got {k}")
         elif (draft is None) != (spec_type is None):
             raise ValueError("a drafter needs both `draft` (its GGUF) and `spec_type`")
         if accept_none and spec_type is None:

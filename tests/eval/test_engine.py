@@ -311,32 +311,34 @@ def test_a_target_without_a_draft_is_measured_against_llama_cpps_own_speculation
                                                                                                    tmp_path):
     """The baselines of a team without an off-the-shelf draft: draftsmith's n-gram drafter, the target's first
     layers as a self-draft (built once, served by llama.cpp too), and llama.cpp's own n-gram modes, measured
-    in the engine only (report.json's engine_results): lossless, with the engine's τ, speed-up and ceiling."""
+    in the engine only (report.json's engine_results): lossless, with the engine's τ, speed-up and ceiling;
+    ngram-cache at the k llama.cpp fixes for it (8), not the k asked for."""
     out = tmp_path / "report"
     cfg = make_cfg("target=tiny_deep", "target.off_the_shelf_draft=null", "engine=llamacpp", "ks=[3]", "repeats=1",
                    "max_new_tokens=24", "data.max_prompts_per_category=3", "progress=false", "threads=1",
                    "drafters=[{name: ngram, kind: ngram}, {name: self_draft, kind: draft_lm, layers: 2}, "
                    "{name: simple, kind: llamacpp, spec_type: ngram-simple}, "
-                   "{name: mod, kind: llamacpp, spec_type: ngram-mod}]", f"out_dir={out}")
+                   "{name: mod, kind: llamacpp, spec_type: ngram-mod}, "
+                   "{name: cache, kind: llamacpp, spec_type: ngram-cache}]", f"out_dir={out}")
     report = entry.run(cfg)
     assert report["settings"]["engine"]["served"] == {
         "ngram": report["settings"]["engine"]["served"]["ngram"], "self_draft": "draft-simple",
-        "simple": "ngram-simple", "mod": "ngram-mod"}
+        "simple": "ngram-simple", "mod": "ngram-mod", "cache": "ngram-cache"}
     self_rows = [r for r in report["results"] if r["drafter"] == "self_draft"]
     assert self_rows and all(r["lossless"] and r["engine_lossless"] for r in self_rows)
     assert all(r["engine_acceptance_length"] > 1 for r in self_rows)  # half the target's layers guess some
     own = report["engine_results"]
-    assert {(r["drafter"], r["category"]) for r in own} == {(d, c) for d in ("simple", "mod")
-                                                          for c in ("code", "json", "prose", "all")}
+    assert {(r["drafter"], r["k"], r["category"]) for r in own} == {
+        (d, k, c) for d, k in (("simple", 3), ("mod", 3), ("cache", 8)) for c in ("code", "json", "prose", "all")}
     for r in own:
-        assert r["engine_only"] in ("ngram-simple", "ngram-mod") and "acceptance_length" not in r  # no loop of ours
+        assert r["engine_only"] in ("ngram-simple", "ngram-mod", "ngram-cache") and "acceptance_length" not in r
         assert r["engine_lossless"] is True and r["engine_speedup"] > 0
         assert r["engine_verify_overhead"] is None and r["engine_ceiling"] is None  # not calibrated: drafts sometimes
-        assert r["engine_acceptance_length"] is None or 1 <= r["engine_acceptance_length"] <= 4
+        assert r["engine_acceptance_length"] is None or 1 <= r["engine_acceptance_length"] <= r["k"] + 1
         assert r["engine_verdict"] == (verdict(r["engine_speedup"], r["engine_speedup_ci"], 1.05)
                                        if r["engine_acceptance_length"] else engine.NOTHING_DRAFTED)
     md = (out / "report.md").read_text()
-    assert "mod (ngram-mod), simple (ngram-simple): llama.cpp's own model-free speculation" in md
+    assert "cache (ngram-cache), mod (ngram-mod), simple (ngram-simple): llama.cpp's own model-free speculation" in md
     assert "| prose | mod | 3 | – |" in md
 
 
@@ -464,6 +466,34 @@ def test_a_confidence_stop_is_served_as_llama_cpps_p_min_only_with_its_rule(tmp_
     assert server.command(8080)[-2:] == ["--spec-draft-p-min", "0.5"]
     with pytest.raises(ValueError, match="p_min is a draft model's confidence stop"):
         llama_cpp.LlamaServer("t.gguf", spec_type="ngram-mod", p_min=0.5)
+
+
+def test_ngram_cache_is_served_and_reported_at_the_draft_length_llama_cpp_fixes_for_it():
+    """llama.cpp's ngram-cache drafts up to 8 tokens whatever --spec-draft-n-max says: a server asked for
+    another k is an error, and the engine measures and reports it at k 8 alone, whatever ks are asked for."""
+    with pytest.raises(ValueError, match="ngram-cache drafts up to 8 tokens .* k must be 8, got 4"):
+        llama_cpp.LlamaServer("t.gguf", spec_type="ngram-cache", k=4)
+    assert "ngram-cache" in llama_cpp.LlamaServer("t.gguf", spec_type="ngram-cache", k=8).command(8080)
+    cache, mod = engine.Served("cache", spec_type="ngram-cache"), engine.Served("mod", spec_type="ngram-mod")
+    assert cache.ks([2, 4]) == [8] and mod.ks([2, 4]) == [2, 4]
+
+    def gen(ms, n):
+        return llama_cpp.Completion(tokens=list(range(10)), draft_n=n, draft_n_accepted=n // 2, predicted_ms=ms)
+
+    items = [("code", i) for i in range(3)]
+    measured = {"items": items, "costs": {},
+                "completions": {"plain": {(0, c, i): gen(100.0, 0) for c, i in items},
+                                ("cache", 8): {(0, c, i): gen(90.0, 4) for c, i in items},
+                                **{("mod", k): {(0, c, i): gen(95.0, 2) for c, i in items} for k in (2, 4)}},
+                "counters": {key: {(0, c, i): engine.DraftStats(verifications=2, rounds=4, drafted=4, accepted=2)
+                                   for c, i in items} for key in [("cache", 8), ("mod", 2), ("mod", 4)]}}
+    greedy = [dict(row("ngram", 1.5, 2.0, k=k, category="code"), batch_size=1) for k in (2, 4)]
+    served = [engine.Served("ngram", note="no llama.cpp counterpart"), cache, mod]
+    rows = engine.engine_figures(greedy, measured, served, repeats=1, pays_off_at=1.05)
+    assert sorted((r["drafter"], r["k"]) for r in rows) == [("cache", 8), ("mod", 2), ("mod", 4)]
+    alone = engine.engine_figures([], measured, served, repeats=1, pays_off_at=1.05, alone=True, ks=[2, 4])
+    assert sorted({(r["drafter"], r["k"]) for r in alone}) == [("cache", 8), ("mod", 2), ("mod", 4)]
+    assert all(r["engine_acceptance_length"] == pytest.approx(1.5) for r in alone)  # 1 + 2 accepted / 4 rounds
 
 
 def test_rounds_without_a_draft_count_in_tau_and_pay_no_verification():
