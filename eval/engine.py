@@ -506,7 +506,8 @@ NOTHING_DRAFTED = "it drafted nothing here: plain decoding"
 
 
 def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, repeats: int, pays_off_at: float,
-                   seed: int = 0, batch: int = 1, alone: bool = False, ks: list[int] | None = None) -> list[dict]:
+                   seed: int = 0, batch: int = 1, alone: bool = False, ks: list[int] | None = None,
+                   gaps: PartingGaps | None = None) -> list[dict]:
     """Rows of draftsmith's report at batch size `batch` gain llama.cpp's figures for the same (drafter, k,
     category) at that batch size; rows at temperature > 0 and drafters llama.cpp cannot serve get a note
     instead. At batch > 1 the engine's τ is the server's over each category's stream, and c and β (measured
@@ -517,7 +518,9 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
     alone (`engine.only`: no loop of draftsmith's ran, `rows` is empty): every drafter the engine serves gets
     such rows, one per category (and all traffic) and k of `ks`, and a drafter's prediction is its engine τ
     through the engine's c and β, τ / (1 + n̄·c + f·β) with n̄ its drafted tokens per round and f the share of
-    its rounds that verify a draft: the cost model checked against the speed-up measured beside it."""
+    its rounds that verify a draft: the cost model checked against the speed-up measured beside it.
+
+    gaps: a row whose outputs differ from plain decoding says how near a tie each parts at (`PartingGaps`)."""
     completions, counters, items = measured["completions"], measured["counters"], measured["items"]
     plain = completions["plain"]
 
@@ -551,7 +554,8 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
         drafted = sum(runs[rep, c, i].draft_n for rep in range(repeats) for c, i in keys)
         generations = [(rep, c, i) for rep in range(repeats) for c, i in keys]
         lossless = all(runs[g].tokens == plain[g].tokens for g in generations)
-        note = None if lossless else numerics_note(runs, plain, measured.get("verified", {}).get(key, {}), generations)
+        note = None if lossless else numerics_note(runs, plain, measured.get("verified", {}).get(key, {}), generations,
+                                                   gaps)
         return dict(
             engine=ENGINES["llamacpp"], engine_acceptance_length=tau_engine, engine_mean_proposed=proposed_engine,
             engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_sd_tokens_per_s=spec_t.median_tokens_per_s(),
@@ -585,16 +589,50 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
             for category, k in dict.fromkeys((c, k) for c, k0 in cells for k in s.ks([k0]))]
 
 
-def numerics_note(runs: dict, plain: dict, verified: dict, keys: list[tuple]) -> str:
+class PartingGaps:
+    """Where a drafter's greedy output in the engine parts from the engine's plain output: draftsmith's target's
+    logit of plain's token minus the drafter's at that position, given the tokens both wrote before it (one
+    forward each, cached). Near 0 is a near tie, which the engine's numerics may break either way (scoring
+    several positions at once rounds differently from one); a large gap is a token the target does not come close
+    to preferring, which no rounding explains."""
+
+    def __init__(self, target, prompts: dict[str, list[list[int]]]) -> None:
+        self.target, self.prompts, self._seen = target, prompts, {}
+        parameter = next(target.parameters())
+        self.device, self.dtype = parameter.device, str(parameter.dtype).removeprefix("torch.")
+
+    @torch.inference_mode()
+    def __call__(self, category: str, index: int, plain: list[int], other: list[int]) -> float | None:
+        """The gap for prompt `index` of `category` whose plain output is `plain` and the drafter's `other`;
+        None where they do not part at a token (one is the other cut short)."""
+        part = next((j for j, (a, b) in enumerate(zip(plain, other)) if a != b), None)
+        if part is None:
+            return None
+        key = (category, index, tuple(plain[:part + 1]), other[part])
+        if key not in self._seen:
+            ids = torch.tensor([self.prompts[category][index] + plain[:part]], device=self.device)
+            logits = self.target(input_ids=ids).logits[0, -1].float()
+            self._seen[key] = float(logits[plain[part]] - logits[other[part]])
+        return self._seen[key]
+
+
+def numerics_note(runs: dict, plain: dict, verified: dict, keys: list[tuple], gaps: PartingGaps | None = None) -> str:
     """Why a drafter's greedy output in llama.cpp differs from its plain output, where the server that kept none
     of its drafts says: if that server's output (the target's own tokens, verified k+1 positions at a time) differs
     from plain on the same prompts as the drafter's and equals the drafter's, the difference is llama.cpp's own
     numerics (a batch of positions and a single one round differently at a near tie of the target's logits), not
-    the drafter's guesses."""
+    the drafter's guesses. With `gaps`, draftsmith's target's logit gap where each differing output parts from
+    plain's (keys are (repeat, category, prompt index)), which says how near that tie is."""
     differs = [key for key in keys if runs[key].tokens != plain[key].tokens]
     checked = [key for key in differs if key in verified]
     same = [key for key in checked if verified[key].tokens == runs[key].tokens]
     line = f"its output differs from plain decoding on {len(differs)} of {len(keys)} generations"
+    if gaps is not None:
+        found = [g for g in (gaps(c, i, plain[r, c, i].tokens, runs[r, c, i].tokens) for r, c, i in differs)
+                 if g is not None]
+        if found:
+            line += (f"; where each parts from plain, draftsmith's target ({gaps.dtype}) scores plain's token above "
+                     f"the drafter's by {', '.join(f'{g:.2f}' for g in sorted(found))} (logits; near 0: a near tie)")
     if checked and len(same) == len(checked):
         return (f"{line}; on the {len(checked)} of them its server that kept none of its drafts measured, that "
                 "server's output (the target's own tokens, verified in rounds) is the drafter's: llama.cpp's "
@@ -643,20 +681,22 @@ def convert_for_llama_cpp(drafter_specs: list[dict], target, target_name_or_path
 def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, list[list[int]]], *, ks: list[int],
                   max_new_tokens: int, repeats: int, pays_off_at: float, threads: int, work: Path,
                   cost_prompts: int = 4, seed: int = 0, progress: bool = True, batch_sizes=(1,),
-                  alone: bool = False) -> dict:
+                  alone: bool = False, target=None) -> dict:
     """Everything `engine=llamacpp` adds once the models are converted: measure them in llama.cpp at each
     batch size (calibrating c and β at batch 1), and add the engine's figures to `rows`. Returns the
     settings to report, with the rows of the drafters only the engine runs under `engine_only` (the caller
     reports them apart: report.json's `engine_results`); with `alone` (no loop of draftsmith's ran), the rows
-    of every drafter the engine serves."""
+    of every drafter the engine serves. `target`, draftsmith's: where an output differs from plain decoding, its
+    logits say how near a tie it parts at (`PartingGaps`)."""
     target_gguf, served = converted.target_gguf, converted.served
+    gaps = PartingGaps(target, prompts) if target is not None else None
     engine_only = []
     for batch in batch_sizes:
         measured = measure_llama_cpp(target_gguf, served, prompts, ks, max_new_tokens=max_new_tokens, repeats=repeats,
                                      threads=threads, log_dir=work, cost_prompts=cost_prompts, progress=progress,
                                      batch=batch)
         engine_only += engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed,
-                                      batch=batch, alone=alone, ks=ks)
+                                      batch=batch, alone=alone, ks=ks, gaps=gaps)
     return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "target_gguf": str(target_gguf),
             "threads": threads, "work_dir": str(work), "alone": alone,
             "cost_prompts_per_category": cost_prompts, "served": {s.name: s.spec_type or s.note for s in served},
@@ -723,7 +763,7 @@ def add_figures(rows: list[dict], specs: list[dict], target, target_name_or_path
         return run_llama_cpp(rows, converted, {c: [p.tolist() for p in ps] for c, ps in prompts.items()}, ks=list(plan.ks),
                              max_new_tokens=plan.max_new_tokens, repeats=plan.repeats, pays_off_at=plan.pays_off_at,
                              threads=threads, work=work, seed=plan.seed, progress=progress,
-                             batch_sizes=list(plan.batch_sizes), alone=alone)
+                             batch_sizes=list(plan.batch_sizes), alone=alone, target=target)
     if costs.given:
         predict(rows, costs, {s["name"]: s.get("engine_c") for s in specs}, plan.pays_off_at)
         return {"name": costs.name, "predicted": True, "c": costs.c, "beta": costs.beta,

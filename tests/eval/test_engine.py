@@ -496,6 +496,39 @@ def test_ngram_cache_is_served_and_reported_at_the_draft_length_llama_cpp_fixes_
     assert all(r["engine_acceptance_length"] == pytest.approx(1.5) for r in alone)  # 1 + 2 accepted / 4 rounds
 
 
+def test_an_output_that_differs_in_the_engine_says_how_near_a_tie_it_parts_at():
+    """Where llama.cpp's output with a drafter parts from its plain output, draftsmith's target scores the two
+    tokens there (given what both wrote before): the gap says whether the engine's rounding could have chosen
+    either. The note gives it; an output that is the other cut short has no such position."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2)).eval()
+    gaps = engine.PartingGaps(target, {"code": [[1, 2, 3]]})
+    plain, other = [5, 6, 7, 8], [5, 6, 9, 10]
+    with torch.inference_mode():
+        logits = target(input_ids=torch.tensor([[1, 2, 3, 5, 6]])).logits[0, -1]
+    expected = float(logits[7] - logits[9])
+    assert gaps("code", 0, plain, other) == pytest.approx(expected) and gaps.dtype == "float32"
+    assert gaps("code", 0, plain, plain[:2]) is None
+
+    def gen(tokens):
+        return llama_cpp.Completion(tokens, 0, 0, 1.0)
+
+    key = (0, "code", 0)
+    note = engine.numerics_note({key: gen(other)}, {key: gen(plain)}, {}, [key], gaps)
+    assert note.startswith("its output differs from plain decoding on 1 of 1 generations; where each parts from "
+                           f"plain, draftsmith's target (float32) scores plain's token above the drafter's by "
+                           f"{expected:.2f} (logits; near 0: a near tie)")
+    assert "by" not in engine.numerics_note({key: gen(plain[:2])}, {key: gen(plain)}, {}, [key], gaps)
+    measured = {"items": [("code", 0)], "costs": {}, "completions": {"plain": {key: gen(plain)}, ("mod", 4): {key: gen(other)}},
+                "counters": {("mod", 4): {key: engine.DraftStats(verifications=1, rounds=3, drafted=1, accepted=0)}}}
+    (row,) = engine.engine_figures([], measured, [engine.Served("mod", spec_type="ngram-mod")], repeats=1,
+                                   pays_off_at=1.05, alone=True, ks=[4], gaps=gaps)[:1]
+    assert row["engine_lossless"] is False and f"above the drafter's by {expected:.2f}" in row["engine_note"]
+
+
 def test_rounds_without_a_draft_count_in_tau_and_pay_no_verification():
     """A drafter that drafts nothing in some rounds (a confidence stop): llama.cpp's τ per round, as
     draftsmith's loop counts it, and the cost model's β paid by the rounds that verify only."""
