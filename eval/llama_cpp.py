@@ -277,12 +277,27 @@ class LlamaServer:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
+                        self._check_drafting()
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.2)
         self.__exit__(None, None, None)
         raise TimeoutError(f"llama-server did not come up in {self.timeout:.0f} s")
+
+    def _check_drafting(self) -> None:
+        """llama-server that cannot set up the drafter it was given (a draft whose vocabulary type is not the
+        target's, say) logs the error and serves on without speculation: stop it and raise that error."""
+        if self.spec_type is None:
+            return
+        log = self._log.path.read_text(encoding="utf-8", errors="replace")
+        failed = next((line for line in log.splitlines() if "failed to initialize speculative decoding" in line), None)
+        if failed is not None:
+            tail = self._log.tail()
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"llama-server could not set up {self.spec_type}"
+                               + (f" with {self.draft}" if self.draft else "") + f" for {self.model}: "
+                               f"{failed.split('load_model: ', 1)[-1]}; the end of its log:\n{tail}")
 
     def __exit__(self, *exc) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -529,6 +529,43 @@ def test_an_output_that_differs_in_the_engine_says_how_near_a_tie_it_parts_at():
     assert row["engine_lossless"] is False and f"above the drafter's by {expected:.2f}" in row["engine_note"]
 
 
+FAKE_SERVER = """#!{python}
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+print("load_model: failed to initialize speculative decoding context: draft model vocab type must match target "
+      "model to use speculation", flush=True)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_server_that_could_not_set_up_its_drafter_is_an_error_naming_why(tmp_path, monkeypatch):
+    """llama-server logs a drafter it cannot use (a draft whose vocabulary type is not the target's) and serves on
+    without speculation: measured, that would read as a drafter that never drafts. A stand-in server that does
+    just that: starting it raises llama-server's own reason, and the server is stopped."""
+    import sys
+
+    build = tmp_path / "llama.cpp"
+    (build / "bin").mkdir(parents=True)
+    (build / "src").mkdir()
+    (build / "src" / "convert_hf_to_gguf.py").write_text("")
+    (build / "bin" / "patches.sha256").write_text(llama_cpp.patches_digest())
+    server = build / "bin" / "llama-server"
+    server.write_text(FAKE_SERVER.format(python=sys.executable))
+    server.chmod(0o755)
+    monkeypatch.setenv("DRAFTSMITH_LLAMA_CPP", str(build))
+    with llama_cpp.LlamaServer("t.gguf", timeout=30) as plain:  # no drafter: nothing to set up
+        assert plain.process.poll() is None
+    running = llama_cpp.LlamaServer("t.gguf", draft="d.gguf", spec_type="draft-simple", timeout=30)
+    with pytest.raises(RuntimeError, match="could not set up draft-simple with d.gguf for t.gguf: failed to "
+                                           "initialize speculative decoding context: draft model vocab type must"):
+        running.__enter__()
+    assert running.process.poll() is not None
+
+
 def test_rounds_without_a_draft_count_in_tau_and_pay_no_verification():
     """A drafter that drafts nothing in some rounds (a confidence stop): llama.cpp's τ per round, as
     draftsmith's loop counts it, and the cost model's β paid by the rounds that verify only."""
