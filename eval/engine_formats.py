@@ -370,3 +370,53 @@ GGUF_OUTTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # torch
 def write_gguf(model_dir: Path, out_file: Path, dtype: str, target_dir: Path | None = None) -> Path:
     """The `hf` or `sglang` export in `model_dir` through llama.cpp's converter, its weights in `dtype`."""
     return convert_to_gguf(model_dir, out_file, outtype=GGUF_OUTTYPE[dtype], target_dir=target_dir)
+
+
+def with_tokenizer_of(gguf_file: str | Path, source: str | Path) -> bool:
+    """Give `gguf_file`, a draft LM llama.cpp's converter wrote, the tokenizer metadata of `source`, the target's
+    GGUF as the team serves it, where their tokenizer models differ; every other field and every tensor is kept.
+    Returns whether it rewrote the file.
+
+    llama-server drafts only with a draft whose vocabulary type is the target's. A draft LM shares the target's
+    tokens, but it is converted from the Hugging Face directory transformers dequantizes the target's GGUF into,
+    which has no SentencePiece `tokenizer.model`: Gemma-3's converter then writes a BPE vocabulary, where the
+    shipped file has a SentencePiece one, and llama-server refuses the pair. The target's own token list, scores
+    and types are the draft's (same ids, same texts), so they are copied over, through the `gguf` package."""
+    import gguf
+
+    gguf_file = Path(gguf_file)
+    draft, target = gguf.GGUFReader(gguf_file), gguf.GGUFReader(source)
+
+    def value(field) -> tuple:
+        kind = field.types[0]
+        return field.contents(), kind, field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+
+    model = "tokenizer.ggml.model"
+    if model not in draft.fields or model not in target.fields \
+            or draft.fields[model].contents() == target.fields[model].contents():
+        return False
+    partial = gguf_file.with_name(gguf_file.name + ".partial")
+    writer = gguf.GGUFWriter(partial, arch=draft.fields["general.architecture"].contents(), endianess=draft.endianess)
+    if "general.alignment" in draft.fields:
+        writer.data_alignment = draft.fields["general.alignment"].contents()
+    for field in draft.fields.values():
+        if field.name == "general.architecture" or field.name.startswith(("GGUF.", "tokenizer.")):
+            continue
+        contents, kind, sub_type = value(field)
+        writer.add_key_value(field.name, contents, kind, sub_type=sub_type)
+    for field in target.fields.values():
+        if field.name.startswith("tokenizer."):
+            contents, kind, sub_type = value(field)
+            writer.add_key_value(field.name, contents, kind, sub_type=sub_type)
+    for tensor in draft.tensors:
+        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in draft.tensors:
+        writer.write_tensor_data(tensor.data, tensor_endianess=draft.endianess)
+    writer.close()
+    partial.replace(gguf_file)
+    log.info("%s: the target's tokenizer (%s, from %s) in place of the converter's (%s)", gguf_file,
+             target.fields[model].contents(), source, draft.fields[model].contents())
+    return True

@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import eval.__main__ as entry
-from eval import engine, llama_cpp
+from eval import engine, engine_formats, llama_cpp
 from eval.compare import verdict
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
@@ -572,3 +572,41 @@ def test_rounds_without_a_draft_count_in_tau_and_pay_no_verification():
     assert engine.predicted_speedup(2.0, 1.5, 0.1, 1.0, verified=0.5) == pytest.approx(2.0 / (1 + 0.15 + 0.5))
     assert engine.ceilings(4, 2.0, 1.0, 0.5) == {"engine_ceiling": None, "engine_tau_ceiling": pytest.approx(2.0 / 1.5)}
     assert engine.ceilings(4, 2.0, 1.0)["engine_tau_ceiling"] == pytest.approx(1.0)
+
+
+def test_a_draft_lm_gets_the_vocabulary_type_of_the_target_file_it_is_served_with(tmp_path):
+    """llama-server drafts only with a draft whose vocabulary type is the target's. The converter writes a BPE
+    vocabulary for a Gemma-3 directory without tokenizer.model where the shipped file has SentencePiece's: the
+    draft's GGUF then takes the target file's tokenizer metadata, every other field and tensor unchanged; where the
+    types already agree it is left alone."""
+    import gguf
+    import numpy as np
+
+    def write(path, tokenizer: dict, tensors: dict):
+        writer = gguf.GGUFWriter(path, arch="gemma3")
+        writer.add_block_count(4)
+        for key, (value, kind, sub_type) in tokenizer.items():
+            writer.add_key_value(key, value, kind, sub_type=sub_type)
+        for name, array in tensors.items():
+            writer.add_tensor(name, array)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    A, S, F, I = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.INT32
+    tokens = ["<pad>", "<eos>", "a", "b"]
+    weights = {"token_embd.weight": np.arange(8, dtype=np.float16).reshape(4, 2),
+               "output_norm.weight": np.ones(2, dtype=np.float32)}
+    write(tmp_path / "draft.gguf", {"tokenizer.ggml.model": ("gpt2", S, None), "tokenizer.ggml.tokens": (tokens, A, S),
+                                    "tokenizer.ggml.merges": (["a b"], A, S)}, weights)
+    write(tmp_path / "target.gguf", {"tokenizer.ggml.model": ("llama", S, None), "tokenizer.ggml.tokens": (tokens, A, S),
+                                     "tokenizer.ggml.scores": ([0.0, 0.0, -1.0, -2.0], A, F),
+                                     "tokenizer.ggml.token_type": ([3, 3, 1, 1], A, I)}, {})
+    assert engine_formats.with_tokenizer_of(tmp_path / "draft.gguf", tmp_path / "target.gguf")
+    draft = gguf.GGUFReader(tmp_path / "draft.gguf")
+    assert draft.fields["tokenizer.ggml.model"].contents() == "llama" and "tokenizer.ggml.merges" not in draft.fields
+    assert draft.fields["tokenizer.ggml.scores"].contents() == [0.0, 0.0, -1.0, -2.0]
+    assert draft.fields["general.architecture"].contents() == "gemma3" and draft.fields["gemma3.block_count"].contents() == 4
+    assert {t.name: t.data.tolist() for t in draft.tensors} == {n: a.tolist() for n, a in weights.items()}
+    assert not engine_formats.with_tokenizer_of(tmp_path / "draft.gguf", tmp_path / "target.gguf")  # types agree now
