@@ -62,7 +62,7 @@ from transformers import AutoModelForCausalLM
 
 from eval import llama_cpp
 from eval.compare import Timings, compare, verdict
-from eval.engine_formats import GGUF_OUTTYPE, eagle3_gguf, target_directory, with_tokenizer_of
+from eval.engine_formats import GGUF_OUTTYPE, draft_lm_gguf, eagle3_gguf, target_directory
 from eval.evaluate import ALL, base_drafter
 from drafters.tree import StaticTree, TreeShape
 from eval.metrics import predicted_speedup
@@ -232,10 +232,8 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
     if kind == "draft_lm":
         directory = target_directory(spec["path"])
         dtype = draft_dtype(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval())
-        gguf = llama_cpp.convert_to_gguf(directory, out, outtype=GGUF_OUTTYPE[dtype])
-        if models.gguf_file(target_name_or_path) is not None:  # served as the team's file: its vocabulary type
-            with_tokenizer_of(gguf, models.gguf_file(target_name_or_path))
-        return Served(name, gguf, SPEC_TYPES["draft_lm"], dtype=dtype, p_min=p_min)
+        return Served(name, draft_lm_gguf(directory, out, dtype, target_name_or_path), SPEC_TYPES["draft_lm"],
+                      dtype=dtype, p_min=p_min)
     if kind != "head":
         return Served(name, note="draftsmith's n-gram drafter has no llama.cpp counterpart (llama.cpp's ngram "
                                  "drafters are other algorithms)")

@@ -372,6 +372,15 @@ def write_gguf(model_dir: Path, out_file: Path, dtype: str, target_dir: Path | N
     return convert_to_gguf(model_dir, out_file, outtype=GGUF_OUTTYPE[dtype], target_dir=target_dir)
 
 
+def draft_lm_gguf(model_dir: Path, out_file: Path, dtype: str, target_name_or_path: str) -> Path:
+    """A draft LM's GGUF by llama.cpp's converter (`write_gguf`); for a target given as a GGUF file, with that
+    file's vocabulary, which llama-server requires of a draft (`with_tokenizer_of`)."""
+    gguf = write_gguf(model_dir, out_file, dtype)
+    if (served := models.gguf_file(target_name_or_path)) is not None:
+        with_tokenizer_of(gguf, served)
+    return gguf
+
+
 def with_tokenizer_of(gguf_file: str | Path, source: str | Path) -> bool:
     """Give `gguf_file`, a draft LM llama.cpp's converter wrote, the tokenizer metadata of `source`, the target's
     GGUF as the team serves it, where their tokenizer models differ; every other field and every tensor is kept.

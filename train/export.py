@@ -35,8 +35,8 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from eval.engine_formats import (ExportRefused, eagle3_tensors, sglang_writer, speculators_writer, target_directory,
-                                 vllm_eagle1, write_dir, write_gguf)
+from eval.engine_formats import (ExportRefused, draft_lm_gguf, eagle3_tensors, sglang_writer, speculators_writer,
+                                 target_directory, vllm_eagle1, write_dir, write_gguf)
 from eval.run import target_source
 from train.hub import HubSettings
 
@@ -143,7 +143,7 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
         if "hf" in formats:
             written["hf"] = hf
         if "gguf" in formats:
-            written["gguf"] = write_gguf(hf, out / "gguf" / "draft.gguf", settings.dtype)
+            written["gguf"] = draft_lm_gguf(hf, out / "gguf" / "draft.gguf", settings.dtype, run.target)
         if "hf" not in formats:
             shutil.rmtree(hf)
         return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
