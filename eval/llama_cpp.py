@@ -194,7 +194,7 @@ NGRAM_TYPES = {"ngram-simple": "--spec-ngram-simple-size-m", "ngram-map-k": "--s
                "ngram-map-k4v": "--spec-ngram-map-k4v-size-m", "ngram-mod": "--spec-ngram-mod-n-max",
                "ngram-cache": "--spec-draft-n-max"}
 # Those whose draft length llama.cpp fixes whatever the flag says: ngram-cache drafts up to 8 tokens
-# (common/speculative.cpp, create_state_ngram_cache: `n_draft = 8; // TODO get from config?`; the server truncates
+# (common/speculative.cpp, create_state_ngram_cache sets `n_draft = 8`, not read from the config; the server truncates
 # a draft only to what the context and the budget leave), so it is served, measured and reported at that k alone.
 FIXED_K = {"ngram-cache": 8}
 
