@@ -75,7 +75,6 @@ class DraftLM:
         self.model = model.eval()
         self.name = name
         self.stop = ConfidenceStop(stop_below, stop_rule, name)  # confidence stop (drafters/base.py); 0 = off
-        self.stop_below, self.stop_rule = self.stop.below, self.stop.rule
         self.device = next(model.parameters()).device
         # The lean path when asked for and the model is one it reproduces; else Hugging Face's forward.
         self.lean = LeanLlama(model) if lean and LeanLlama.supports(model) else None

@@ -170,14 +170,13 @@ class FeatureDrafter:
     def __init__(self, head: nn.Module, name: str, stop_below: float = 0.0, stop_rule: str = "propose") -> None:
         self.head, self.name = head, name
         self.stop = ConfidenceStop(stop_below, stop_rule, name)  # confidence stop (drafters/base.py); 0 = off
-        self.stop_below, self.stop_rule = self.stop.below, self.stop.rule
         self.feature_layers = list(head.config.feature_layers)
         self.device = next(head.parameters()).device
         self.dtype = next(head.parameters()).dtype
 
     def batched(self):
         """This drafter for a batch (drafters/base.py `BatchDrafter`): the head's batch drafter."""
-        return self.head.batch_drafter(self.name, self.stop_below, self.stop_rule)
+        return self.head.batch_drafter(self.name, self.stop.below, self.stop.rule)
 
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
         self.ids: list[int] = prompt_ids.tolist()
@@ -260,7 +259,7 @@ class FeatureBatch(FeatureDrafter):
 
     def join(self, prompts: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         """New rows after the running ones, each started on its prompt as `start` starts a batch."""
-        other = type(self)(self.head, self.name, self.stop_below, self.stop_rule)
+        other = type(self)(self.head, self.name, self.stop.below, self.stop.rule)
         other.start(prompts, features)
         self.absorb(other)
 

@@ -63,7 +63,7 @@ def test_the_confidence_stop_reaches_the_drafter(tiny_world):
     target, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
     draft = build_drafter({"name": "d", "kind": "draft_lm", "path": "toyworld://tiny/draft", "stop_below": 0.3},
                           target=target, tokenizer=tok)
-    assert draft.stop_below == 0.3
+    assert draft.stop.below == 0.3
     with pytest.raises(ValueError, match="drafter 'd': stop_below must be in"):
         build_drafter({"name": "d", "kind": "draft_lm", "path": "toyworld://tiny/draft", "stop_below": 1.5},
                       target=target, tokenizer=tok)
