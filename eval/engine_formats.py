@@ -390,42 +390,28 @@ def with_tokenizer_of(gguf_file: str | Path, source: str | Path) -> bool:
     tokens, but it is converted from the Hugging Face directory transformers dequantizes the target's GGUF into,
     which has no SentencePiece `tokenizer.model`: Gemma-3's converter then writes a BPE vocabulary, where the
     shipped file has a SentencePiece one, and llama-server refuses the pair. The target's own token list, scores
-    and types are the draft's (same ids, same texts), so they are copied over, through the `gguf` package."""
+    and types are the draft's (same ids, same texts), so they are copied over by the `gguf` package's own
+    metadata rewriter (`gguf_new_metadata.copy_with_new_metadata`)."""
     import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
     gguf_file = Path(gguf_file)
     draft, target = gguf.GGUFReader(gguf_file), gguf.GGUFReader(source)
-
-    def value(field) -> tuple:
-        kind = field.types[0]
-        return field.contents(), kind, field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-
     model = "tokenizer.ggml.model"
     if model not in draft.fields or model not in target.fields \
             or draft.fields[model].contents() == target.fields[model].contents():
         return False
+    before, after = draft.fields[model].contents(), target.fields[model].contents()
+    tokenizer = {f.name: MetadataDetails(f.types[0], f.contents(),
+                                         sub_type=f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+                 for f in target.fields.values() if f.name.startswith("tokenizer.")}
+    dropped = [name for name in draft.fields if name.startswith("tokenizer.") and name not in tokenizer]
     partial = gguf_file.with_name(gguf_file.name + ".partial")
     writer = gguf.GGUFWriter(partial, arch=draft.fields["general.architecture"].contents(), endianess=draft.endianess)
     if "general.alignment" in draft.fields:
         writer.data_alignment = draft.fields["general.alignment"].contents()
-    for field in draft.fields.values():
-        if field.name == "general.architecture" or field.name.startswith(("GGUF.", "tokenizer.")):
-            continue
-        contents, kind, sub_type = value(field)
-        writer.add_key_value(field.name, contents, kind, sub_type=sub_type)
-    for field in target.fields.values():
-        if field.name.startswith("tokenizer."):
-            contents, kind, sub_type = value(field)
-            writer.add_key_value(field.name, contents, kind, sub_type=sub_type)
-    for tensor in draft.tensors:
-        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for tensor in draft.tensors:
-        writer.write_tensor_data(tensor.data, tensor_endianess=draft.endianess)
-    writer.close()
+    copy_with_new_metadata(draft, writer, tokenizer, dropped)
     partial.replace(gguf_file)
-    log.info("%s: the target's tokenizer (%s, from %s) in place of the converter's (%s)", gguf_file,
-             target.fields[model].contents(), source, draft.fields[model].contents())
+    log.info("%s: the target's tokenizer (%s, from %s) in place of the converter's (%s)", gguf_file, after, source,
+             before)
     return True
