@@ -1,0 +1,206 @@
+"""How much traffic does a drafter need? One recipe trained on 1/n of the records for each n, scored on one
+held-out set (figures in BENCHMARKS.md).
+
+    python scripts/bench_data_scaling.py --data runs/prepared/synth5-answers/regenerated.jsonl --shares 1,2,4,8 \
+        --steps 1000 --out runs/scaling --overrides experiment=smollm2_eagle regenerate.enabled=false
+    python scripts/bench_data_scaling.py --data tiny.jsonl --steps 3 --heldout 6 --overrides experiment=smoke
+
+The held-out records are chosen once from the whole file (`--heldout` of them, in turn from each category's last
+records, as `trainer.heldout=per_category` does) and appended to every share's file, which its run holds out with
+`trainer.heldout=last`: every share chooses its checkpoint on, and is scored on, the same records. A share of 1/n
+keeps every n-th of the other records in file order, so a file grouped by category stays balanced. Every run is the
+real recipe (`train.__main__.train`). With `--steps-per-share fixed` each share trains `--steps`: fewer records,
+more passes over them (a team with less traffic and the same compute). With `scaled` share 1/n trains steps/n: the
+same passes over its records as the whole file gets (compute grows with the traffic).
+
+The best checkpoint's held-out greedy τ (replayed at the recipe's `ttt_steps`) is fitted against log2(records): the
+slope is what each doubling of the records buys. Extending the line to `--goal` is an extrapolation and is printed as
+one. Runs live in `<out>/1of<n>-<steps>steps`, outputs in `<out>/scaling-<steps-per-share>.{md,json,png}`; finished
+runs are not trained again, so an interrupted sweep starts again at the run it stopped in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from train.__main__ import train
+from train.distill import held_out_indices
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@dataclass
+class Point:
+    share: int               # the run trained on every share-th record
+    records: int             # training records (the held-out ones not counted)
+    steps: int               # the steps it trained
+    step: int                # the best checkpoint's step
+    top1: float
+    tau: float               # held-out greedy τ of the best checkpoint
+    tau_by_category: dict
+
+
+@dataclass
+class Fit:
+    per_doubling: float      # τ gained by each doubling of the records
+    intercept: float         # τ at one record, on the fitted line (log2(1) = 0)
+    goal: float | None = None
+    records_for_goal: float | None = None  # where the line reaches the goal; None where it never does
+
+    def tau_at(self, records: float) -> float:
+        return self.intercept + self.per_doubling * math.log2(records)
+
+
+def split_shares(lines: list[str], path: Path, shares: list[int], heldout: int) -> dict[int, list[str]]:
+    """Each share's file: every n-th of the records that are not held out, then the held-out ones (the same for all).
+    `lines` are the file's non-empty JSONL lines, each a record with a "category"."""
+    categories = []
+    for number, line in enumerate(lines, 1):
+        record = json.loads(line)
+        if not isinstance(record, dict) or not isinstance(record.get("category"), str):
+            raise ValueError(f"{path}:{number}: field 'category' missing or not a string; the shares are balanced "
+                             f"by it (write the records with scripts/real_traffic.py or python -m train.prepare)")
+        categories.append(record["category"])
+    if len(lines) <= heldout:
+        raise ValueError(f"{path}: {len(lines)} records, but --heldout {heldout} of them are held out")
+    held = set(held_out_indices(categories, heldout, "per_category"))
+    rest = [line for i, line in enumerate(lines) if i not in held]
+    tail = [line for i, line in enumerate(lines) if i in held]
+    out = {}
+    for n in shares:
+        if n < 1 or len(rest) // n < 1:
+            raise ValueError(f"--shares: 1/{n} of {len(rest)} training records keeps none")
+        out[n] = rest[::n] + tail
+    return out
+
+
+def fit(points: list[Point], goal: float | None = None) -> Fit:
+    """Least squares of τ on log2(records); where the slope is positive, the records at which the line meets the goal."""
+    x = [math.log2(p.records) for p in points]
+    slope, intercept = statistics.linear_regression(x, [p.tau for p in points])
+    reach = None
+    if goal is not None and slope > 0:
+        reach = 2 ** ((goal - intercept) / slope)
+    return Fit(per_doubling=slope, intercept=intercept, goal=goal, records_for_goal=reach)
+
+
+def read_point(run_dir: Path, share: int, records: int, steps: int) -> Point:
+    best = json.loads((run_dir / "best" / "best.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    scored = [r for r in rows if r.get("step") == best["step"] and "heldout_tau_greedy" in r]
+    by_category = scored[-1].get("heldout_tau_greedy_by_category", {}) if scored else {}
+    return Point(share=share, records=records, steps=steps, step=best["step"], top1=best["top1"], tau=best["tau_greedy"],
+                 tau_by_category=by_category)
+
+
+def table(points: list[Point], result: Fit) -> str:
+    categories = sorted({c for p in points for c in p.tau_by_category})
+    head = ["share", "records", "steps", "best step", "top-1", "τ (fit)", *categories]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in sorted(points, key=lambda p: p.records):
+        cells = [f"1/{p.share}", f"{p.records:,}", f"{p.steps:,}", f"{p.step:,}", f"{p.top1:.3f}",
+                 f"{p.tau:.2f} ({result.tau_at(p.records):.2f})",
+                 *(f"{p.tau_by_category[c]:.2f}" if c in p.tau_by_category else "–" for c in categories)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"τ per doubling of the records: {result.per_doubling:+.3f} (least squares over {len(points)} shares)")
+    ordered = sorted(points, key=lambda p: p.records)
+    steps = [f"{b.tau - a.tau:+.3f}" for a, b in zip(ordered, ordered[1:])]
+    lines.append(f"each step up in the records, smallest first: {', '.join(steps)}")
+    if result.goal is not None:
+        if result.records_for_goal is None:
+            lines.append(f"goal τ {result.goal}: the fitted line does not rise; more of this traffic does not reach it")
+        else:
+            lines.append(f"goal τ {result.goal}: the fitted line reaches it at about {result.records_for_goal:,.0f} records "
+                         f"({result.records_for_goal / max(p.records for p in points):,.1f}× the most measured); an "
+                         f"extrapolation, which holds only if each doubling keeps buying the same")
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: list[Point], result: Fit, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = sorted(points, key=lambda p: p.records)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    xs = [p.records for p in points]
+    for category in sorted({c for p in points for c in p.tau_by_category}):
+        ax.plot(xs, [p.tau_by_category.get(category, math.nan) for p in points], marker=".", lw=0.8, alpha=0.6,
+                label=category)
+    ax.plot(xs, [p.tau for p in points], marker="o", color="black", lw=2, label="all (held out)")
+    right = max(xs) * 4  # the line drawn on for up to 10 doublings past the data, or to the goal if nearer
+    if result.records_for_goal is not None:
+        right = max(right, min(result.records_for_goal * 1.5, max(xs) * 2 ** 10))
+    line_x = [min(xs), right]
+    ax.plot(line_x, [result.tau_at(x) for x in line_x], ls="--", color="black", lw=1,
+            label=f"fit: {result.per_doubling:+.3f} per doubling")
+    if result.goal is not None:
+        ax.axhline(result.goal, color="tab:red", lw=1, ls=":", label=f"goal τ {result.goal}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training records")
+    ax.set_ylabel("held-out greedy τ")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", required=True, help="JSONL records with answers (a prepared regenerated.jsonl)")
+    ap.add_argument("--shares", default="1,2,4,8", help="train on every n-th record, for each n")
+    ap.add_argument("--steps", type=int, default=1000, help="training steps on the whole file")
+    ap.add_argument("--steps-per-share", choices=("fixed", "scaled"), default="fixed",
+                    help="fixed: every share trains --steps; scaled: share 1/n trains --steps/n")
+    ap.add_argument("--heldout", type=int, default=100, help="records held out from the whole file, shared by all")
+    ap.add_argument("--goal", type=float, default=None, help="a τ to extrapolate the fitted line to")
+    ap.add_argument("--out", default="runs/scaling")
+    ap.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every run")
+    args = ap.parse_args()
+    out, data = Path(args.out), Path(args.data)
+    shares = sorted({int(n) for n in args.shares.split(",")})
+    lines = [line for line in data.read_text().splitlines() if line.strip()]
+    files = split_shares(lines, data, shares, args.heldout)
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    points = []
+    for n, share_lines in files.items():
+        steps = args.steps if args.steps_per_share == "fixed" else max(1, round(args.steps / n))
+        path, run_dir = out / "data" / f"1of{n}.jsonl", out / f"1of{n}-{steps}steps"
+        records = len(share_lines) - args.heldout
+        if not (run_dir / "train_summary.json").exists():  # finished runs are not trained again
+            text = "\n".join(share_lines) + "\n"
+            if not path.exists() or path.read_text() != text:  # the same file keeps its prepared caches
+                path.write_text(text)
+            overrides = [*args.overrides, f"data.path={path}", "data.max_records=null", "trainer.heldout=last",
+                         f"trainer.eval_examples={args.heldout}", f"trainer.max_steps={steps}",
+                         f"out_dir={run_dir}", "evaluate.enabled=false", "progress=false"]
+            with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+                train(compose(config_name="train", overrides=overrides))
+        points.append(read_point(run_dir, n, records, steps))
+        print(f"1/{n}: {records} records, {steps} steps, held-out τ {points[-1].tau:.3f} at step {points[-1].step}")
+    if len(points) < 2:
+        raise SystemExit("one share measured; a fit needs two or more (--shares)")
+    result = fit(points, args.goal)
+    text = table(points, result)
+    stem = out / f"scaling-{args.steps_per_share}"
+    stem.with_suffix(".md").write_text(text)
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"data": str(data), "steps": args.steps, "steps_per_share": args.steps_per_share, "heldout": args.heldout,
+         "overrides": args.overrides, "points": [asdict(p) for p in points], "fit": asdict(result)}, indent=2) + "\n")
+    plot(points, result, stem.with_suffix(".png"),
+         f"{args.steps} steps on the whole file, {args.steps_per_share} per share")
+    print(text + f"written: {stem}.md, .json, .png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""scripts/bench_data_scaling.py: balanced shares with one held-out set, the fit, and a sweep on the tiny world."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import load_script
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_data_scaling.py"
+scaling = load_script("bench_data_scaling")
+
+
+def lines_of(categories):
+    return [json.dumps({"id": f"{c}-{i}", "category": c}) for i, c in enumerate(categories)]
+
+
+def test_every_share_keeps_every_nth_training_record_and_the_same_held_out_ones_last():
+    lines = lines_of(["a"] * 8 + ["b"] * 8)  # grouped by category, as prepared files are
+    shares = scaling.split_shares(lines, Path("x.jsonl"), [1, 2, 4], heldout=4)
+    held = [line for line in lines if json.loads(line)["id"] in {"a-6", "a-7", "b-14", "b-15"}]
+    rest = [line for line in lines if line not in held]
+    assert shares[1] == rest + held
+    assert shares[2] == rest[::2] + held
+    assert [json.loads(line)["id"] for line in shares[4]] == ["a-0", "a-4", "b-10", "a-6", "a-7", "b-14", "b-15"]
+
+
+def test_a_record_without_category_is_named_by_file_and_line():
+    lines = lines_of(["a", "b"]) + [json.dumps({"id": "x"})]
+    with pytest.raises(ValueError, match=r"x\.jsonl:3: field 'category'"):
+        scaling.split_shares(lines, Path("x.jsonl"), [1], heldout=1)
+    with pytest.raises(ValueError, match="keeps none"):
+        scaling.split_shares(lines_of(["a"] * 4), Path("x.jsonl"), [8], heldout=2)
+
+
+def point(records, tau):
+    return scaling.Point(share=1, records=records, steps=1, step=1, top1=0.5, tau=tau, tau_by_category={})
+
+
+def test_the_fit_gives_the_gain_per_doubling_and_where_the_line_meets_the_goal():
+    points = [point(r, 1 + 0.1 * math.log2(r)) for r in (100, 200, 400, 800)]
+    result = scaling.fit(points, goal=2.0)
+    assert result.per_doubling == pytest.approx(0.1)
+    assert result.records_for_goal == pytest.approx(2 ** 10)
+    assert result.tau_at(1600) == pytest.approx(1 + 0.1 * math.log2(1600))
+    flat = scaling.fit([point(100, 1.5), point(200, 1.5), point(400, 1.4)], goal=2.0)
+    assert flat.per_doubling < 0 and flat.records_for_goal is None
+    assert "does not rise" in scaling.table([point(100, 1.5), point(200, 1.5), point(400, 1.4)], flat)
+
+
+def test_a_sweep_on_the_tiny_world_trains_each_share_once_and_fits_them(tiny_world, tmp_path):
+    """With --steps-per-share scaled, share 1/2 trains half the steps of the whole file."""
+    records = (tiny_world / "company_logs" / "train.jsonl").read_text().splitlines()[:40]
+    data = tmp_path / "records.jsonl"
+    data.write_text("\n".join(records) + "\n")
+    cmd = [sys.executable, str(SCRIPT), "--data", str(data), "--shares", "1,2", "--steps", "4", "--steps-per-share", "scaled", "--heldout", "6",
+           "--goal", "9", "--out", str(tmp_path / "scaling"), "--overrides", "experiment=smoke",
+           f"data_cache={tmp_path / 'cache'}", "drafter=eagle", "trainer.eval_every=2",
+           "trainer.checkpoint_every=2"]
+    subprocess.run(cmd, capture_output=True, text=True, check=True)
+    result = json.loads((tmp_path / "scaling" / "scaling-scaled.json").read_text())
+    assert [(p["share"], p["records"], p["steps"]) for p in result["points"]] == [(1, 34, 4), (2, 17, 2)]
+    assert [p["step"] for p in result["points"]] == [4, 2] and all(p["tau"] >= 1 for p in result["points"])
+    assert (tmp_path / "scaling" / "scaling-scaled.png").stat().st_size > 0
+    # Both runs held out the same six records, last in their files.
+    one, two = ((tmp_path / "scaling" / "data" / f"1of{n}.jsonl").read_text().splitlines() for n in (1, 2))
+    assert one[-6:] == two[-6:] and len(two) == 17 + 6
+    # A second invocation trains nothing again.
+    stamp = (tmp_path / "scaling" / "1of2-2steps" / "train_summary.json").stat().st_mtime_ns
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert (tmp_path / "scaling" / "1of2-2steps" / "train_summary.json").stat().st_mtime_ns == stamp
+    assert "τ per doubling of the records" in out and "each step up in the records, smallest first: " in out
