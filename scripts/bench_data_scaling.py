@@ -63,7 +63,10 @@ def split_shares(lines: list[str], path: Path, shares: list[int], heldout: int) 
     `lines` are the file's non-empty JSONL lines, each a record with a "category"."""
     categories = []
     for number, line in enumerate(lines, 1):
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not valid JSON ({e})") from None
         if not isinstance(record, dict) or not isinstance(record.get("category"), str):
             raise ValueError(f"{path}:{number}: field 'category' missing or not a string; the shares are balanced "
                              f"by it (write the records with scripts/real_traffic.py or python -m train.prepare)")
@@ -93,6 +96,9 @@ def fit(points: list[Point], goal: float | None = None) -> Fit:
 
 def read_point(run_dir: Path, share: int, records: int, steps: int) -> Point:
     best = json.loads((run_dir / "best" / "best.json").read_text())
+    if "tau_greedy" not in best:
+        raise SystemExit(f"{run_dir / 'best' / 'best.json'} holds no held-out greedy τ (tau_greedy): "
+                         f"the script measures the head recipes")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     scored = [r for r in rows if r.get("step") == best["step"] and "heldout_tau_greedy" in r]
     by_category = scored[-1].get("heldout_tau_greedy_by_category", {}) if scored else {}
@@ -168,6 +174,12 @@ def main() -> None:
     ap.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every run")
     args = ap.parse_args()
     out, data = Path(args.out), Path(args.data)
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        kind = compose(config_name="train", overrides=args.overrides).drafter.kind
+    if kind == "draft_lm":  # its recipe scores held-out records by acceptance, not by replayed greedy τ
+        raise SystemExit("bench_data_scaling measures a head's held-out greedy τ; the overrides train a draft LM "
+                         "(drafter.kind=draft_lm): add drafter=eagle (or eagle1, mtp, medusa) or an experiment "
+                         "that trains one")
     shares = sorted({int(n) for n in args.shares.split(",")})
     lines = [line for line in data.read_text().splitlines() if line.strip()]
     files = split_shares(lines, data, shares, args.heldout)

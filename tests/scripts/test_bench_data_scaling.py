@@ -32,6 +32,8 @@ def test_a_record_without_category_is_named_by_file_and_line():
     lines = lines_of(["a", "b"]) + [json.dumps({"id": "x"})]
     with pytest.raises(ValueError, match=r"x\.jsonl:3: field 'category'"):
         scaling.split_shares(lines, Path("x.jsonl"), [1], heldout=1)
+    with pytest.raises(ValueError, match=r"x\.jsonl:2: not valid JSON"):
+        scaling.split_shares(lines_of(["a"]) + ["{"], Path("x.jsonl"), [1], heldout=1)
     with pytest.raises(ValueError, match="keeps none"):
         scaling.split_shares(lines_of(["a"] * 4), Path("x.jsonl"), [8], heldout=2)
 
@@ -73,3 +75,12 @@ def test_a_sweep_on_the_tiny_world_trains_each_share_once_and_fits_them(tiny_wor
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert (tmp_path / "scaling" / "1of2-2steps" / "train_summary.json").stat().st_mtime_ns == stamp
     assert "τ per doubling of the records" in out and "each step up in the records, smallest first: " in out
+
+
+def test_a_draft_lm_recipe_is_refused_before_anything_trains(tmp_path):
+    data = tmp_path / "records.jsonl"
+    data.write_text("\n".join(lines_of(["a", "b"] * 4)) + "\n")
+    run = subprocess.run([sys.executable, str(SCRIPT), "--data", str(data), "--heldout", "2", "--out",
+                          str(tmp_path / "scaling"), "--overrides", "experiment=smoke"], capture_output=True, text=True)
+    assert run.returncode != 0 and "drafter.kind=draft_lm" in run.stderr
+    assert not (tmp_path / "scaling").exists()
