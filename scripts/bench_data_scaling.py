@@ -25,7 +25,7 @@ import argparse
 import json
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -53,6 +53,7 @@ class Fit:
     intercept: float         # τ at one record, on the fitted line (log2(1) = 0)
     goal: float | None = None
     records_for_goal: float | None = None  # where the line reaches the goal; None where it never does
+    per_doubling_by_category: dict = field(default_factory=dict)  # the same fit for each category's τ
 
     def tau_at(self, records: float) -> float:
         return self.intercept + self.per_doubling * math.log2(records)
@@ -91,7 +92,10 @@ def fit(points: list[Point], goal: float | None = None) -> Fit:
     reach = None
     if goal is not None and slope > 0:
         reach = 2 ** ((goal - intercept) / slope)
-    return Fit(per_doubling=slope, intercept=intercept, goal=goal, records_for_goal=reach)
+    shared = set.intersection(*(set(p.tau_by_category) for p in points))
+    by_category = {c: statistics.linear_regression(x, [p.tau_by_category[c] for p in points])[0] for c in sorted(shared)}
+    return Fit(per_doubling=slope, intercept=intercept, goal=goal, records_for_goal=reach,
+               per_doubling_by_category=by_category)
 
 
 def read_point(run_dir: Path, share: int, records: int, steps: int) -> Point:
@@ -115,6 +119,9 @@ def table(points: list[Point], result: Fit) -> str:
                  f"{p.tau:.2f} ({result.tau_at(p.records):.2f})",
                  *(f"{p.tau_by_category[c]:.2f}" if c in p.tau_by_category else "–" for c in categories)]
         lines.append("| " + " | ".join(cells) + " |")
+    per = result.per_doubling_by_category
+    lines.append("| per doubling | | | | | " + " | ".join(
+        [f"{result.per_doubling:+.3f}", *(f"{per[c]:+.3f}" if c in per else "–" for c in categories)]) + " |")
     lines.append("")
     lines.append(f"τ per doubling of the records: {result.per_doubling:+.3f} (least squares over {len(points)} shares)")
     ordered = sorted(points, key=lambda p: p.records)

@@ -38,14 +38,16 @@ def test_a_record_without_category_is_named_by_file_and_line():
         scaling.split_shares(lines_of(["a"] * 4), Path("x.jsonl"), [8], heldout=2)
 
 
-def point(records, tau):
-    return scaling.Point(share=1, records=records, steps=1, step=1, top1=0.5, tau=tau, tau_by_category={})
+def point(records, tau, by_category=None):
+    return scaling.Point(share=1, records=records, steps=1, step=1, top1=0.5, tau=tau, tau_by_category=by_category or {})
 
 
 def test_the_fit_gives_the_gain_per_doubling_and_where_the_line_meets_the_goal():
-    points = [point(r, 1 + 0.1 * math.log2(r)) for r in (100, 200, 400, 800)]
+    points = [point(r, 1 + 0.1 * math.log2(r), {"a": 2 + 0.3 * math.log2(r), "b": 1.5}) for r in (100, 200, 400, 800)]
     result = scaling.fit(points, goal=2.0)
     assert result.per_doubling == pytest.approx(0.1)
+    assert result.per_doubling_by_category == pytest.approx({"a": 0.3, "b": 0.0})
+    assert "| per doubling | | | | | +0.100 | +0.300 | +0.000 |" in scaling.table(points, result)
     assert result.records_for_goal == pytest.approx(2 ** 10)
     assert result.tau_at(1600) == pytest.approx(1 + 0.1 * math.log2(1600))
     flat = scaling.fit([point(100, 1.5), point(200, 1.5), point(400, 1.4)], goal=2.0)
