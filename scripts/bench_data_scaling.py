@@ -111,10 +111,11 @@ def read_point(run_dir: Path, share: int, records: int, steps: int) -> Point:
 
 
 def table(points: list[Point], result: Fit) -> str:
+    points = sorted(points, key=lambda p: p.records)
     categories = sorted({c for p in points for c in p.tau_by_category})
     head = ["share", "records", "steps", "best step", "top-1", "τ (fit)", *categories]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for p in sorted(points, key=lambda p: p.records):
+    for p in points:
         cells = [f"1/{p.share}", f"{p.records:,}", f"{p.steps:,}", f"{p.step:,}", f"{p.top1:.3f}",
                  f"{p.tau:.2f} ({result.tau_at(p.records):.2f})",
                  *(f"{p.tau_by_category[c]:.2f}" if c in p.tau_by_category else "–" for c in categories)]
@@ -124,15 +125,14 @@ def table(points: list[Point], result: Fit) -> str:
         [f"{result.per_doubling:+.3f}", *(f"{per[c]:+.3f}" if c in per else "–" for c in categories)]) + " |")
     lines.append("")
     lines.append(f"τ per doubling of the records: {result.per_doubling:+.3f} (least squares over {len(points)} shares)")
-    ordered = sorted(points, key=lambda p: p.records)
-    steps = [f"{b.tau - a.tau:+.3f}" for a, b in zip(ordered, ordered[1:])]
-    lines.append(f"each step up in the records, smallest first: {', '.join(steps)}")
+    gains = [f"{b.tau - a.tau:+.3f}" for a, b in zip(points, points[1:])]
+    lines.append(f"each step up in the records, smallest first: {', '.join(gains)}")
     if result.goal is not None:
         if result.records_for_goal is None:
             lines.append(f"goal τ {result.goal}: the fitted line does not rise; more of this traffic does not reach it")
         else:
             lines.append(f"goal τ {result.goal}: the fitted line reaches it at about {result.records_for_goal:,.0f} records "
-                         f"({result.records_for_goal / max(p.records for p in points):,.1f}× the most measured); an "
+                         f"({result.records_for_goal / points[-1].records:,.1f}× the most measured); an "
                          f"extrapolation, which holds only if each doubling keeps buying the same")
     return "\n".join(lines) + "\n"
 

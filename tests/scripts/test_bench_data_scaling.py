@@ -60,8 +60,8 @@ def test_a_sweep_on_the_tiny_world_trains_each_share_once_and_fits_them(tiny_wor
     records = (tiny_world / "company_logs" / "train.jsonl").read_text().splitlines()[:40]
     data = tmp_path / "records.jsonl"
     data.write_text("\n".join(records) + "\n")
-    cmd = [sys.executable, str(SCRIPT), "--data", str(data), "--shares", "1,2", "--steps", "4", "--steps-per-share", "scaled", "--heldout", "6",
-           "--goal", "9", "--out", str(tmp_path / "scaling"), "--overrides", "experiment=smoke",
+    cmd = [sys.executable, str(SCRIPT), "--data", str(data), "--shares", "1,2", "--steps", "4",
+           "--steps-per-share", "scaled", "--heldout", "6", "--goal", "9", "--out", str(tmp_path / "scaling"), "--overrides", "experiment=smoke",
            f"data_cache={tmp_path / 'cache'}", "drafter=eagle", "trainer.eval_every=2",
            "trainer.checkpoint_every=2"]
     subprocess.run(cmd, capture_output=True, text=True, check=True)
