@@ -15,8 +15,12 @@ same passes over its records as the whole file gets (compute grows with the traf
 
 The best checkpoint's held-out greedy τ (replayed at the recipe's `ttt_steps`) is fitted against log2(records): the
 slope is what each doubling of the records buys. Extending the line to `--goal` is an extrapolation and is printed as
-one. Runs live in `<out>/1of<n>-<steps>steps`, outputs in `<out>/scaling-<steps-per-share>.{md,json,png}`; finished
-runs are not trained again, so an interrupted sweep starts again at the run it stopped in.
+one. Runs live in `<out>/<records>records-<steps>steps`, outputs in `<out>/scaling-<steps-per-share>.{md,json,png}`;
+finished runs are not trained again, so an interrupted sweep starts again at the run it stopped in.
+
+`--more` doubles the file with new records (as many of each category as it trains on), each woven in after one of its
+category: the doubled file's share 1/2n is the file's share 1/n record for record, so a sweep with `--more` and twice
+the `--steps` trains only the doubled file and reads every other point from the runs already in `--out`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import json
 import math
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,9 +64,8 @@ class Fit:
         return self.intercept + self.per_doubling * math.log2(records)
 
 
-def split_shares(lines: list[str], path: Path, shares: list[int], heldout: int) -> dict[int, list[str]]:
-    """Each share's file: every n-th of the records that are not held out, then the held-out ones (the same for all).
-    `lines` are the file's non-empty JSONL lines, each a record with a "category"."""
+def categories_of(lines: list[str], path: Path) -> list[str]:
+    """The "category" of each JSONL line, a bad line named by file and line."""
     categories = []
     for number, line in enumerate(lines, 1):
         try:
@@ -72,9 +76,19 @@ def split_shares(lines: list[str], path: Path, shares: list[int], heldout: int) 
             raise ValueError(f"{path}:{number}: field 'category' missing or not a string; the shares are balanced "
                              f"by it (write the records with scripts/real_traffic.py or python -m train.prepare)")
         categories.append(record["category"])
-    if len(lines) <= heldout:
-        raise ValueError(f"{path}: {len(lines)} records, but --heldout {heldout} of them are held out")
-    held = set(held_out_indices(categories, heldout, "per_category"))
+    return categories
+
+
+def held_out(categories: list[str], path: Path, heldout: int) -> set[int]:
+    if len(categories) <= heldout:
+        raise ValueError(f"{path}: {len(categories)} records, but --heldout {heldout} of them are held out")
+    return set(held_out_indices(categories, heldout, "per_category"))
+
+
+def split_shares(lines: list[str], path: Path, shares: list[int], heldout: int) -> dict[int, list[str]]:
+    """Each share's file: every n-th of the records that are not held out, then the held-out ones (the same for all).
+    `lines` are the file's non-empty JSONL lines, each a record with a "category"."""
+    held = held_out(categories_of(lines, path), path, heldout)
     rest = [line for i, line in enumerate(lines) if i not in held]
     tail = [line for i, line in enumerate(lines) if i in held]
     out = {}
@@ -82,6 +96,34 @@ def split_shares(lines: list[str], path: Path, shares: list[int], heldout: int) 
         if n < 1 or len(rest) // n < 1:
             raise ValueError(f"--shares: 1/{n} of {len(rest)} training records keeps none")
         out[n] = rest[::n] + tail
+    return out
+
+
+def doubled(lines: list[str], path: Path, more: list[str], more_path: Path, heldout: int) -> list[str]:
+    """The file with `more` records woven in: each after a trained-on record of its category, so that the doubled
+    file's share 1/2n is the file's share 1/n, record for record, and the held-out records stay the file's. `more`
+    holds as many records of each category as the file trains on."""
+    categories = categories_of(lines, path)
+    held = held_out(categories, path, heldout)
+    queues: dict[str, list[str]] = {}
+    for line, category in zip(more, categories_of(more, more_path)):
+        queues.setdefault(category, []).append(line)
+    trained = Counter(c for i, c in enumerate(categories) if i not in held)
+    if trained != Counter({c: len(q) for c, q in queues.items()}):
+        have = {c: len(queues.get(c, [])) for c in sorted(trained.keys() | queues.keys())}
+        raise ValueError(f"{more_path}: {have} records by category, but {path} trains on "
+                         f"{dict(sorted(trained.items()))}: --more doubles the file, with as many records of each "
+                         f"category as it trains on")
+    feeds = {c: iter(q) for c, q in queues.items()}
+    out = []
+    for i, (line, category) in enumerate(zip(lines, categories)):
+        out.append(line)
+        if i not in held:
+            out.append(next(feeds[category]))
+    tail = [line for i, line in enumerate(lines) if i in held]
+    if [out[i] for i in sorted(held_out(categories_of(out, path), path, heldout))] != tail:
+        raise ValueError(f"{path}: with --more woven in, --heldout {heldout} would hold out other records (a category "
+                         f"with fewer records than its turn of them); lower --heldout")
     return out
 
 
@@ -175,6 +217,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000, help="training steps on the whole file")
     ap.add_argument("--steps-per-share", choices=("fixed", "scaled"), default="fixed",
                     help="fixed: every share trains --steps; scaled: share 1/n trains --steps/n")
+    ap.add_argument("--more", default=None,
+                    help="records that double --data (as many of each category as it trains on), woven in so that "
+                         "the runs finished on --data alone are shares of the doubled file and are not trained again")
     ap.add_argument("--heldout", type=int, default=100, help="records held out from the whole file, shared by all")
     ap.add_argument("--goal", type=float, default=None, help="a τ to extrapolate the fitted line to")
     ap.add_argument("--out", default="runs/scaling")
@@ -189,16 +234,27 @@ def main() -> None:
                          "that trains one")
     shares = sorted({int(n) for n in args.shares.split(",")})
     lines = [line for line in data.read_text().splitlines() if line.strip()]
+    if args.more:
+        more = Path(args.more)
+        lines = doubled(lines, data, [line for line in more.read_text().splitlines() if line.strip()], more,
+                        args.heldout)
     files = split_shares(lines, data, shares, args.heldout)
     (out / "data").mkdir(parents=True, exist_ok=True)
     points = []
     for n, share_lines in files.items():
         steps = args.steps if args.steps_per_share == "fixed" else max(1, round(args.steps / n))
-        path, run_dir = out / "data" / f"1of{n}.jsonl", out / f"1of{n}-{steps}steps"
         records = len(share_lines) - args.heldout
-        if not (run_dir / "train_summary.json").exists():  # finished runs are not trained again
-            text = "\n".join(share_lines) + "\n"
-            if not path.exists() or path.read_text() != text:  # the same file keeps its prepared caches
+        # A run is named by what it trained on and for how long, so a sweep over more traffic finds the runs
+        # an earlier sweep finished on the same records.
+        path, run_dir = out / "data" / f"{records}records.jsonl", out / f"{records}records-{steps}steps"
+        text = "\n".join(share_lines) + "\n"
+        same = path.exists() and path.read_text() == text
+        if (run_dir / "train_summary.json").exists():  # finished runs are not trained again
+            if path.exists() and not same:
+                raise SystemExit(f"{run_dir} trained on other records than this sweep's share 1/{n} ({path} "
+                                 f"differs): give another --out")
+        else:
+            if not same:  # the same file keeps its prepared caches
                 path.write_text(text)
             overrides = [*args.overrides, f"data.path={path}", "data.max_records=null", "trainer.heldout=last",
                          f"trainer.eval_examples={args.heldout}", f"trainer.max_steps={steps}",
@@ -214,8 +270,9 @@ def main() -> None:
     stem = out / f"scaling-{args.steps_per_share}"
     stem.with_suffix(".md").write_text(text)
     stem.with_suffix(".json").write_text(json.dumps(
-        {"data": str(data), "steps": args.steps, "steps_per_share": args.steps_per_share, "heldout": args.heldout,
-         "overrides": args.overrides, "points": [asdict(p) for p in points], "fit": asdict(result)}, indent=2) + "\n")
+        {"data": str(data), "more": args.more, "steps": args.steps, "steps_per_share": args.steps_per_share,
+         "heldout": args.heldout, "overrides": args.overrides, "points": [asdict(p) for p in points],
+         "fit": asdict(result)}, indent=2) + "\n")
     plot(points, result, stem.with_suffix(".png"),
          f"{args.steps} steps on the whole file, {args.steps_per_share} per share")
     print(text + f"written: {stem}.md, .json, .png")

@@ -38,6 +38,20 @@ def test_a_record_without_category_is_named_by_file_and_line():
         scaling.split_shares(lines_of(["a"] * 4), Path("x.jsonl"), [8], heldout=2)
 
 
+def test_more_records_double_the_file_so_its_shares_are_the_doubled_files_even_shares():
+    lines = lines_of(["a"] * 6 + ["b"] * 4 + ["a"] * 2)  # held out (2): the last a and the last b
+    more = [json.dumps({"id": f"new-{c}-{i}", "category": c}) for i, c in enumerate(["b"] * 3 + ["a"] * 7)]
+    both = scaling.doubled(lines, Path("x.jsonl"), more, Path("more.jsonl"), heldout=2)
+    assert len(both) == len(lines) + len(more) and set(both) == set(lines) | set(more)
+    once, twice = (scaling.split_shares(f, Path("x.jsonl"), [1, 2, 4], heldout=2) for f in (lines, both))
+    assert twice[2] == once[1] and twice[4] == once[2]
+    ids = [json.loads(line)["id"] for line in twice[1]]
+    assert ids[-2:] == ["b-9", "a-11"] and ids[:4] == ["a-0", "new-a-3", "a-1", "new-a-4"]
+    with pytest.raises(ValueError, match=r"more\.jsonl: \{'a': 7, 'b': 2\} records by category, but x\.jsonl trains "
+                                         r"on \{'a': 7, 'b': 3\}"):
+        scaling.doubled(lines, Path("x.jsonl"), more[1:], Path("more.jsonl"), heldout=2)
+
+
 def point(records, tau, by_category=None):
     return scaling.Point(share=1, records=records, steps=1, step=1, top1=0.5, tau=tau, tau_by_category=by_category or {})
 
@@ -70,13 +84,30 @@ def test_a_sweep_on_the_tiny_world_trains_each_share_once_and_fits_them(tiny_wor
     assert [p["step"] for p in result["points"]] == [4, 2] and all(p["tau"] >= 1 for p in result["points"])
     assert (tmp_path / "scaling" / "scaling-scaled.png").stat().st_size > 0
     # Both runs held out the same six records, last in their files.
-    one, two = ((tmp_path / "scaling" / "data" / f"1of{n}.jsonl").read_text().splitlines() for n in (1, 2))
+    one, two = ((tmp_path / "scaling" / "data" / f"{n}records.jsonl").read_text().splitlines() for n in (34, 17))
     assert one[-6:] == two[-6:] and len(two) == 17 + 6
     # A second invocation trains nothing again.
-    stamp = (tmp_path / "scaling" / "1of2-2steps" / "train_summary.json").stat().st_mtime_ns
+    summaries = [tmp_path / "scaling" / run / "train_summary.json" for run in ("34records-4steps", "17records-2steps")]
+    stamps = [s.stat().st_mtime_ns for s in summaries]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    assert (tmp_path / "scaling" / "1of2-2steps" / "train_summary.json").stat().st_mtime_ns == stamp
+    assert [s.stat().st_mtime_ns for s in summaries] == stamps
     assert "τ per doubling of the records" in out and "each step up in the records, smallest first: " in out
+    # Twice the records with --more (the trained-on records again, under new ids) and twice the steps: only the
+    # doubled file trains; the two runs above are its shares 1/2 and 1/4.
+    held = set(one[-6:])
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps({**json.loads(line), "id": f"again-{i}"}) + "\n"
+                            for i, line in enumerate(records) if line not in held))
+    doubled = [*cmd[:cmd.index("--shares")], "--more", str(more), "--shares", "1,2,4", "--steps", "8",
+               *cmd[cmd.index("--steps") + 2:]]
+    subprocess.run(doubled, capture_output=True, text=True, check=True)
+    assert [s.stat().st_mtime_ns for s in summaries] == stamps
+    result = json.loads((tmp_path / "scaling" / "scaling-scaled.json").read_text())
+    assert [(p["share"], p["records"], p["steps"]) for p in result["points"]] == [(1, 68, 8), (2, 34, 4), (4, 17, 2)]
+    # A finished run is never read as another file's share.
+    (tmp_path / "scaling" / "data" / "17records.jsonl").write_text(two[0] + "\n")
+    run = subprocess.run(doubled, capture_output=True, text=True)
+    assert run.returncode != 0 and "17records-2steps trained on other records" in run.stderr
 
 
 def test_a_draft_lm_recipe_is_refused_before_anything_trains(tmp_path):
