@@ -13,7 +13,7 @@ Each record is a user turn without an answer (README "Company logs", the `chat` 
 has the target write the answers (train/regenerate.py), `python -m eval` measures the prompts. Writes
 DEST/train.jsonl and DEST/eval.jsonl; every category holds out its first `--eval-per-category` prompts in a
 fixed shuffled order, and trains on at most `--train-per-category` of the rest, the categories interleaved in
-train.jsonl. A source that is missing is skipped with a message.
+train.jsonl. A prompt is written once: none is both held out and trained on. A source that is missing is skipped with a message.
 """
 
 from __future__ import annotations
@@ -83,10 +83,17 @@ def sources(data: Path) -> dict[str, tuple[list[str], list[str] | None]]:
 def split(found: dict, eval_per_category: int, train_per_category: int, seed: int = 0) -> tuple[list, list]:
     held, trained = [], []
     for category, (prompts, train_prompts) in found.items():
+        # Each prompt once: TinyStories' openings repeat ("Once upon a time, there was a little girl named Lily."),
+        # and a held-out prompt that is also trained on measures what the drafter memorized, not what it learned.
+        prompts = list(dict.fromkeys(prompts))
         order = list(range(len(prompts)))
         random.Random(f"{seed}-{category}").shuffle(order)
         chosen = [prompts[i] for i in order]
-        rest = chosen[eval_per_category:] if train_prompts is None else train_prompts
+        if train_prompts is None:
+            rest = chosen[eval_per_category:]
+        else:
+            evaluated = set(chosen[:eval_per_category])
+            rest = [p for p in dict.fromkeys(train_prompts) if p not in evaluated]
         held += [(category, f"{category}-eval-{i:04d}", p) for i, p in enumerate(chosen[:eval_per_category])]
         trained += [(category, f"{category}-train-{i:05d}", p) for i, p in enumerate(rest[:train_per_category])]
     # Interleaved as a gateway's log is: training holds out its file's last records to choose the best

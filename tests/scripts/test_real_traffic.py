@@ -61,6 +61,15 @@ def test_each_category_holds_out_its_first_prompts_and_trains_on_the_rest(data, 
     assert "code 2, maths 2, chat 2, writing 2, stories 2" in capsys.readouterr().out
 
 
+def test_a_prompt_is_written_once_never_both_held_out_and_trained_on():
+    script = load_script("real_traffic")
+    found = {"stories": (["a", "b", "a", "c", "b", "d"], None), "maths": (["q1", "q2"], ["q1", "q3", "q2", "q3"])}
+    held, trained = script.split(found, eval_per_category=2, train_per_category=10)
+    prompts = lambda records, c: [p for category, _, p in records if category == c]  # noqa: E731
+    assert sorted(prompts(held, "stories") + prompts(trained, "stories")) == ["a", "b", "c", "d"]
+    assert sorted(prompts(held, "maths")) == ["q1", "q2"] and prompts(trained, "maths") == ["q3"]
+
+
 def test_a_missing_source_is_skipped_and_humaneval_comes_from_its_wheel(data, tmp_path, monkeypatch, capsys):
     import shutil
 
@@ -83,5 +92,7 @@ def test_the_real_benchmark_files_give_every_category(tmp_path, monkeypatch):
     trained, _ = load_records(str(tmp_path / "train.jsonl"))
     assert len(held) == 80 and {r.category for r in held} == {"code", "maths", "chat", "writing", "stories"}
     assert len(trained) > 500
+    texts = [r.messages[0]["content"] for r in held + trained]
+    assert len(set(texts)) == len(texts)  # TinyStories' repeated openings once each, none held out and trained on
     # Interleaved: the last 64 records (what training holds out to choose its checkpoint) hold every category.
     assert {r.category for r in trained[-64:]} == {r.category for r in held}
