@@ -115,13 +115,14 @@ def doubled(lines: list[str], path: Path, more: list[str], more_path: Path, held
                          f"{dict(sorted(trained.items()))}: --more doubles the file, with as many records of each "
                          f"category as it trains on")
     feeds = {c: iter(q) for c, q in queues.items()}
-    out = []
+    out, out_categories = [], []
     for i, (line, category) in enumerate(zip(lines, categories)):
         out.append(line)
         if i not in held:
             out.append(next(feeds[category]))
+        out_categories += [category] * (1 if i in held else 2)
     tail = [line for i, line in enumerate(lines) if i in held]
-    if [out[i] for i in sorted(held_out(categories_of(out, path), path, heldout))] != tail:
+    if [out[i] for i in sorted(held_out(out_categories, path, heldout))] != tail:
         raise ValueError(f"{path}: with --more woven in, --heldout {heldout} would hold out other records (a category "
                          f"with fewer records than its turn of them); lower --heldout")
     return out

@@ -13,7 +13,8 @@ Each record is a user turn without an answer (README "Company logs", the `chat` 
 has the target write the answers (train/regenerate.py), `python -m eval` measures the prompts. Writes
 DEST/train.jsonl and DEST/eval.jsonl; every category holds out its first `--eval-per-category` prompts in a
 fixed shuffled order, and trains on at most `--train-per-category` of the rest, the categories interleaved in
-train.jsonl. A prompt is written once: none is both held out and trained on. A source that is missing is skipped with a message.
+train.jsonl. A prompt is written once: none is both held out and trained on. A source that is missing is skipped
+with a message.
 """
 
 from __future__ import annotations
