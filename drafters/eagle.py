@@ -409,7 +409,8 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
         raise ValueError(f"{path}/model.safetensors: no lm_head; an EAGLE-3 export carries the output head its head "
                          "drafts through")
     target_ids = check_vocab_maps(state["d2t"], state["t2d"])
-    shared = target.get_output_embeddings().weight.detach()[target_ids.to(lm_head.device)]
+    weight = target.get_output_embeddings().weight.detach()  # on the target's device (a GPU), the file's on the CPU
+    shared = weight[target_ids.to(weight.device)].to(lm_head.device)
     if lm_head.shape != shared.shape:
         raise ValueError(f"{path}/model.safetensors: lm_head is {tuple(lm_head.shape)}, expected {tuple(shared.shape)} "
                          "(a row per draft token, the head's width)")
@@ -421,7 +422,7 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
                          ttt_steps=1, ttt_decay=1.0, own_lm_head=own)
     head = Eagle3(config)
     embed = state.pop("embed_tokens.weight", None)  # speculators stores the target's; SGLang's format has none
-    if embed is not None and not torch.equal(embed, target.get_input_embeddings().weight.detach().to(embed.dtype)):
+    if embed is not None and not torch.equal(embed, target.get_input_embeddings().weight.detach().to(embed)):
         raise ValueError(f"{path}: embed_tokens is not the target's embedding; draftsmith drafts with the target's")
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -453,7 +453,7 @@ def test_an_output_that_differs_as_the_verifying_servers_does_is_called_llama_cp
     assert engine.numerics_note(runs, plain, {}, keys).endswith("none of them is a prompt the cost servers measured")
 
 
-def test_a_confidence_stop_is_served_as_llama_cpps_p_min_only_with_its_rule(tmp_path):
+def test_a_confidence_stop_is_served_as_llama_cpps_p_min_only_with_its_rule(tmp_path, monkeypatch):
     """llama.cpp drops the unsure guess (--spec-draft-p-min): a drafter whose stop proposes it is not what
     the engine would run, so the engine refuses it rather than measure another drafter under its name."""
     spec = {"name": "h", "kind": "head", "path": str(tmp_path), "stop_below": 0.5}
@@ -462,17 +462,19 @@ def test_a_confidence_stop_is_served_as_llama_cpps_p_min_only_with_its_rule(tmp_
     with pytest.raises(ValueError, match="drafter 'm': llama.cpp's n-gram modes have no confidence stop"):
         engine.llama_cpp_drafter({"name": "m", "kind": "llamacpp", "spec_type": "ngram-mod", "stop_below": 0.5,
                                   "stop_rule": "drop"}, None, "target", tmp_path)
+    monkeypatch.setattr(llama_cpp, "binary", lambda name: Path("llama.cpp/bin") / name)  # a command, not a build
     server = llama_cpp.LlamaServer("t.gguf", draft="d.gguf", spec_type="draft-eagle3", k=4, p_min=0.5)
     assert server.command(8080)[-2:] == ["--spec-draft-p-min", "0.5"]
     with pytest.raises(ValueError, match="p_min is a draft model's confidence stop"):
         llama_cpp.LlamaServer("t.gguf", spec_type="ngram-mod", p_min=0.5)
 
 
-def test_ngram_cache_is_served_and_reported_at_the_draft_length_llama_cpp_fixes_for_it():
+def test_ngram_cache_is_served_and_reported_at_the_draft_length_llama_cpp_fixes_for_it(monkeypatch):
     """llama.cpp's ngram-cache drafts up to 8 tokens whatever --spec-draft-n-max says: a server asked for
     another k is an error, and the engine measures and reports it at k 8 alone, whatever ks are asked for."""
     with pytest.raises(ValueError, match="ngram-cache drafts up to 8 tokens .* k must be 8, got 4"):
         llama_cpp.LlamaServer("t.gguf", spec_type="ngram-cache", k=4)
+    monkeypatch.setattr(llama_cpp, "binary", lambda name: Path("llama.cpp/bin") / name)  # a command, not a build
     assert "ngram-cache" in llama_cpp.LlamaServer("t.gguf", spec_type="ngram-cache", k=8).command(8080)
     cache, mod = engine.Served("cache", spec_type="ngram-cache"), engine.Served("mod", spec_type="ngram-mod")
     assert cache.ks([2, 4]) == [8] and mod.ks([2, 4]) == [2, 4]

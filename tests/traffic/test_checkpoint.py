@@ -1,5 +1,6 @@
 """Checkpoints: atomic, complete or ignored, exact on resume, whole tensors even from a sharded run."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,8 @@ def test_fsdp_sharded_checkpoint_round_trip(tmp_path):
     uninterrupted run; the file also loads into an unsharded model (tests/traffic/fsdp_worker.py)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "traffic" / "fsdp_worker.py"), str(tmp_path / "checkpoints")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # CPU ranks on a machine with a GPU too: fully_shard's default mesh would put rank i on cuda:i.
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout

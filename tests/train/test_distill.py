@@ -317,12 +317,14 @@ def test_sigkill_and_resume_match_an_uninterrupted_run(tiny_world, tmp_path):
 @pytest.mark.slow
 def test_two_cpu_processes_end_with_identical_weights(tiny_world, tmp_path):
     # `--cpu --num_processes 2` silently starts one process; --multi_gpu with Accelerator(cpu=True) runs
-    # two gloo ranks on a machine without GPUs.
+    # two gloo ranks on a machine without GPUs, which the launch makes of one with a GPU too (two ranks on one
+    # GPU are no set-up NCCL runs).
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", str(29500 + os.getpid() % 1000),
            "-m", "train", "experiment=smoke", "progress=false", "evaluate.enabled=false",
            f"hydra.run.dir={tmp_path / 'run'}", f"data_cache={tmp_path / 'data'}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     # Both ranks still hold the process group at the end and leave without destructors: tearing gloo down
     # at interpreter exit aborts now and then (acc.end_training() used to destroy the group first).

@@ -10,6 +10,7 @@ import pytest
 
 from fake_hub import FakeHub
 from helpers import train_tiny_deep
+from eval import llama_cpp
 from train.export import ExportSettings, export
 from train.hub import HubSettings
 
@@ -72,7 +73,7 @@ def test_the_model_card_states_what_was_measured(evaluated_run, hub, tmp_path):
     for row in report["results"]:  # every measured tau and speed-up, per category
         assert f"| {row['category']} | {row['drafter']} | {row['k']} | {row['acceptance_length']:.2f} | " \
                f"{row['speedup']:.2f}× |" in card
-    assert report["hardware"]["cpu"] in card
+    assert (report["hardware"]["gpu"] or report["hardware"]["cpu"]) in card  # the processor that ran the loop
     assert "draft vocabulary: held-out assistant tokens covered" in card
     assert "--speculative-algorithm EAGLE3 --speculative-draft-model-path acme/eagle3" in card
     assert '"method": "eagle3", "model": "acme/eagle3"' in card
@@ -105,6 +106,8 @@ def test_no_token_and_a_refused_upload_are_clear_errors(evaluated_run, hub, tmp_
     assert TOKEN not in str(e.value)
 
 
+@pytest.mark.skipif(not llama_cpp.available(), reason=(
+    f"llama.cpp is not built at {llama_cpp.home()}: `make llama-cpp` (make test builds it); its converter writes the GGUF"))
 def test_a_draft_lm_card_serves_it_as_a_draft_model(draft_run, hub, tmp_path):
     written = export(draft_run, tmp_path / "out", ExportSettings(formats=["hf", "gguf"], num_speculative_tokens=6,
                                                                  hub=HubSettings(repo_id="acme/draft", dry_run=True)))
