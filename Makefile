@@ -93,8 +93,8 @@ demo-real: $(VENV)/.installed llama-cpp
 	@echo "make demo-real: SmolLM2-135M-Instruct (Q4_1 GGUF, fetched once into ~/.cache/draftsmith/models), real prompts"
 	@echo "  from $(DATA), answers by llama.cpp, an EAGLE-3 head trained on them, measured in draftsmith's loop and"
 	@echo "  in llama.cpp against an n-gram drafter, a self-draft and llama.cpp's own n-gram modes. On 2 cores from a fresh"
-	@echo "  clone (BENCHMARKS.md section 13.4): llama.cpp's build 5 min, the answers 8 min, the features 4 min, 400 training"
-	@echo "  steps 6 min (bf16 where the CPU multiplies it), the evaluation in both loops 10 min: 34 min in all."
+	@echo "  clone (BENCHMARKS.md section 13.4): llama.cpp's build 5 min, the answers 8-10 min, the features 4 min, 400"
+	@echo "  training steps 6-8 min (bf16 where the CPU multiplies it), the evaluation in both loops 10-13 min: 34-41 min."
 	$(BIN)/python -c "from traffic import models; print(models.fetch('smollm2'))"
 	$(BIN)/python scripts/real_traffic.py $(DATA) runs/real_traffic
 	$(BIN)/python -m train experiment=smollm2_eagle data.path=runs/real_traffic/train.jsonl \
