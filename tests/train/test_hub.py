@@ -8,9 +8,9 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 
+from eval import llama_cpp
 from fake_hub import FakeHub
 from helpers import train_tiny_deep
-from eval import llama_cpp
 from train.export import ExportSettings, export
 from train.hub import HubSettings
 
@@ -106,8 +106,8 @@ def test_no_token_and_a_refused_upload_are_clear_errors(evaluated_run, hub, tmp_
     assert TOKEN not in str(e.value)
 
 
-@pytest.mark.skipif(not llama_cpp.available(), reason=(
-    f"llama.cpp is not built at {llama_cpp.home()}: `make llama-cpp` (make test builds it); its converter writes the GGUF"))
+@pytest.mark.skipif(not llama_cpp.available(), reason=(  # its converter writes the GGUF
+    f"llama.cpp is not built at {llama_cpp.home()}: `make llama-cpp` (make test builds it)"))
 def test_a_draft_lm_card_serves_it_as_a_draft_model(draft_run, hub, tmp_path):
     written = export(draft_run, tmp_path / "out", ExportSettings(formats=["hf", "gguf"], num_speculative_tokens=6,
                                                                  hub=HubSettings(repo_id="acme/draft", dry_run=True)))
