@@ -192,14 +192,23 @@ def plot(points: list[Point], result: Fit, path: Path, title: str) -> None:
         ax.plot(xs, [p.tau_by_category.get(category, math.nan) for p in points], marker=".", lw=0.8, alpha=0.6,
                 label=category)
     ax.plot(xs, [p.tau for p in points], marker="o", color="black", lw=2, label="all (held out)")
-    right = max(xs) * 4  # the line drawn on for up to 10 doublings past the data, or to the goal if nearer
-    if result.records_for_goal is not None:
-        right = max(right, min(result.records_for_goal * 1.5, max(xs) * 2 ** 10))
+    # The fitted line runs on to where it meets the goal, if that is within 16 doublings past the data (else 10
+    # doublings on, the crossing named in a note): an extrapolation, drawn dashed and marked as one.
+    reach = result.records_for_goal
+    shown = reach is not None and reach <= max(xs) * 2 ** 16
+    right = max(reach * 1.5, max(xs) * 4) if shown else max(xs) * 2 ** 10
     line_x = [min(xs), right]
     ax.plot(line_x, [result.tau_at(x) for x in line_x], ls="--", color="black", lw=1,
             label=f"fit: {result.per_doubling:+.3f} per doubling")
     if result.goal is not None:
         ax.axhline(result.goal, color="tab:red", lw=1, ls=":", label=f"goal τ {result.goal}")
+    if shown:
+        ax.plot([reach], [result.goal], marker="o", color="tab:red", ms=5)
+        ax.annotate(f"about {reach:,.0f} records\n(extrapolated)", (reach, result.goal), textcoords="offset points",
+                    xytext=(-8, -24), ha="right", fontsize=8, color="tab:red")
+    elif reach is not None:
+        ax.text(0.02, 0.9, f"the line meets τ {result.goal} at about {reach:,.0f} records, off the plot",
+                transform=ax.transAxes, ha="left", va="top", fontsize=8, color="tab:red")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("training records")
     ax.set_ylabel("held-out greedy τ")
