@@ -10,6 +10,8 @@
 #               tests run.
 # make llama-cpp: llama.cpp's llama-server from the llama-cpp-python sdist, built once into
 #               ~/.cache/draftsmith/llama.cpp/ (about 5 minutes on 2 cores, BENCHMARKS.md section 12; reused afterwards).
+#               LLAMA_CPP_BACKEND=cuda make llama-cpp: with ggml's CUDA backend, for the machine's NVIDIA GPUs (needs
+#               nvcc; 293 s on 16 cores for an H200, BENCHMARKS.md section 16).
 # make bench:   the benchmarks behind BENCHMARKS.md sections 1, 3, 4 and 5 (about two hours; not run in CI).
 # make lock:    rewrite constraints.txt from the installed environment (after a dependency change and a green
 #               `make test`).

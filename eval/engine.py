@@ -405,6 +405,7 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
     counters: dict = {}
     costs: dict = {}
     verified: dict = {}  # the servers that keep no drafts: their completions, by configuration and prompt
+    device: list[str] = []  # where the plain server runs the model, from its log
     ctx = max(len(p) for _, _, p in items) + max_new_tokens + 16
 
     def server(config, rep: int, accept_none: bool = False) -> llama_cpp.LlamaServer:
@@ -419,6 +420,8 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
         """(completion, its drafting counters or None) for each prompt of `todo`, from one server."""
         out = []
         with server(config, rep, accept_none) as running:
+            if config is None:
+                device.append(running.device())
             running.complete(todo[0][2], max_new_tokens)  # warm-up, untimed
             drafting = DraftCounters(running) if config is not None else None
             before = drafting.after(1) if config is not None else None
@@ -451,6 +454,7 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
         out = []
         with ExitStack() as stack:
             servers = [stack.enter_context(server(config, rep)) for config in [None, *configs]]
+            device.append(servers[0].device())
             for running in servers:
                 running.complete(items[0][2], max_new_tokens)  # warm-ups, untimed
             drafting = [DraftCounters(running) for running in servers[1:]]
@@ -491,7 +495,7 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
                     verified.setdefault(key, {})[rep, category, i] = completion
     bar.close()
     return {"completions": completions, "counters": counters, "costs": costs, "verified": verified,
-            "items": [(c, i) for c, i, _ in items]}
+            "items": [(c, i) for c, i, _ in items], "device": device[0]}
 
 
 def _timings(runs: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
@@ -690,15 +694,16 @@ def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, lis
     logits say how near a tie it parts at (`PartingGaps`)."""
     target_gguf, served = converted.target_gguf, converted.served
     gaps = PartingGaps(target, prompts) if target is not None else None
-    engine_only = []
+    engine_only, devices = [], []
     for batch in batch_sizes:
         measured = measure_llama_cpp(target_gguf, served, prompts, ks, max_new_tokens=max_new_tokens, repeats=repeats,
                                      threads=threads, log_dir=work, cost_prompts=cost_prompts, progress=progress,
                                      batch=batch)
+        devices.append(measured.get("device") or "CPU")
         engine_only += engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed,
                                       batch=batch, alone=alone, ks=ks, gaps=gaps)
     return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "target_gguf": str(target_gguf),
-            "threads": threads, "work_dir": str(work), "alone": alone,
+            "threads": threads, "device": ", ".join(dict.fromkeys(devices)), "work_dir": str(work), "alone": alone,
             "cost_prompts_per_category": cost_prompts, "served": {s.name: s.spec_type or s.note for s in served},
             "p_min": {s.name: s.p_min for s in served if s.p_min},
             "draft_types": {s.name: s.dtype for s in served if s.dtype},

@@ -15,6 +15,7 @@ import codecs
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -188,6 +189,21 @@ class LogReader:
         self._file.close()
 
 
+_DEVICE = re.compile(r"using device (\S+) \(([^)]*)\)")
+_OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+
+
+def served_on(log: str) -> str:
+    """The device a llama-server log says the model runs on: `NVIDIA H200 (CUDA0), 31/31 layers` where a build
+    with a GPU backend offloads to it (llama-server offloads every layer it can by default), else `CPU`."""
+    devices = dict.fromkeys(_DEVICE.findall(log))
+    offloaded = _OFFLOADED.search(log)
+    if not devices or (offloaded and offloaded[1] == "0"):
+        return "CPU"
+    return ", ".join(f"{name} ({device})" for device, name in devices) + (
+        f", {offloaded[1]}/{offloaded[2]} layers" if offloaded else "")
+
+
 # llama.cpp's own model-free speculation (common/speculative.cpp), and the flag that sets how many tokens
 # each drafts: what a llama.cpp user has without any draft model. Their lookup lengths stay llama.cpp's.
 NGRAM_TYPES = {"ngram-simple": "--spec-ngram-simple-size-m", "ngram-map-k": "--spec-ngram-map-k-size-m",
@@ -316,6 +332,10 @@ class LlamaServer:
         if self._temporary_log is not None:
             self._temporary_log.unlink(missing_ok=True)
             self._temporary_log = None
+
+    def device(self) -> str:
+        """Where it runs the model, from its log (`served_on`)."""
+        return served_on(self._log.path.read_text(encoding="utf-8", errors="replace"))
 
     def new_log(self) -> str:
         """What the server has logged since the previous call (since its start, on the first)."""

@@ -122,6 +122,8 @@ def markdown(report: dict) -> str:
         f"- target: `{report['target']}`; baseline drafter: `{report['baseline']}`",
         *(f"- {line}" for line in traffic_lines(report["settings"])),
         f"- hardware: {hw['gpu'] or hw['cpu']}, {hw['torch_threads']} torch threads, torch {hw['torch']}",
+        *([f"- {engine['name']} on: {engine_device(report)}, {engine.get('threads')} engine threads"]
+          if (engine := report["settings"].get("engine") or {}).get("device") else []),
         "- settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items() if k not in TRAFFIC_KEYS),
         "",
         "prop = guesses proposed per round (below k with a confidence stop); τ = 1 + guesses kept per round"
@@ -298,6 +300,15 @@ def engine_verdict_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def engine_device(report: dict) -> str:
+    """Where the engine ran the model: the GPU its log names (settings.engine.device), else the processor (a
+    report written before the engine's device was recorded: torch's GPU if any, else the processor)."""
+    hw, device = report["hardware"], (report["settings"].get("engine") or {}).get("device")
+    if device is None:
+        return hw["gpu"] or hw["cpu"]
+    return hw["cpu"] if device == "CPU" else device
+
+
 def engine_alone_markdown(report: dict) -> str:
     """report.md of `engine.only=true`: llama.cpp measured alone, no loop of draftsmith's beside it."""
     hw = report["hardware"]
@@ -305,7 +316,7 @@ def engine_alone_markdown(report: dict) -> str:
     out = ["# draftsmith evaluation: " + f"{engine.get('name', 'the engine')} alone", "",
            f"- target: `{report['target']}`",
            *(f"- {line}" for line in traffic_lines(report["settings"])),
-           f"- hardware: {hw['gpu'] or hw['cpu']}, {engine.get('threads')} engine threads",
+           f"- hardware: {engine_device(report)}, {engine.get('threads')} engine threads",
            f"- served: {engine.get('name')} {engine.get('version')} on `{engine.get('target_gguf')}`"
            + "".join(f"; {name} as {GGUF_OUTTYPE.get(t, t)}" for name, t in (engine.get("draft_types") or {}).items())
            + "".join(f"; {name} with --spec-draft-p-min {p:g}" for name, p in (engine.get("p_min") or {}).items()),

@@ -236,6 +236,7 @@ def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny
     md = (out / "report.md").read_text()
     assert "## In llama.cpp" in md and "ngram: draftsmith's n-gram drafter has no llama.cpp counterpart" in md
     assert "At B > 1 llama.cpp serves with B slots" in md
+    assert f"- llama.cpp on: {report['hardware']['cpu']}, " in md  # the device its log names: this build's CPU
     assert json.loads((out / "report.json").read_text())["results"][0]["engine"] == "llama.cpp"
     assert list((out / "engine").glob("llama-server-*.log"))  # the engine's own logs are kept
     assert list((out / "engine").glob("llama-server-head-k4-accept-none-*.log"))  # and those c and β came from
@@ -376,8 +377,11 @@ def test_llama_cpp_alone_measures_every_drafter_it_serves_without_draftsmiths_lo
         assert r["engine_predicted_speedup"] == pytest.approx(
             r["engine_acceptance_length"] / (1 + r["engine_mean_proposed"] * c + beta))
         assert r["engine_ceiling"] == pytest.approx((r["k"] + 1) / (1 + beta))
+    # This build offloads nothing to a GPU (a CPU build, or a GPU build without a GPU): the report says so.
+    assert report["settings"]["engine"]["device"] == "CPU"
     md = (out / "report.md").read_text()
     assert md.startswith("# draftsmith evaluation: llama.cpp alone")
+    assert f"- hardware: {report['hardware']['cpu']}, 1 engine threads" in md
     assert f"- served: llama.cpp {llama_cpp.VERSION} on `" in md and "; head as f16" in md  # the file and types served
     assert "llama.cpp's own model-free speculation" in md and "head (draft-eagle3)" not in md
     assert "### Verdict per category in llama.cpp (each drafter at its best k)" in md
@@ -612,3 +616,34 @@ def test_a_draft_lm_gets_the_vocabulary_type_of_the_target_file_it_is_served_wit
     assert draft.fields["general.architecture"].contents() == "gemma3" and draft.fields["gemma3.block_count"].contents() == 4
     assert {t.name: t.data.tolist() for t in draft.tensors} == {n: a.tolist() for n, a in weights.items()}
     assert not engine_formats.with_tokenizer_of(tmp_path / "draft.gguf", tmp_path / "target.gguf")  # types agree now
+
+
+GPU_LOG = """llama_model_load_from_file_impl: using device CUDA0 (NVIDIA H200) (0000:00:05.0) - 142629 MiB free
+load_tensors: offloading 30 repeating layers to GPU
+load_tensors: offloading output layer to GPU
+load_tensors: offloaded 31/31 layers to GPU
+"""
+
+
+def test_the_device_llama_server_runs_on_comes_from_its_log():
+    """A build with a GPU backend names the device and the layers it offloads (llama-server offloads all it can by
+    default); a CPU build names no device; a GPU build told to offload nothing runs on the CPU."""
+    assert llama_cpp.served_on(GPU_LOG) == "NVIDIA H200 (CUDA0), 31/31 layers"
+    assert llama_cpp.served_on("load_tensors:   CPU_Mapped model buffer size =    98.06 MiB\n") == "CPU"
+    assert llama_cpp.served_on(GPU_LOG.replace("31/31", "0/31")) == "CPU"
+    two = GPU_LOG + "llama_model_load_from_file_impl: using device CUDA1 (NVIDIA H200) (0000:00:06.0) - 1 MiB free\n"
+    assert llama_cpp.served_on(two) == "NVIDIA H200 (CUDA0), NVIDIA H200 (CUDA1), 31/31 layers"
+
+
+def test_the_report_names_the_device_the_engine_ran_on():
+    """torch's view of the machine is not llama.cpp's: a GPU torch sees can sit idle under a CPU build, and a CUDA
+    build offloads where torch has no GPU. The engine's lines name the device from llama-server's log; a report
+    written before it was recorded keeps torch's."""
+    from eval import report as report_md
+
+    hw = {"cpu": "AMD EPYC", "gpu": "NVIDIA H200", "torch_threads": 2, "torch": "2.13.0"}
+    on = lambda device: {"hardware": hw, "settings": {"engine": {"name": "llama.cpp", "threads": 4,
+                                                                  **({"device": device} if device else {})}}}
+    assert report_md.engine_device(on("NVIDIA H200 (CUDA0), 31/31 layers")) == "NVIDIA H200 (CUDA0), 31/31 layers"
+    assert report_md.engine_device(on("CPU")) == "AMD EPYC"
+    assert report_md.engine_device(on(None)) == "NVIDIA H200"
