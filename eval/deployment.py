@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from eval.compare import Timings, compare, verdict
 from eval.endpoint import Endpoint, Streamed
-from eval.engine import FIELDS as ENGINE_FIELDS, stream
+from eval.engine import FIELDS as ENGINE_FIELDS, stream, tau_to_pay
 from eval.evaluate import ALL
 from eval.metrics import predicted_speedup
 
@@ -263,7 +263,8 @@ def add_figures(rows: list[dict], measured: dict[int, dict[str, Served]], *, dra
             if costs is not None and costs.beta is not None and costs.c is not None:
                 r.update(engine_cost_ratio=costs.c, engine_verify_overhead=costs.beta,
                          engine_predicted_speedup=predicted_speedup(r["acceptance_length"], r["mean_proposed"],
-                                                                    costs.c, costs.beta))
+                                                                    costs.c, costs.beta),
+                         engine_tau_to_pay=tau_to_pay(r["mean_proposed"], costs.c, costs.beta, pays_off_at))
     return own
 
 

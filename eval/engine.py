@@ -77,7 +77,8 @@ SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3"}
 FIELDS = ("engine", "engine_acceptance_length", "engine_mean_proposed", "engine_ar_tokens_per_s",
           "engine_sd_tokens_per_s", "engine_speedup", "engine_speedup_ci", "engine_verdict", "engine_lossless",
           "engine_cost_ratio",
-          "engine_verify_overhead", "engine_predicted_speedup", "engine_ceiling", "engine_tau_ceiling", "engine_note")
+          "engine_verify_overhead", "engine_predicted_speedup", "engine_ceiling", "engine_tau_ceiling",
+          "engine_tau_to_pay", "engine_note")
 
 
 @dataclass
@@ -132,7 +133,8 @@ def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | N
             predicted = predicted_speedup(r["acceptance_length"], tree.depth if tree else r["mean_proposed"], c, beta)
             figures.update(engine_predicted_speedup=predicted,
                            engine_verdict=("pays off" if predicted >= pays_off_at else "turn it off") + " (predicted)")
-        figures.update(ceilings(r["k"], r["acceptance_length"], beta))
+        figures.update(ceilings(r["k"], r["acceptance_length"], beta),
+                       engine_tau_to_pay=tau_to_pay(tree.depth if tree else r["mean_proposed"], c, beta, pays_off_at))
         r.update(figures)
     _engine_best_shape(rows)
 
@@ -567,6 +569,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
             engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at) if drafted else NOTHING_DRAFTED,
             engine_lossless=lossless, engine_note=note,
             engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted,
+            engine_tau_to_pay=tau_to_pay(proposed, c, beta, pays_off_at, verified),
             **ceilings(k, tau_engine, beta, verified))
 
     greedy = [r for r in rows if r.get("batch_size", 1) == batch and r["temperature"] == 0 and not r.get("tree")]
@@ -657,6 +660,16 @@ def ceilings(k: int, tau: float | None, beta: float | None, verified: float | No
     # a perfect drafter's round: no ceiling from it (the same drafter without its stop gives one).
     return {"engine_ceiling": (k + 1) / (1 + beta) if f == 1.0 else None,
             "engine_tau_ceiling": tau / (1 + f * beta) if tau else None}
+
+
+def tau_to_pay(proposed: float | None, c: float | None, beta: float | None, pays_off_at: float,
+               verified: float | None = 1.0) -> float | None:
+    """The τ at which the cost model's speed-up reaches the pay-off line at these costs, pays_off_at·(1 + n̄·c +
+    f·β) with n̄ the tokens drafted a round and f the share of rounds that verify: what a drafter drafting as
+    much must keep in this engine to pay, beside the τ it keeps (`predicted_speedup` solved for τ)."""
+    if None in (proposed, c, beta):
+        return None
+    return pays_off_at * (1 + proposed * c + (1.0 if verified is None else verified) * beta)
 
 
 @dataclass

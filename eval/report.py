@@ -233,12 +233,13 @@ ENGINE_COLUMNS = [
     ("plain tok/s", "engine_ar_tokens_per_s"),
     ("spec tok/s", "engine_sd_tokens_per_s"), ("c", "engine_cost_ratio"), ("β", "engine_verify_overhead"),
     ("pred ×", "engine_predicted_speedup"), ("speed-up ×", "engine_speedup"), ("95 % interval", "engine_speedup_ci"),
-    ("ceiling ×", "engine_ceiling"), ("τ ceiling ×", "engine_tau_ceiling"), ("lossless", "engine_lossless"), ("verdict here", "verdict"), ("verdict in the engine", "engine_verdict"),
+    ("ceiling ×", "engine_ceiling"), ("τ ceiling ×", "engine_tau_ceiling"), ("τ to pay", "engine_tau_to_pay"),
+    ("lossless", "engine_lossless"), ("verdict here", "verdict"), ("verdict in the engine", "engine_verdict"),
 ]
 PREDICTED_COLUMNS = [
     ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("τ", "acceptance_length"), ("prop", "mean_proposed"),
     ("c", "engine_cost_ratio"), ("β", "engine_verify_overhead"), ("pred ×", "engine_predicted_speedup"),
-    ("ceiling ×", "engine_ceiling"), ("τ ceiling ×", "engine_tau_ceiling"),
+    ("ceiling ×", "engine_ceiling"), ("τ ceiling ×", "engine_tau_ceiling"), ("τ to pay", "engine_tau_to_pay"),
     ("verdict here", "verdict"), ("verdict predicted", "engine_verdict"), ("best shape there", "engine_best_shape"),
 ]
 
@@ -248,8 +249,8 @@ DEPLOYMENT_COLUMNS = [
     ("τ engine", "engine_acceptance_length"), ("by position", "engine_acceptance_by_position"),
     ("plain tok/s", "engine_ar_tokens_per_s"), ("spec tok/s", "engine_sd_tokens_per_s"),
     ("speed-up ×", "engine_speedup"), ("95 % interval", "engine_speedup_ci"), ("throughput ×", "engine_throughput_ratio"),
-    ("pred ×", "engine_predicted_speedup"), ("lossless", "engine_lossless"), ("verdict here", "verdict"),
-    ("verdict in the engine", "engine_verdict"),
+    ("pred ×", "engine_predicted_speedup"), ("τ to pay", "engine_tau_to_pay"), ("lossless", "engine_lossless"),
+    ("verdict here", "verdict"), ("verdict in the engine", "engine_verdict"),
 ]
 
 
@@ -266,8 +267,9 @@ def deployment_section(rows: list[dict], name: str) -> list[str]:
            " too), by position = the share of verifications that kept the guess at each position; tok/s = tokens"
            " after the first over the time from the first token to the last, the median over repeats; speed-up ×"
            " pooled over repeats and prompts, with a 95 % interval over prompts; throughput × = the stream's tokens"
-           " over its wall-clock time, with the drafter over without; lossless = its greedy answer equals the plain"
-           " server's, text for text.", "",
+           " over its wall-clock time, with the drafter over without; with engine_costs given, pred × = τ / (1 +"
+           " prop·c + β) and τ to pay = pays_off_at · (1 + prop·c + β), the τ the drafter must keep there to pay;"
+           " lossless = its greedy answer equals the plain server's, text for text.", "",
            table(rows, [c for c in DEPLOYMENT_COLUMNS if any(r.get(c[1]) is not None for r in rows)]),
            "", "Latency as a user sees it (ms, p50 / p90 over answers): time to first token, and time per output token"
            " after it.", "",
@@ -280,9 +282,17 @@ def deployment_section(rows: list[dict], name: str) -> list[str]:
     return out
 
 
+def _needs(r: dict) -> str:
+    tau, to_pay = r.get("engine_acceptance_length"), r.get("engine_tau_to_pay")
+    if tau is None or to_pay is None or tau >= to_pay:
+        return ""
+    return f" (τ {tau:.2f}; it pays from τ {to_pay:.2f} here)"
+
+
 def engine_verdict_lines(rows: list[dict]) -> list[str]:
     """Per category (and batch size): every drafter at its best k by the engine's measured speed-up, fastest first,
-    with its interval and the engine's verdict."""
+    with its interval and the engine's verdict, and where it does not pay, the τ it keeps there and the τ it
+    would need to (`engine_tau_to_pay`)."""
     best: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         if r.get("engine_speedup") is None:
@@ -296,7 +306,7 @@ def engine_verdict_lines(rows: list[dict]) -> list[str]:
         ranked = sorted(group.values(), key=lambda r: -r["engine_speedup"])
         lines.append(f"- **{category}**{f', batch {batch}' if several else ''}: " + "; ".join(
             f"{r['drafter']} k={r['k']} {r['engine_speedup']:.2f}× ({_interval(r.get('engine_speedup_ci'))}) → "
-            f"{r['engine_verdict']}" for r in ranked))
+            f"{r['engine_verdict']}{_needs(r)}" for r in ranked))
     return lines
 
 
@@ -354,8 +364,9 @@ def engine_section(rows: list[dict], report_plots: list[str] = ()) -> list[str]:
         out = ["", f"## Predicted for {name.removesuffix(' (predicted)')}", "",
                "A prediction, not a measurement: draftsmith's τ per category with the c and β measured in that engine,"
                " pred × = τ / (1 + prop·c + β); ceiling × = (k+1) / (1 + β) and τ ceiling × = τ / (1 + β), what a"
-               " drafter costing nothing could reach there. Acceptance carries over between engines; cost is the"
-               " engine's.", "",
+               " drafter costing nothing could reach there; τ to pay = pays_off_at · (1 + prop·c + β), the τ at which"
+               " the prediction reaches the pay-off line: what the drafter must keep there. Acceptance carries over"
+               " between engines; cost is the engine's.", "",
                table(rows, PREDICTED_COLUMNS)]
         if any(r.get("tree") for r in rows):
             out += ["", "A tree is charged depth draft steps and β at its width (nodes + 1 positions; engine_costs.betas,"
@@ -377,8 +388,9 @@ def engine_section(rows: list[dict], report_plots: list[str] = ()) -> list[str]:
                " β), what a perfect drafter costing nothing could reach in this engine on this hardware, τ ceiling ×"
                " = τ engine / (1 + f·β), what"
                " the measured τ allows at no draft cost (a speed-up far below it: the draft costs too much; a low"
-               " ceiling: the hardware, the quantization or k limits); lossless = its greedy output equals its"
-               " plain output.", ""]
+               " ceiling: the hardware, the quantization or k limits); τ to pay = pays_off_at · (1 + prop·c + f·β), the"
+               " τ at which pred × reaches the pay-off line: what a drafter drafting as much must keep in this engine"
+               " to pay; lossless = its greedy output equals its plain output.", ""]
         # Engine-only rows (llama.cpp alone, its n-gram modes) have no τ or verdict of draftsmith's loop.
         columns = [c for c in ENGINE_COLUMNS if c[1] not in ("acceptance_length", "verdict")
                    or any(r.get(c[1]) is not None for r in measured)]

@@ -148,6 +148,7 @@ def test_figures_pool_decode_time_and_catch_a_different_answer():
         if (r["drafter"], r["k"]) == ("head", 4):
             assert r["engine"] == deployment.NAME and r["engine_acceptance_length"] == pytest.approx(3.0)
             assert r["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 4 * 0.05 + 0.2))
+            assert r["engine_tau_to_pay"] == pytest.approx(1.05 * (1 + 4 * 0.05 + 0.2))
         else:
             assert "engine" not in r
     spec.counters[0, "code"] = None  # a server without counters

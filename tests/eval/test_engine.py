@@ -34,6 +34,9 @@ def test_predict_turns_tau_into_a_speedup_with_the_engines_costs():
     head, draft, ngram = rows
     assert head["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 4 * 0.05 + 0.1))  # its own c
     assert head["engine_verdict"] == "pays off (predicted)"
+    # What it must keep there to pay: the τ at which the prediction reaches 1.05.
+    assert head["engine_tau_to_pay"] == pytest.approx(1.05 * (1 + 4 * 0.05 + 0.1))
+    assert engine.predicted_speedup(head["engine_tau_to_pay"], 4.0, 0.05, 0.1) == pytest.approx(1.05)
     assert draft["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 4 * 0.5 + 0.1))  # the shared c
     assert draft["engine_verdict"] == "turn it off (predicted)"
     assert ngram["engine_cost_ratio"] == 0.5 and ngram["engine"] == "vLLM on 1x H100 (predicted)"
@@ -59,6 +62,7 @@ def test_predict_prices_a_tree_at_its_width_and_names_the_shape_the_costs_favour
     engine.predict(flat, engine.EngineCosts(c=0.05, beta=0.1), {}, pays_off_at=1.05)
     chain, tree = flat
     assert tree["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 4 * 0.05 + 0.1))  # depth steps, not nodes
+    assert tree["engine_tau_to_pay"] == pytest.approx(1.05 * (1 + 4 * 0.05 + 0.1))
     assert chain["engine_best_shape"] == tree["engine_best_shape"] == "tree d4t4n16"
     assert tree["sglang_settings"] == ("--speculative-num-steps 4 --speculative-eagle-topk 4 "
                                        "--speculative-num-draft-tokens 17")
@@ -229,6 +233,8 @@ def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny
             r["acceptance_length"] / (1 + r["mean_proposed"] * r["engine_cost_ratio"] + r["engine_verify_overhead"]))
         assert r["engine_ceiling"] == pytest.approx((r["k"] + 1) / (1 + r["engine_verify_overhead"]))
         assert r["engine_tau_ceiling"] == pytest.approx(r["engine_acceptance_length"] / (1 + r["engine_verify_overhead"]))
+        assert r["engine_tau_to_pay"] == pytest.approx(1.05 * (1 + r["mean_proposed"] * r["engine_cost_ratio"]
+                                                               + r["engine_verify_overhead"]))
         assert r["engine_ar_tokens_per_s"] > 0 and r["engine_sd_tokens_per_s"] > 0
     for k in (2, 4):  # the same head, features and prompts in both loops: acceptance carries over
         ours, theirs = rows["head", k, "all"]["acceptance_length"], rows["head", k, "all"]["engine_acceptance_length"]
@@ -376,6 +382,7 @@ def test_llama_cpp_alone_measures_every_drafter_it_serves_without_draftsmiths_lo
         assert c > 0 and beta is not None
         assert r["engine_predicted_speedup"] == pytest.approx(
             r["engine_acceptance_length"] / (1 + r["engine_mean_proposed"] * c + beta))
+        assert r["engine_tau_to_pay"] == pytest.approx(1.05 * (1 + r["engine_mean_proposed"] * c + beta))
         assert r["engine_ceiling"] == pytest.approx((r["k"] + 1) / (1 + beta))
     # This build offloads nothing to a GPU (a CPU build, or a GPU build without a GPU): the report says so.
     assert report["settings"]["engine"]["device"] == "CPU"
@@ -416,6 +423,9 @@ def test_engine_verdict_lines_rank_each_drafters_best_k():
     (line,) = engine_verdict_lines([r("head", 2, 0.8, "turn it off"), r("head", 4, 1.2, "pays off"),
                                     r("mod", 2, 0.99, "undecided"), {**r("mod", 4, 1.0, None), "engine_speedup": None}])
     assert line == ("- **code**: head k=4 1.20× (1.10–1.30) → pays off; mod k=2 0.99× (0.89–1.09) → undecided")
+    slow = {**r("head", 2, 0.74, "turn it off"), "engine_acceptance_length": 1.56, "engine_tau_to_pay": 2.2}
+    (line,) = engine_verdict_lines([slow])  # what it keeps, and what it would need to keep to pay
+    assert line == "- **code**: head k=2 0.74× (0.64–0.84) → turn it off (τ 1.56; it pays from τ 2.20 here)"
 
 
 def test_llama_cpps_own_drafters_need_the_engine_and_cannot_be_the_baseline(tiny_world, tmp_path):
