@@ -712,7 +712,7 @@ def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, lis
         measured = measure_llama_cpp(target_gguf, served, prompts, ks, max_new_tokens=max_new_tokens, repeats=repeats,
                                      threads=threads, log_dir=work, cost_prompts=cost_prompts, progress=progress,
                                      batch=batch)
-        devices.append(measured.get("device") or "CPU")
+        devices.append(measured["device"])
         engine_only += engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed,
                                       batch=batch, alone=alone, ks=ks, gaps=gaps)
     return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "target_gguf": str(target_gguf),

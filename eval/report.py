@@ -284,7 +284,7 @@ def deployment_section(rows: list[dict], name: str) -> list[str]:
 
 def _needs(r: dict) -> str:
     tau, to_pay = r.get("engine_acceptance_length"), r.get("engine_tau_to_pay")
-    if tau is None or to_pay is None or tau >= to_pay:
+    if tau is None or to_pay is None or tau >= to_pay or r.get("engine_verdict") == "pays off":
         return ""
     return f" (τ {tau:.2f}; it pays from τ {to_pay:.2f} here)"
 

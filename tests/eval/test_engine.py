@@ -426,6 +426,8 @@ def test_engine_verdict_lines_rank_each_drafters_best_k():
     slow = {**r("head", 2, 0.74, "turn it off"), "engine_acceptance_length": 1.56, "engine_tau_to_pay": 2.2}
     (line,) = engine_verdict_lines([slow])  # what it keeps, and what it would need to keep to pay
     assert line == "- **code**: head k=2 0.74× (0.64–0.84) → turn it off (τ 1.56; it pays from τ 2.20 here)"
+    lucky = {**slow, "engine_speedup": 1.1, "engine_verdict": "pays off"}  # measured above what the costs predict
+    assert engine_verdict_lines([lucky]) == ["- **code**: head k=2 1.10× (0.64–0.84) → pays off"]
 
 
 def test_llama_cpps_own_drafters_need_the_engine_and_cannot_be_the_baseline(tiny_world, tmp_path):
