@@ -15,7 +15,8 @@ same passes over its records as the whole file gets (compute grows with the traf
 
 The best checkpoint's held-out greedy τ (replayed at the recipe's `ttt_steps`) is fitted against log2(records): the
 slope is what each doubling of the records buys. Extending the line to `--goal` is an extrapolation and is printed as
-one. Runs live in `<out>/<records>records-<steps>steps`, outputs in `<out>/scaling-<steps-per-share>.{md,json,png}`;
+one; with `scaled`, so are the steps those records would train and their hours at the largest run's median step time
+(`step_s` in its metrics.jsonl), the training steps alone. Runs live in `<out>/<records>records-<steps>steps`, outputs in `<out>/scaling-<steps-per-share>.{md,json,png}`;
 finished runs are not trained again, so an interrupted sweep starts again at the run it stopped in.
 
 `--more` doubles the file with new records (as many of each category as it trains on), each woven in after one of its
@@ -50,6 +51,7 @@ class Point:
     top1: float
     tau: float               # held-out greedy τ of the best checkpoint
     tau_by_category: dict
+    step_s: float | None = None  # the median training step's seconds (None: a run from before they were logged)
 
 
 @dataclass
@@ -141,6 +143,18 @@ def fit(points: list[Point], goal: float | None = None) -> Fit:
                per_doubling_by_category=by_category)
 
 
+def goal_compute(points: list[Point], result: Fit) -> dict | None:
+    """What the goal's records would cost in training steps with the steps growing with the records (`scaled`):
+    the largest run's steps per record times the goal's records, at that run's median step time on this machine.
+    None where the line does not meet the goal or that run logged no step times."""
+    top = max(points, key=lambda p: p.records)
+    if result.records_for_goal is None or top.step_s is None:
+        return None
+    steps = result.records_for_goal * top.steps / top.records
+    return {"steps": steps, "hours": steps * top.step_s / 3600, "step_s": top.step_s, "records": top.records,
+            "run_steps": top.steps}
+
+
 def read_point(run_dir: Path, share: int, records: int, steps: int) -> Point:
     best = json.loads((run_dir / "best" / "best.json").read_text())
     if "tau_greedy" not in best:
@@ -149,11 +163,12 @@ def read_point(run_dir: Path, share: int, records: int, steps: int) -> Point:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     scored = [r for r in rows if r.get("step") == best["step"] and "heldout_tau_greedy" in r]
     by_category = scored[-1].get("heldout_tau_greedy_by_category", {}) if scored else {}
+    times = [r["step_s"] for r in rows if "step_s" in r]
     return Point(share=share, records=records, steps=steps, step=best["step"], top1=best["top1"], tau=best["tau_greedy"],
-                 tau_by_category=by_category)
+                 tau_by_category=by_category, step_s=statistics.median(times) if times else None)
 
 
-def table(points: list[Point], result: Fit) -> str:
+def table(points: list[Point], result: Fit, compute: dict | None = None) -> str:
     points = sorted(points, key=lambda p: p.records)
     categories = sorted({c for p in points for c in p.tau_by_category})
     head = ["share", "records", "steps", "best step", "top-1", "τ (fit)", *categories]
@@ -177,6 +192,11 @@ def table(points: list[Point], result: Fit) -> str:
             lines.append(f"goal τ {result.goal}: the fitted line reaches it at about {result.records_for_goal:,.0f} records "
                          f"({result.records_for_goal / points[-1].records:,.1f}× the most measured); an "
                          f"extrapolation, which holds only if each doubling keeps buying the same")
+    if compute is not None:
+        lines.append(f"at the pace of the largest run ({compute['run_steps']:,} steps on {compute['records']:,} records, "
+                     f"median {compute['step_s']:.3g} s a step on this machine), those records would train about "
+                     f"{compute['steps']:,.0f} steps, {compute['hours']:,.1f} hours of training steps alone (not the "
+                     f"answers, features or held-out evaluations): the same extrapolation")
     return "\n".join(lines) + "\n"
 
 
@@ -276,13 +296,15 @@ def main() -> None:
     if len(points) < 2:
         raise SystemExit("one share measured; a fit needs two or more (--shares)")
     result = fit(points, args.goal)
-    text = table(points, result)
+    # Only where the steps grow with the records is the line's cost a number of steps in proportion to them.
+    compute = goal_compute(points, result) if args.steps_per_share == "scaled" else None
+    text = table(points, result, compute)
     stem = out / f"scaling-{args.steps_per_share}"
     stem.with_suffix(".md").write_text(text)
     stem.with_suffix(".json").write_text(json.dumps(
         {"data": str(data), "more": args.more, "steps": args.steps, "steps_per_share": args.steps_per_share,
          "heldout": args.heldout, "overrides": args.overrides, "points": [asdict(p) for p in points],
-         "fit": asdict(result)}, indent=2) + "\n")
+         "fit": asdict(result), "goal_compute": compute}, indent=2) + "\n")
     plot(points, result, stem.with_suffix(".png"),
          f"{args.steps} steps on the whole file, {args.steps_per_share} per share")
     print(text + f"written: {stem}.md, .json, .png")

@@ -430,6 +430,7 @@ class DistillRecipe:
             self._log({"step": 0, **self.evaluate_heldout()})
         self.model.train()
         while self.step < t.max_steps:
+            step_started = time.perf_counter()
             on_policy = random.Random(t.seed * 1_000_003 + self.step).random() < self.cfg.drafter.on_policy.ratio
             indices = self._batch_indices(self.step)
             micro = [indices[i * t.batch_size:(i + 1) * t.batch_size] for i in range(t.grad_accum)]
@@ -450,9 +451,13 @@ class DistillRecipe:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
-            record = {"step": self.step, "loss": self.acc.reduce(total, "mean").item(), "on_policy": on_policy,
-                      "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                      "tokens_per_s": tokens * self.acc.num_processes / (time.perf_counter() - started)}
+            mean_loss = self.acc.reduce(total, "mean").item()  # waits for the device: the step's time is its own
+            now = time.perf_counter()
+            # step_s: this step alone, its batch to its optimizer step (not the held-out evaluation or checkpoint
+            # after it); tokens_per_s: every step since this process started, evaluations included.
+            record = {"step": self.step, "loss": mean_loss, "on_policy": on_policy, "lr": self.scheduler.get_last_lr()[0],
+                      "grad_norm": float(grad_norm), "step_s": now - step_started,
+                      "tokens_per_s": tokens * self.acc.num_processes / (now - started)}
             if self.step % t.eval_every == 0 or self.step == t.max_steps:
                 record.update(self.evaluate_heldout())
             self._log(record)

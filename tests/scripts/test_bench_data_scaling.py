@@ -69,6 +69,20 @@ def test_the_fit_gives_the_gain_per_doubling_and_where_the_line_meets_the_goal()
     assert "does not rise" in scaling.table([point(100, 1.5), point(200, 1.5), point(400, 1.4)], flat)
 
 
+def test_the_goals_records_are_costed_at_the_largest_runs_pace():
+    points = [point(r, 1 + 0.1 * math.log2(r)) for r in (100, 200, 400)]
+    for p, steps, step_s in zip(points, (25, 50, 100), (9.0, 9.0, 2.0)):
+        p.steps, p.step_s = steps, step_s
+    result = scaling.fit(points, goal=2.0)  # the goal at 2 ** 10 records: 1024 / 400 times the largest run
+    compute = scaling.goal_compute(points, result)
+    assert compute["steps"] == pytest.approx(1024 / 4) and compute["hours"] == pytest.approx(256 * 2.0 / 3600)
+    assert "would train about 256 steps, 0.1 hours of training steps alone" in scaling.table(points, result, compute)
+    points[-1].step_s = None  # a run from before step times were logged
+    assert scaling.goal_compute(points, result) is None
+    flat = [point(100, 1.5), point(200, 1.4)]
+    assert scaling.goal_compute(flat, scaling.fit(flat, goal=2.0)) is None
+
+
 def test_a_sweep_on_the_tiny_world_trains_each_share_once_and_fits_them(tiny_world, tmp_path):
     """With --steps-per-share scaled, share 1/2 trains half the steps of the whole file."""
     records = (tiny_world / "company_logs" / "train.jsonl").read_text().splitlines()[:40]
@@ -82,6 +96,7 @@ def test_a_sweep_on_the_tiny_world_trains_each_share_once_and_fits_them(tiny_wor
     result = json.loads((tmp_path / "scaling" / "scaling-scaled.json").read_text())
     assert [(p["share"], p["records"], p["steps"]) for p in result["points"]] == [(1, 34, 4), (2, 17, 2)]
     assert [p["step"] for p in result["points"]] == [4, 2] and all(p["tau"] >= 1 for p in result["points"])
+    assert all(p["step_s"] > 0 for p in result["points"])  # the trainer's step times, read back
     assert (tmp_path / "scaling" / "scaling-scaled.png").stat().st_size > 0
     # Both runs held out the same six records, last in their files.
     one, two = ((tmp_path / "scaling" / "data" / f"{n}records.jsonl").read_text().splitlines() for n in (34, 17))
