@@ -16,8 +16,9 @@ same passes over its records as the whole file gets (compute grows with the traf
 The best checkpoint's held-out greedy τ (replayed at the recipe's `ttt_steps`) is fitted against log2(records): the
 slope is what each doubling of the records buys. Extending the line to `--goal` is an extrapolation and is printed as
 one; with `scaled`, so are the steps those records would train and their hours at the largest run's median step time
-(`step_s` in its metrics.jsonl), the training steps alone. Runs live in `<out>/<records>records-<steps>steps`, outputs in `<out>/scaling-<steps-per-share>.{md,json,png}`;
-finished runs are not trained again, so an interrupted sweep starts again at the run it stopped in.
+(`step_s` in its metrics.jsonl), the training steps alone. Runs live in `<out>/<records>records-<steps>steps`,
+outputs in `<out>/scaling-<steps-per-share>.{md,json,png}`; finished runs are not trained again, so an interrupted
+sweep starts again at the run it stopped in.
 
 `--more` doubles the file with new records (as many of each category as it trains on), each woven in after one of its
 category: the doubled file's share 1/2n is the file's share 1/n record for record, so a sweep with `--more` and twice
