@@ -11,7 +11,8 @@
 # make llama-cpp: llama.cpp's llama-server from the llama-cpp-python sdist, built once into
 #               ~/.cache/draftsmith/llama.cpp/ (about 5 minutes on 2 cores, BENCHMARKS.md section 12; reused afterwards).
 #               LLAMA_CPP_BACKEND=cuda make llama-cpp: with ggml's CUDA backend, for the machine's NVIDIA GPUs (needs
-#               nvcc; 293 s on 16 cores for an H200, BENCHMARKS.md section 16).
+#               nvcc; 293 s on 16 cores for an H200, BENCHMARKS.md section 16). On a CPU with Intel's AMX, ggml's AMX
+#               kernels are left out (they crash llama-server on some such machines; LLAMA_CPP_AMX=on keeps them).
 # make bench:   the benchmarks behind BENCHMARKS.md sections 1, 3, 4 and 5 (about two hours; not run in CI).
 # make lock:    rewrite constraints.txt from the installed environment (after a dependency change and a green
 #               `make test`).

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def home() -> Path:
     return Path.home() / ".cache" / "draftsmith" / "llama.cpp" / f"llama-cpp-python-{VERSION}"
 
 
-BINARIES = ("llama-server",)
+BINARIES = ("llama-server", "llama-quantize")
 PATCHES = Path(__file__).resolve().parent / "llama_cpp_patches"  # applied by scripts/build_llama_cpp.sh, in name order
 
 
@@ -62,7 +63,8 @@ def require() -> Path:
     """The build's directory, or a FileNotFoundError saying how to build it."""
     if not available():
         if (home() / "bin" / BINARIES[0]).exists():
-            raise FileNotFoundError(f"llama.cpp at {home()} was built without this clone's patches ({PATCHES}): run "
+            raise FileNotFoundError(f"llama.cpp at {home()} was built by an older scripts/build_llama_cpp.sh (other "
+                                    f"patches than {PATCHES}, or without bin/{', bin/'.join(BINARIES[1:])}): run "
                                     "`make llama-cpp` to rebuild it (about 5 minutes on 2 cores)")
         raise FileNotFoundError(f"llama.cpp is not built at {home()} (bin/{', bin/'.join(BINARIES)}, src/): run "
                                 "`make llama-cpp` (scripts/build_llama_cpp.sh, about 5 minutes on 2 cores) or set "
@@ -125,6 +127,19 @@ def convert_to_gguf(model_dir: str | Path, out_file: str | Path, *, outtype: str
     if proc.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"llama.cpp's converter failed on {model_dir} (exit {proc.returncode}):\n"
                            + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
+    return out_file
+
+
+def quantize(gguf: str | Path, out_file: str | Path, qtype: str) -> Path:
+    """`gguf` (f32, f16 or bf16) quantized to `qtype` (Q4_1, Q8_0, Q4_K_M, ...: llama-quantize's names) by
+    llama.cpp's own quantizer, the tool that makes the quantized files teams deploy."""
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([str(binary("llama-quantize")), str(gguf), str(out_file), qtype], capture_output=True,
+                          text=True)
+    if proc.returncode != 0 or not out_file.exists():
+        raise RuntimeError(f"llama-quantize failed on {gguf} to {qtype} (exit {proc.returncode}):\n"
+                           + "\n".join((proc.stdout + proc.stderr).splitlines()[-15:]))
     return out_file
 
 
@@ -202,6 +217,52 @@ def served_on(log: str) -> str:
         return "CPU"
     return ", ".join(f"{name} ({device})" for device, name in devices) + (
         f", {offloaded[1]}/{offloaded[2]} layers" if offloaded else "")
+
+
+def died(returncode: int) -> str:
+    """How a process ended, for an error: `was killed by SIGSEGV (signal 11)` or `exited with 1`."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"was killed by {name} (signal {-returncode})"
+    return f"exited with {returncode}"
+
+
+def cpu_has_amx(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether the CPU has Intel's AMX for int8 (Sapphire Rapids and later Xeons), as Linux lists it."""
+    try:
+        return "amx_int8" in Path(cpuinfo).read_text().split()
+    except OSError:
+        return False
+
+
+def amx_kernels() -> str:
+    """Whether the build at home() runs ggml's AMX kernels: `on`, `off` (left out on an AMX CPU) or `none` (no
+    AMX on the CPU it was built for), as scripts/build_llama_cpp.sh records it in bin/amx; a build without that
+    record predates the choice and has them wherever the CPU has AMX."""
+    record = home() / "bin" / "amx"
+    if record.exists():
+        return record.read_text().strip()
+    return "on" if cpu_has_amx() else "none"
+
+
+def why_it_died(returncode: int, log: str) -> str:
+    """The likely cause of llama-server dying on a signal while loading, and the way around it ("" when none
+    is known), from how it died, the build's record and its log (whose system_info line, logged at -lv 4,
+    names the CPU features its kernels were built with)."""
+    if returncode == -signal.SIGSEGV and (amx_kernels() == "on" or "AMX_INT8 = 1" in log):
+        return ("; this build runs ggml's AMX kernels, which crash on some CPUs with AMX in their first decode of "
+                "a quantized model (llama.cpp issue 20824): rebuild with `make llama-cpp`, which leaves them out on "
+                "such a CPU (scripts/build_llama_cpp.sh), or serve without repacking: LLAMA_ARG_REPACK=0 in the "
+                "environment (llama-server's --no-repack)")
+    if returncode == -signal.SIGILL:
+        return ("; an illegal instruction: this build was compiled for another CPU (GGML_NATIVE); rebuild it on this "
+                "machine with `make llama-cpp`")
+    if returncode == -signal.SIGKILL:
+        return "; killed from outside, most often by the kernel when memory runs out: check `dmesg`, or use a smaller ctx_size"
+    return ""
 
 
 # llama.cpp's own model-free speculation (common/speculative.cpp), and the flag that sets how many tokens
@@ -286,10 +347,11 @@ class LlamaServer:
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                tail = self._log.tail()
+                log, tail = self._log.path.read_text(encoding="utf-8", errors="replace"), self._log.tail()
                 self._close_log()
-                raise RuntimeError(f"llama-server exited with {self.process.returncode} while loading {self.model}"
-                                   + (f" and {self.draft}" if self.draft else "") + f"; the end of its log:\n{tail}")
+                raise RuntimeError(f"llama-server {died(self.process.returncode)} while loading {self.model}"
+                                   + (f" and {self.draft}" if self.draft else "") + f"{why_it_died(self.process.returncode, log)}"
+                                   f"; the end of its log:\n{tail}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:

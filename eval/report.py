@@ -438,6 +438,8 @@ def traffic_lines(settings: dict) -> list[str]:
         lines.append(f"measured: {_records(data)}" + (f"; prompts per category: {prompts}" if prompts else "")
                      + (f"; {data['skipped_too_long']} prompts longer than the context allows skipped"
                         if data.get("skipped_too_long") else ""))
+        lines += [f"not measured: {category}, all {n} of its prompts read were longer than the context allows"
+                  for category, n in data.get("emptied", {}).items()]
     elif data:
         lines.append(f"measured: `{data}`")
     trained = settings.get("trained_on")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -122,6 +122,7 @@ class Traffic:
     held_out: int | None = None  # only the `held_out` records training held out of the source
     too_long: int = 0  # prompts tokenize_prompts skipped as longer than the limit (on_bad_record=skip)
     held_out_by: str = "last"  # which ones (trainer.heldout): the source's last | as many of each category
+    emptied: dict[str, int] = field(default_factory=dict)  # categories all of whose prompts were skipped: how many
 
     def describe(self, prompts: dict[str, list] | None = None) -> dict:
         """{path, records, held_out (and by what), prompts per category, prompts skipped as too long}: the `data`
@@ -133,6 +134,8 @@ class Traffic:
             out["prompts"] = {category: len(p) for category, p in prompts.items()}
         if self.too_long:
             out["skipped_too_long"] = self.too_long
+        if self.emptied:
+            out["emptied"] = dict(self.emptied)
         return out
 
 
@@ -173,24 +176,32 @@ def tokenize_prompts(traffic: Traffic, tokenizer, *, device: torch.device, max_p
                      on_bad_record: str = "error") -> dict[str, list[torch.Tensor]]:
     """Prompt token ids per category, in file order, at most max_per_category each. A prompt longer than
     max_prompt_tokens (`why` says where the limit comes from) is an error naming the record, or with
-    on_bad_record=skip left out and counted in `traffic.too_long`."""
+    on_bad_record=skip left out and counted in `traffic.too_long`. A category all of whose prompts were
+    skipped has no entry; `traffic.emptied` counts its skipped prompts, so the report names it as not measured.
+    Every prompt skipped is an error naming the limit and the setting behind it."""
     prompts: dict[str, list[torch.Tensor]] = defaultdict(list)
-    traffic.too_long = 0
+    skipped: dict[str, int] = defaultdict(int)
     for record in traffic.records:
-        if max_per_category is not None and len(prompts[record.category]) >= max_per_category:
+        if max_per_category is not None and len(prompts.get(record.category, ())) >= max_per_category:
             continue
         ids = prompt_ids(record, tokenizer)
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             if on_bad_record == "skip":
-                traffic.too_long += 1
+                skipped[record.category] += 1
                 continue
             raise RecordError(record.source, record.line, "messages",
                               f"prompt is {len(ids)} tokens, longer than the {max_prompt_tokens} allowed ({why}); "
                               "data.on_bad_record=skip skips such records")
         prompts[record.category].append(torch.tensor(ids, device=device))
+    traffic.too_long = sum(skipped.values())
+    traffic.emptied = {category: n for category, n in skipped.items() if category not in prompts}
+    if traffic.too_long and not prompts:
+        raise ValueError(f"{traffic.source}: all {traffic.too_long} prompts read are longer than the {max_prompt_tokens} "
+                         f"tokens allowed ({why}), so none is left to measure; raise the limit or measure shorter prompts")
     if traffic.too_long:
-        log.warning("%s: %d prompts longer than %d tokens skipped (%s)", traffic.source, traffic.too_long,
-                    max_prompt_tokens, why)
+        emptied = ", ".join(f"{category} ({n})" for category, n in traffic.emptied.items())
+        log.warning("%s: %d prompts longer than %d tokens skipped (%s)%s", traffic.source, traffic.too_long,
+                    max_prompt_tokens, why, f"; not measured, every prompt skipped: {emptied}" if emptied else "")
     return dict(prompts)
 
 

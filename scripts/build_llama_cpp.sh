@@ -6,7 +6,7 @@
 #     LLAMA_CPP_BACKEND=cuda scripts/build_llama_cpp.sh   # offloads to an NVIDIA GPU (needs nvcc)
 #     LLAMA_CPP_SOURCE=/path/to/llama.cpp scripts/build_llama_cpp.sh   # offline: the sdist's vendor/llama.cpp
 #
-# It prints the directory it built, which holds bin/llama-server and the source tree (src/) with
+# It prints the directory it built, which holds bin/llama-server, bin/llama-quantize and the source tree (src/) with
 # convert_hf_to_gguf.py and gguf-py/. `drafters/export` and the engine tests find it the same way
 # (eval/llama_cpp.py: $DRAFTSMITH_LLAMA_CPP, else this cache). A cold build takes about 5 minutes on 2
 # cores; a built cache returns at once. llama.cpp's source is built as vendored, but for the patches in
@@ -20,6 +20,14 @@
 # LLAMA_CPP_SOURCE: a directory holding llama.cpp's source as the sdist vendors it (unpatched), for a machine
 # that cannot reach PyPI; it is copied, not changed. LLAMA_CPP_CMAKE_ARGS: more arguments for CMake's
 # configure step (a toolkit's library paths, say), split at spaces.
+#
+# AMX: on a CPU with Intel's AMX (Sapphire Rapids and later Xeons), GGML_NATIVE turns on ggml's AMX kernels,
+# which repack Q4_0, Q4_1, Q8_0 and K-quant weights at load and crash llama-server with SIGSEGV in
+# ggml_backend_amx_mul_mat on some such machines (cloud VMs among them; llama.cpp issue 20824, open upstream
+# without a fix): every quantized GGUF dies in the server's warm-up decode. So where /proc/cpuinfo lists
+# amx_int8 the build leaves them out (-mno-amx-*, which GCC and Clang honour whatever -march=native says; the
+# AVX-512 kernels and the CPU's other repacking stay), recorded in bin/amx. LLAMA_CPP_AMX=on keeps them, for a
+# machine where they work. Elsewhere the flags are not passed and nothing changes.
 set -euo pipefail
 export LC_ALL=C  # the patches' order, and so their digest, is the byte order of their names
 
@@ -33,12 +41,29 @@ case "$BACKEND" in
     *) echo "llama.cpp: LLAMA_CPP_BACKEND must be cpu or cuda, got '$BACKEND'" >&2; exit 2 ;;
 esac
 
+# amx: `none` on a CPU without AMX (no flag passed), else `off` (the default) or `on` (LLAMA_CPP_AMX=on).
+# A build without bin/amx predates this choice: on an AMX CPU it was built with the kernels (`on`).
+CPUINFO="${DRAFTSMITH_CPUINFO:-/proc/cpuinfo}"  # the tests point it at another CPU's
+if grep -qw amx_int8 "$CPUINFO" 2>/dev/null; then
+    AMX="${LLAMA_CPP_AMX:-off}"
+    BUILT_AMX="$(cat "$DEST/bin/amx" 2>/dev/null || echo on)"
+else
+    AMX=none
+    BUILT_AMX="$(cat "$DEST/bin/amx" 2>/dev/null || echo none)"
+fi
+case "$AMX" in
+    none|on) AMX_FLAGS=() ;;
+    off) AMX_FLAGS=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16") ;;
+    *) echo "llama.cpp: LLAMA_CPP_AMX must be on or off, got '$AMX'" >&2; exit 2 ;;
+esac
+
 PATCHES="$(cd "$(dirname "$0")/.." && pwd)/eval/llama_cpp_patches"
 DIGEST="$(cat "$PATCHES"/*.patch | sha256sum | cut -d' ' -f1)"
 
-if [ -x "$DEST/bin/llama-server" ] && [ -f "$DEST/src/convert_hf_to_gguf.py" ] \
+if [ -x "$DEST/bin/llama-server" ] && [ -x "$DEST/bin/llama-quantize" ] && [ -f "$DEST/src/convert_hf_to_gguf.py" ] \
         && [ "$(cat "$DEST/bin/patches.sha256" 2>/dev/null)" = "$DIGEST" ] \
-        && [ "$(cat "$DEST/bin/backend" 2>/dev/null || echo cpu)" = "$BACKEND" ]; then
+        && [ "$(cat "$DEST/bin/backend" 2>/dev/null || echo cpu)" = "$BACKEND" ] && [ "$BUILT_AMX" = "$AMX" ]; then
     echo "$DEST"
     exit 0
 fi
@@ -74,16 +99,18 @@ for p in "$PATCHES"/*.patch; do
     fi
 done
 
-# No network at run time (no curl, no OpenSSL); the server only, no tests or examples.
-echo "llama.cpp: building llama-server for $BACKEND (about 5 minutes on 2 cores)" >&2
+# No network at run time (no curl, no OpenSSL); the server and the quantizer (which writes the quantized GGUFs
+# the tests serve), no tests or examples.
+echo "llama.cpp: building llama-server and llama-quantize for $BACKEND, AMX kernels $AMX (about 5 minutes on 2 cores)" >&2
 cmake -S "$work/src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
-    ${BACKEND_FLAGS[@]+"${BACKEND_FLAGS[@]}"} ${LLAMA_CPP_CMAKE_ARGS:-} >&2
-cmake --build "$work/build" --target llama-server -j "$(nproc)" >&2
+    ${BACKEND_FLAGS[@]+"${BACKEND_FLAGS[@]}"} ${AMX_FLAGS[@]+"${AMX_FLAGS[@]}"} ${LLAMA_CPP_CMAKE_ARGS:-} >&2
+cmake --build "$work/build" --target llama-server llama-quantize -j "$(nproc)" >&2
 mkdir -p "$work/bin"
-cp "$work/build/bin/llama-server" "$work/bin/"
+cp "$work/build/bin/llama-server" "$work/build/bin/llama-quantize" "$work/bin/"
 echo "$DIGEST" > "$work/bin/patches.sha256"
 echo "$BACKEND" > "$work/bin/backend"
+echo "$AMX" > "$work/bin/amx"
 rm -rf "$DEST/bin" "$DEST/src"  # bin first: a build interrupted between here and the last line is rebuilt next time
 mkdir -p "$DEST"
 mv "$work/src" "$DEST/src"

@@ -83,6 +83,22 @@ def test_llama_cpp_tokenizes_like_the_target_tokenizer(world):
                                               "parse_special": True})["tokens"] == ours
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_the_built_server_loads_and_decodes_a_quantized_gguf(world, qtype):
+    """A target as teams deploy it, quantized by llama.cpp's own llama-quantize, loads and decodes in the built
+    server. The tiny target's matrices are multiples of 32 wide and high, so on a CPU with AMX they are what
+    ggml's AMX kernels take (Q4_0, Q4_1, Q8_0 and K-quants, sizes in steps of 32): the build that ran those
+    kernels died here with SIGSEGV on such a machine, in the server's warm-up decode
+    (scripts/build_llama_cpp.sh leaves them out there)."""
+    quantized = llama_cpp.quantize(world["gguf"], world["out"] / f"target-{qtype}.gguf", qtype)
+    with llama_cpp.LlamaServer(quantized) as server:
+        completions = [server.complete(p, NEW_TOKENS).tokens for p in world["prompts"][:4]]
+    for tokens, plain in zip(completions, world["plain"]):
+        assert len(tokens) == len(plain) and all(0 <= t < world["target"].config.vocab_size for t in tokens)
+    if qtype == "Q8_0":  # 8-bit weights: the float model's greedy tokens, at least at the start
+        assert [t[:8] for t in completions] == [t[:8] for t in world["plain"][:4]]
+
+
 @pytest.mark.parametrize("run", ["eagle_run", "eagle_own_run"])  # drafting through the target's output head, or its own
 def test_the_exported_eagle3_head_runs_in_llama_cpp_as_in_draftsmith(world, run, request):
     eagle_run = request.getfixturevalue(run)

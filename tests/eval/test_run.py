@@ -3,6 +3,7 @@ import torch
 
 from eval.run import (build_drafter, dtype_of, load_prompts, load_target, prompt_budget, read_traffic, resolve_data,
                       tokenize_prompts)
+from eval.report import traffic_lines
 from traffic.records import RecordError
 
 
@@ -47,6 +48,32 @@ def test_a_prompt_longer_than_the_context_allows_is_an_error_naming_both_setting
                                on_bad_record="skip", max_per_category=2)
     assert len(prompts["prose"]) == 2 and traffic.too_long == 1
     assert traffic.describe(prompts)["skipped_too_long"] == 1
+
+
+def test_a_category_of_only_over_long_prompts_is_named_as_not_measured_and_the_others_are_measured(
+        tiny_world, tmp_path):
+    """Long RAG prompts on a target with a short context: that category is left out and named with its count;
+    with every prompt skipped, the error names the limit and the setting behind it."""
+    target, tok = load_target("toyworld://tiny/target", device=torch.device("cpu"))
+    long = "word " * target.config.max_position_embeddings
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(f'{{"question_id": {i}, "category": "{category}", "turns": ["{text}"]}}\n' for i, (category, text)
+                            in enumerate([("rag", long), ("chat", "Say hi."), ("rag", long), ("chat", "Hello.")])))
+    limit, why = prompt_budget(target.config, 8)
+    traffic = read_traffic(str(path), format="questions")
+    prompts = tokenize_prompts(traffic, tok, device=torch.device("cpu"), max_prompt_tokens=limit, why=why,
+                               on_bad_record="skip", max_per_category=2)
+    assert list(prompts) == ["chat"] and len(prompts["chat"]) == 2  # no empty entry for rag
+    assert traffic.describe(prompts)["emptied"] == {"rag": 2} and traffic.too_long == 2
+    assert ("not measured: rag, all 2 of its prompts read were longer than the context allows"
+            in traffic_lines({"data": traffic.describe(prompts)}))  # what the report and the console print
+
+    rag = read_traffic(str(path), format="questions")
+    rag.records = [r for r in rag.records if r.category == "rag"]
+    with pytest.raises(ValueError, match=rf"all 2 prompts read are longer than the {limit} tokens allowed "
+                                         r"\(the target's context of \d+ tokens less max_new_tokens=8; "
+                                         r"data.max_prompt_tokens sets another\), so none is left to measure"):
+        tokenize_prompts(rag, tok, device=torch.device("cpu"), max_prompt_tokens=limit, why=why, on_bad_record="skip")
 
 
 def test_clear_errors_for_bad_names(tiny_world):

@@ -20,12 +20,13 @@ def build(dest: Path, **env: str) -> subprocess.CompletedProcess:
 
 def a_build(dest: Path) -> dict[Path, bytes]:
     """A stand-in for an earlier build whose patches are not this clone's, so the script rebuilds it."""
-    files = {dest / "bin" / "llama-server": b"#!/bin/sh\n", dest / "bin" / "patches.sha256": b"another digest\n",
-             dest / "src" / "convert_hf_to_gguf.py": b"# the converter\n"}
+    files = {dest / "bin" / "llama-server": b"#!/bin/sh\n", dest / "bin" / "llama-quantize": b"#!/bin/sh\n",
+             dest / "bin" / "patches.sha256": b"another digest\n", dest / "src" / "convert_hf_to_gguf.py": b"# the converter\n"}
     for path, content in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content)
     (dest / "bin" / "llama-server").chmod(0o755)
+    (dest / "bin" / "llama-quantize").chmod(0o755)
     return files
 
 
@@ -67,7 +68,70 @@ def test_the_cached_builds_backend_is_kept_unless_another_is_asked_for(tmp_path)
                             env={**os.environ, "LC_ALL": "C"}).stdout.split()[0]
     (dest / "bin" / "patches.sha256").write_text(digest + "\n")
     (dest / "bin" / "backend").write_text("cuda\n")
-    kept = build(dest, PATH="/usr/bin:/bin")  # no nvcc needed: nothing is built
+    (dest / "bin" / "amx").write_text("none\n")  # built on a CPU without AMX, as this test's CPU is said to be
+    (tmp_path / "cpuinfo").write_text("flags\t\t: fpu avx2\n")
+    kept = build(dest, PATH="/usr/bin:/bin", DRAFTSMITH_CPUINFO=str(tmp_path / "cpuinfo"))  # no nvcc needed: nothing is built
     assert kept.returncode == 0 and kept.stdout.strip() == str(dest) and not kept.stderr
     rebuilt = build(dest, LLAMA_CPP_BACKEND="cpu", LLAMA_CPP_SOURCE=str(tmp_path / "nowhere"))
     assert rebuilt.returncode == 2 and "holds no llama.cpp source" in rebuilt.stderr  # it went on to rebuild
+
+
+def fake_tools(tmp_path: Path) -> tuple[Path, Path]:
+    """A `cmake` that records its configure arguments and `builds` the binaries, and a `patch` that applies
+    nothing, ahead of the system's on PATH; and a source directory the script accepts: the script's own
+    decisions, without a 5-minute build."""
+    tools, source = tmp_path / "tools", tmp_path / "llama.cpp"
+    tools.mkdir()
+    source.mkdir()
+    (source / "CMakeLists.txt").write_text("")
+    (source / "convert_hf_to_gguf.py").write_text("")
+    (tools / "patch").write_text("#!/bin/sh\ncat > /dev/null\n")
+    (tools / "cmake").write_text(f"""#!/bin/sh
+if [ "$1" = --build ]; then mkdir -p "$2/bin" && touch "$2/bin/llama-server" "$2/bin/llama-quantize" \\
+    && chmod +x "$2/bin/llama-server" "$2/bin/llama-quantize"; exit 0; fi
+printf '%s\\n' "$@" > {tmp_path}/configure.args
+""")
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    return tools, source
+
+
+@pytest.mark.parametrize("cpu, amx, flags, record", [
+    ("avx512f amx_tile amx_int8 amx_bf16", None, True, "off"),  # AMX: its kernels left out
+    ("avx512f amx_tile amx_int8 amx_bf16", "on", False, "on"),  # unless asked for
+    ("avx2 avx512f avx512_vnni", None, False, "none"),  # no AMX: nothing passed, as before
+])
+def test_the_amx_kernels_are_left_out_where_the_cpu_has_amx(tmp_path, cpu, amx, flags, record):
+    tools, source = fake_tools(tmp_path)
+    (tmp_path / "cpuinfo").write_text(f"flags\t\t: fpu sse2 {cpu}\n")
+    env = {"PATH": f"{tools}:{os.environ['PATH']}", "LLAMA_CPP_SOURCE": str(source),
+           "DRAFTSMITH_CPUINFO": str(tmp_path / "cpuinfo")}
+    done = build(tmp_path / "lc", **env, **({"LLAMA_CPP_AMX": amx} if amx else {}))
+    assert done.returncode == 0, done.stderr
+    configure = (tmp_path / "configure.args").read_text().splitlines()
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    assert (f"-DCMAKE_C_FLAGS={no_amx}" in configure and f"-DCMAKE_CXX_FLAGS={no_amx}" in configure) == flags
+    assert "-DGGML_NATIVE=ON" in configure
+    assert (tmp_path / "lc" / "bin" / "amx").read_text().strip() == record
+    assert (tmp_path / "lc" / "bin" / "llama-quantize").exists()
+    (tmp_path / "configure.args").unlink()
+    again = build(tmp_path / "lc", **env, **({"LLAMA_CPP_AMX": amx} if amx else {}))
+    assert again.returncode == 0 and not (tmp_path / "configure.args").exists()  # the cached build is kept
+
+
+def test_a_build_from_before_the_amx_choice_is_rebuilt_on_an_amx_cpu_only(tmp_path):
+    """A build without bin/amx ran the AMX kernels wherever the CPU had them: rebuilt there, kept elsewhere."""
+    dest = tmp_path / "lc"
+    a_build(dest)
+    patches = SCRIPT.parents[1] / "eval" / "llama_cpp_patches"
+    digest = subprocess.run(f"cat {patches}/*.patch | sha256sum", shell=True, capture_output=True, text=True,
+                            env={**os.environ, "LC_ALL": "C"}).stdout.split()[0]
+    (dest / "bin" / "patches.sha256").write_text(digest + "\n")
+    (tmp_path / "other").write_text("flags\t\t: fpu avx2\n")
+    (tmp_path / "amx").write_text("flags\t\t: fpu avx2 amx_tile amx_int8\n")
+    kept = build(dest, DRAFTSMITH_CPUINFO=str(tmp_path / "other"), LLAMA_CPP_SOURCE=str(tmp_path / "nowhere"))
+    assert kept.returncode == 0 and kept.stdout.strip() == str(dest)
+    rebuilt = build(dest, DRAFTSMITH_CPUINFO=str(tmp_path / "amx"), LLAMA_CPP_SOURCE=str(tmp_path / "nowhere"))
+    assert rebuilt.returncode == 2 and "holds no llama.cpp source" in rebuilt.stderr  # it went on to rebuild
+    refused = build(dest, DRAFTSMITH_CPUINFO=str(tmp_path / "amx"), LLAMA_CPP_AMX="maybe")
+    assert refused.returncode == 2 and "LLAMA_CPP_AMX must be on or off, got 'maybe'" in refused.stderr
