@@ -29,7 +29,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from drafters.base import Proposal
-from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting
+from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting, head_config
 from drafters.layers import (Attention, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
                              last_entries, label_cross_entropy, label_stats, mlp_decode, norm, soft_cross_entropy,
                              step_stats)
@@ -388,7 +388,6 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
 
     from safetensors.torch import load_file
 
-    from drafters.heads import head_config
 
     path = Path(path)
     state = load_file(str(path / "model.safetensors"))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Proposal
-from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting
+from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting, head_config
 from drafters.layers import DecoderLayer, KVCache, RaggedRows, Rotary, SharedTarget, causal_mask, soft_cross_entropy, step_stats
 from drafters.sampling import Sampling, draw
 
@@ -30,6 +30,10 @@ from drafters.sampling import Sampling, draw
 class Eagle1(nn.Module):
     """The head. config: drafters.heads.head_config(..., token_loss_weight=...), one feature layer;
     `config.input_norm` (False for every head built now) keeps a norm before the layer's attention."""
+
+    # What drafters/registry.py build_head sets in a new head's config: the paper's layer, without a norm before
+    # attention (saved heads without the key keep theirs: True).
+    CONFIG_DEFAULTS = {"input_norm": False}
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -178,7 +182,6 @@ def load_engine_eagle1(path, raw: dict, target, dtype: torch.dtype | None = None
 
     from safetensors.torch import load_file
 
-    from drafters.heads import head_config
 
     path = Path(path)
     if raw.get("hidden_size") != target.config.hidden_size:

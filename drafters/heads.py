@@ -1,4 +1,4 @@
-"""What every feature-reading head shares: its config, saving and loading, and the drafter state.
+"""What every feature-reading head shares: its config and the drafter state.
 
 A head (EAGLE-3 in drafters/eagle.py, EAGLE-1 in eagle1.py, MTP in mtp.py, Medusa in medusa.py) is
 an `nn.Module` whose `forward` is its training loss, so Accelerate/DDP wrap it like any model, plus a
@@ -13,20 +13,13 @@ For batches (eval/batching.py) `FeatureBatch` keeps the same state per row, and 
 EAGLE heads' chains for every row at once on a ragged cache (one length per row); each head's
 `batch_drafter` gives its own.
 
-Saved heads are a directory: `config.json` (a Llama config of the head's one layer, plus
-`draftsmith_kind`, `feature_layers`, `target_hidden_size`, `draft_vocab_size` and the kind's own
-settings) and `model.safetensors` (the head's own weights only: the target's embedding and output
-head are shared at load time, never stored).
+Building, saving and loading a head of any kind is drafters/registry.py's, which knows the kinds; this module
+knows none of them.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
-from pathlib import Path
-
 import torch
-from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 from transformers import LlamaConfig
 
@@ -38,7 +31,6 @@ from drafters.tree import Tree, entry_mask
 # config.json architectures of EAGLE-3 and EAGLE-1 checkpoints in the engines' formats, which load_head reads too.
 ENGINE_EAGLE3 = ("LlamaForCausalLMEagle3", "Eagle3Speculator")
 ENGINE_EAGLE1 = ("EagleLlamaForCausalLM",)
-KINDS = {"eagle": "drafters.eagle", "eagle1": "drafters.eagle1", "mtp": "drafters.mtp", "medusa": "drafters.medusa"}
 
 
 def features_of(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
@@ -58,13 +50,9 @@ def head_config(target_config, kind: str, feature_layers: list[int], intermediat
     """A one-layer Llama config with the target's attention/MLP geometry and RoPE, plus the head's settings.
     `intermediate_size`: the head's MLP width, the target's when None (kept in the head's own config,
     as EAGLE-3 checkpoints keep theirs)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown head kind {kind!r}; known: {sorted(KINDS)}")
     check_layers(feature_layers, target_config.num_hidden_layers)
     if intermediate_size is not None and intermediate_size < 1:
         raise ValueError(f"the head's intermediate_size must be >= 1 (None = the target's), got {intermediate_size}")
-    if kind == "eagle1":  # the paper's layer (no norm before attention); saved heads without it keep theirs
-        settings.setdefault("input_norm", False)
     rope = getattr(target_config, "rope_parameters", None)
     if isinstance(rope, dict) and "full_attention" in rope:  # Gemma-3: one per attention type; the head's is full
         rope = rope["full_attention"]
@@ -99,63 +87,6 @@ def geometry(target_config, intermediate_size: int | None = None) -> dict:
         hidden_act="silu",
         max_position_embeddings=first("max_position_embeddings", default=2048),
     )
-
-
-def head_class(kind: str) -> type[nn.Module]:
-    if kind not in KINDS:
-        raise ValueError(f"unknown head kind {kind!r}; known: {sorted(KINDS)}")
-    return importlib.import_module(KINDS[kind]).HEAD
-
-
-def build_head(kind: str, target, feature_layers: list[int], **settings) -> nn.Module:
-    """A freshly initialised head of `kind` for `target` (attached to its embedding and output head)."""
-    config = head_config(target.config, kind, feature_layers, **settings)
-    head = head_class(kind)(config)
-    head.attach(target)
-    return head
-
-
-def save_head(head: nn.Module, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-    """Config and weights of `head`; `state_dict` (e.g. gathered from a sharded run) replaces its own."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    head.config.save_pretrained(out)
-    if state_dict is None:
-        save_model(head, str(out / "model.safetensors"))
-    else:
-        save_file({name: t.contiguous() for name, t in state_dict.items()}, str(out / "model.safetensors"))
-    return out
-
-
-def load_head(path: str | Path, target, dtype: torch.dtype | None = None) -> nn.Module:
-    """A saved head, checked against `target` and attached to it, in eval mode on the target's device."""
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not a saved head: no config.json")
-    raw = json.loads((path / "config.json").read_text())
-    if set(raw.get("architectures") or []) & set(ENGINE_EAGLE3):  # an EAGLE-3 export (eval/engine_formats.py)
-        from drafters.eagle import load_engine_eagle3
-
-        return load_engine_eagle3(path, raw, target, dtype)
-    if set(raw.get("architectures") or []) & set(ENGINE_EAGLE1):
-        from drafters.eagle1 import load_engine_eagle1
-
-        return load_engine_eagle1(path, raw, target, dtype)
-    kind = raw.get("draftsmith_kind")
-    if kind not in KINDS:
-        raise ValueError(f"{path}/config.json: field draftsmith_kind is {kind!r}, expected one of {sorted(KINDS)}")
-    config = LlamaConfig.from_pretrained(path)
-    for field, expected in (("target_hidden_size", target.config.hidden_size), ("vocab_size", target.config.vocab_size)):
-        if getattr(config, field) != expected:
-            raise ValueError(f"{path}/config.json: field {field} is {getattr(config, field)} but the target has "
-                             f"{expected}; this head was trained for another target")
-    check_layers(list(config.feature_layers), target.config.num_hidden_layers)
-    head = head_class(kind)(config)
-    load_model(head, str(path / "model.safetensors"))
-    device = next(target.parameters()).device
-    head = head.to(device=device, dtype=dtype or torch.float32).eval()
-    head.attach(target)
-    return head
 
 
 class FeatureDrafter:

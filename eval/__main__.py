@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from eval import deployment
 from eval import engine as engines
-from eval.config import register
+from eval.config import checked_spec, register
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, console_summary, log_to_wandb, write_report
 from eval.run import (build_drafter, held_out_path, load_target, pick_device, prompt_budget, read_traffic, reading,
@@ -31,6 +31,7 @@ def run(cfg: DictConfig) -> dict:
     """Run the evaluation the config describes, write the report into cfg.out_dir, return it."""
     if not cfg.drafters:
         raise ValueError("no drafters configured: set `drafters` (the first one is the baseline)")
+    entries = [checked_spec(OmegaConf.to_container(spec, resolve=True)) for spec in cfg.drafters]  # before any work
     plan = EvalPlan(**{f.name: OmegaConf.to_object(cfg[f.name]) if OmegaConf.is_config(cfg[f.name])
                        else cfg[f.name] for f in fields(EvalPlan)})
     costs = OmegaConf.to_object(cfg.engine_costs)
@@ -47,7 +48,7 @@ def run(cfg: DictConfig) -> dict:
     source = target_source(cfg.target)
     target, tokenizer = load_target(source, device=device, dtype=cfg.target.dtype,
                                     trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)
-    specs = resolve_specs([OmegaConf.to_container(spec, resolve=True) for spec in cfg.drafters], source, engine_name,
+    specs = resolve_specs(entries, source, engine_name,
                           loop=not alone)
     # A deployment is checked (reachable, serving the model) before anything is measured.
     endpoints = deployment.connect(cfg.engine, list(plan.ks), [s["name"] for s in specs]) \

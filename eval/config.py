@@ -8,11 +8,13 @@ arguments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, ValidationError
 
 from eval.engine import EngineCosts
 from eval.evaluate import EvalPlan
@@ -53,27 +55,79 @@ class DataConfig:
 
 @dataclass
 class DrafterSpec:
-    """A drafter to measure. kind: draft_lm (a causal LM at `path`, or with `layers` and no path the target's
-    own first layers: a layer-skip self-draft), head (a trained EAGLE / MTP / Medusa head at `path`, as
-    `python -m train` saves it), ngram (prompt lookup) or llamacpp (one of llama.cpp's own model-free n-gram
-    modes, `spec_type`, measured in the engine only: needs engine=llamacpp)."""
+    """A drafter to measure: the keys every kind has. Each kind's spec below adds its own (`SPECS`); an entry
+    with a key its kind does not have is an error naming the kind and its keys (`checked_spec`)."""
 
     name: str = MISSING
     kind: str = MISSING
-    path: Optional[str] = None
-    layers: Optional[int] = None  # draft_lm without a path: the target's first `layers` layers, its head kept
-    spec_type: Optional[str] = None  # llamacpp: ngram-simple | ngram-map-k | ngram-map-k4v | ngram-mod | ngram-cache
-    #                                (ngram-cache: at k 8 only, whatever ks: llama.cpp fixes its draft length)
-    lean: bool = True  # draft_lm: Llama-family models draft on the lean decode path (false: Hugging Face's forward)
-    # draft_lm, head: end a round at the first guess the drafter gives a probability below this (the guess
-    # is still proposed); 0 = always draft k. Lossless either way (drafters/base.py).
+    engine_c: Optional[float] = None  # c measured for this drafter in your engine (overrides engine_costs.c)
+
+
+@dataclass
+class DraftLMSpec(DrafterSpec):
+    """`kind: draft_lm`: a causal LM at `path`, or with `layers` and no path the target's own first layers (a
+    layer-skip self-draft)."""
+
+    path: Optional[str] = None  # a hub id or a directory
+    layers: Optional[int] = None  # without a path: the target's first `layers` layers, its head kept
+    lean: bool = True  # Llama-family models draft on the lean decode path (false: Hugging Face's forward)
+    # End a round at the first guess the drafter gives a probability below this (the guess is still proposed);
+    # 0 = always draft k. Lossless either way (drafters/base.py).
     stop_below: float = 0.0
     # propose: the unsure guess is still proposed (transformers) | drop: it is not, the probability over the
     # drafter's 10 likeliest tokens (llama.cpp's --spec-draft-p-min; engine=llamacpp serves only this rule)
     stop_rule: str = "propose"
+
+
+@dataclass
+class HeadSpec(DrafterSpec):
+    """`kind: head`: a trained EAGLE / MTP / Medusa head at `path`, as `python -m train` saves it."""
+
+    path: Optional[str] = None  # the run's best/ (or a checkpoint of it)
+    stop_below: float = 0.0  # as DraftLMSpec's
+    stop_rule: str = "propose"  # as DraftLMSpec's
+
+
+@dataclass
+class NgramSpec(DrafterSpec):
+    """`kind: ngram`: prompt lookup, the longest n-gram of the context that ends like it (drafters/ngram.py)."""
+
     max_ngram: int = 3
     min_ngram: int = 1
-    engine_c: Optional[float] = None  # c measured for this drafter in your engine (overrides engine_costs.c)
+
+
+@dataclass
+class LlamaCppSpec(DrafterSpec):
+    """`kind: llamacpp`: one of llama.cpp's own model-free n-gram modes, measured in the engine only (needs
+    engine=llamacpp)."""
+
+    # ngram-simple | ngram-map-k | ngram-map-k4v | ngram-mod | ngram-cache (ngram-cache: at k 8 only, whatever ks:
+    # llama.cpp fixes its draft length)
+    spec_type: Optional[str] = None
+
+
+SPECS: dict[str, type[DrafterSpec]] = {"draft_lm": DraftLMSpec, "head": HeadSpec, "ngram": NgramSpec,
+                                       "llamacpp": LlamaCppSpec}
+
+
+def checked_spec(entry: Mapping) -> dict:
+    """A `drafters` entry checked against its kind's spec and completed with its defaults: an unknown kind, a
+    key the kind does not have or a value of the wrong type is an error naming the drafter, its kind and its
+    keys."""
+    entry = dict(entry)
+    name, kind = entry.get("name"), entry.get("kind")
+    if kind not in SPECS:
+        raise ValueError(f"drafter {name!r}: unknown kind {kind!r}; known kinds: {list(SPECS)}")
+    keys = [f.name for f in fields(SPECS[kind])]
+    unknown = [key for key in entry if key not in keys]
+    if unknown:
+        raise ValueError(f"drafter {name!r} (kind {kind}) has no key {', '.join(map(repr, unknown))}; "
+                         f"kind {kind}'s keys: {', '.join(keys)}")
+    try:
+        return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(SPECS[kind]), entry), resolve=True,
+                                      throw_on_missing=True)
+    except (ValidationError, MissingMandatoryValue) as e:
+        raise ValueError(f"drafter {name!r} (kind {kind}): {e.msg}") from None
 
 
 @dataclass
@@ -116,7 +170,8 @@ class EvalConfig(EvalPlan):
 
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    drafters: list[DrafterSpec] = field(default_factory=list)  # the first is the baseline
+    # Each a mapping of one of SPECS' kinds (checked by checked_spec); the first is the baseline
+    drafters: list[Any] = field(default_factory=list)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: Optional[int] = None  # torch intra-op threads (None = torch's default); the engine's too
     # Measure the drafters inside a serving engine too: engine=llamacpp (built by `make llama-cpp`, eval/engine.py)

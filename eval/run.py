@@ -97,7 +97,7 @@ def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remot
                                        name=name, trust_remote_code=trust_remote_code, lean=spec.get("lean", True),
                                        stop_below=stop_below, stop_rule=stop_rule)
     if kind == "head":
-        from drafters.heads import load_head
+        from drafters.registry import load_head
 
         if not spec.get("path"):
             raise ValueError(f"drafter {name!r} (kind head) needs a path: a directory saved by `python -m train`")

@@ -38,7 +38,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from train.__main__ import train
-from train.distill import held_out_indices
+from train.prepare import held_out_indices
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

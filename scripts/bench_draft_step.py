@@ -32,7 +32,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from drafters.draft_lm import DraftLM
-from drafters.heads import features_of, load_head
+from drafters.heads import features_of
+from drafters.registry import load_head
 from drafters.hf_cache import cache_keyword
 from drafters.layers import KVCache
 from drafters.llama_decode import LeanLlama

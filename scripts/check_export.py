@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from drafters.heads import features_of, load_head
+from drafters.heads import features_of
+from drafters.registry import load_head
 from eval.run import load_target
 from train.export import read_run
 

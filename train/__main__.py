@@ -8,16 +8,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from train.config import register
+from train.config import KINDS, RECIPES, drafter_keys, register
 
 register()
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
-RECIPES = {"draft_lm": "train.distill", "eagle": "train.heads", "eagle1": "train.heads", "mtp": "train.heads",
-           "medusa": "train.heads"}
 
 
 def train(cfg: DictConfig) -> dict:
@@ -27,6 +27,28 @@ def train(cfg: DictConfig) -> dict:
     if cfg.drafter.kind not in RECIPES:
         raise ValueError(f"drafter.kind={cfg.drafter.kind!r} has no training recipe; known: {sorted(RECIPES)}")
     return importlib.import_module(RECIPES[cfg.drafter.kind]).run(cfg)
+
+
+def check_drafter_keys(arguments: list[str]) -> None:
+    """Each `drafter.KEY=...` of the command line names a key of the drafter kind the rest of it composes, or this
+    stops before any work, naming the kind and its keys (Hydra's own error names only the kind's schema)."""
+    overrides = [a for a in arguments if not a.startswith("-")]
+    keys = [o.lstrip("+~").split("=", 1)[0].split(".")[1] for o in overrides if o.lstrip("+~").startswith("drafter.")]
+    if not keys:
+        return
+    from hydra import compose, initialize_config_dir
+
+    rest = [o for o in overrides if not o.lstrip("+~").startswith(("drafter.", "hydra."))]
+    try:
+        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+            kind = compose("train", overrides=rest).drafter.kind
+    except Exception:  # anything else amiss (a sweep, a typo elsewhere): Hydra's own run says what
+        return
+    unknown = [key for key in keys if kind in KINDS and key not in drafter_keys(kind)]
+    if unknown:
+        print(f"error: drafter kind {kind!r} has no key {', '.join(map(repr, unknown))}; its keys: "
+              f"{', '.join(drafter_keys(kind))} (train/config.py)", file=sys.stderr)
+        sys.exit(2)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -51,4 +73,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_drafter_keys(sys.argv[1:])
     main()

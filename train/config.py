@@ -8,14 +8,14 @@ Only the entry points and the recipes (train/distill.py, train/heads.py) read th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from eval.config import DataConfig, DrafterSpec, TargetConfig, TrackingConfig
-from train.export import ExportSettings
+from eval.config import DataConfig, TargetConfig, TrackingConfig
+from train.hub import HubSettings
 
 
 # --- python -m train.prepare --------------------------------------------------------------------------
@@ -92,43 +92,110 @@ class OnPolicySettings:
 
 @dataclass
 class DrafterConfig:
-    """What to train. kind: draft_lm (a standalone draft LM; train/distill.py) or a head on the
-    target's hidden states: eagle (EAGLE-3), eagle1, mtp, medusa (train/heads.py). Each
-    conf/drafter/<kind>.yaml sets the fields its kind reads."""
+    """What to train: the keys every kind has. Each kind's schema below adds its own, with its defaults (here
+    and nowhere else: conf/drafter/<kind>.yaml only names the schema), so a key another kind reads is an error
+    naming this kind and its keys. `KINDS` maps each kind to its schema; train/__main__.py to its recipe."""
 
     kind: str = MISSING
-    # draft_lm
-    init_from: Optional[str] = None  # draft_lm: hub id or directory of the model to start from; heads: a saved head
-    init_layers: Optional[int] = None  # or, without init_from: the target's own first N layers and head (a self-draft)
+    init_from: Optional[str] = None  # where training starts: a model (draft_lm) or a saved head of this kind and shape
+
+
+@dataclass
+class DraftLMConfig(DrafterConfig):
+    """`drafter=draft_lm`: a standalone draft LM sharing the target's tokenizer, fine-tuned or distilled
+    (train/distill.py)."""
+
+    kind: str = "draft_lm"
+    init_from: Optional[str] = "${target.off_the_shelf_draft}"  # a hub id or directory: the off-the-shelf draft
+    init_layers: Optional[int] = None  # or, with init_from=null: the target's own first N layers and head (a self-draft)
     loss: str = "forward_kl"  # sft | forward_kl | reverse_kl | jsd | tvd
     temperature: float = 1.0  # distillation temperature (both sides)
-    beta: float = 0.5  # JSD(beta)
+    beta: float = 0.5  # JSD(beta) only
     target_logits: str = "online"  # online (target forward in each step) | cached (top-k, computed once)
-    cached_top_k: int = 64  # target_logits=cached: tokens kept per position (the rest is one bucket)
+    cached_top_k: int = 64  # target_logits=cached: the target's k most likely tokens per position (the rest one bucket)
     lora: LoraSettings = field(default_factory=LoraSettings)
     on_policy: OnPolicySettings = field(default_factory=OnPolicySettings)
-    # heads
+
+
+@dataclass
+class HeadConfig(DrafterConfig):
+    """What every head on the target's hidden states has (train/heads.py). init_from: a saved head of this kind
+    and shape (a run's best/) to start from."""
+
     layers: Optional[list[int]] = None  # indices into output_hidden_states; null = the kind's default
-    hidden_states: str = "online"  # online (computed in the step) | offline (precomputed shards)
-    offline_dtype: str = "float16"
-    offline_max_gib: Optional[float] = 20.0
-    label_temperature: float = 1.0  # heads: token-loss label softmax(target logits / T); 0 = the target's argmax
-    ttt_steps: int = 4  # eagle: training-time-test unroll (as deep as the default k drafts)
-    ttt_decay: float = 0.8  # eagle: weight of step s is ttt_decay ** s
-    own_lm_head: bool = False  # eagle: train an output head of its own over the draft vocabulary (from the target's rows)
-    draft_vocab_size: Optional[int] = None  # eagle: draft vocabulary in tokens (overrides draft_vocab_share)
-    draft_vocab_share: Optional[float] = None  # eagle: draft vocabulary as a share of the target's (null = all)
-    draft_vocab_coverage: Optional[float] = None  # eagle: the fewest tokens holding this share of the training
-    #                                               tokens (overrides draft_vocab_share)
-    intermediate_size: Optional[int] = None  # eagle: the head's MLP width (null = the target's)
-    draft_vocab_from: str = "tokens"  # eagle: rank tokens by count (tokens) or by the target's probabilities
-    draft_vocab_examples: int = 256  # eagle, draft_vocab_from=target_probabilities: training records scored
-    token_loss_weight: float = 0.1  # eagle1: token loss weight next to the feature regression
-    depth: int = 3  # mtp: chained modules
-    module_decay: float = 0.8  # mtp
-    num_heads: int = 4  # medusa: heads
-    num_layers: int = 1  # medusa: residual blocks per head
-    head_decay: float = 0.8  # medusa
+    hidden_states: str = "online"  # online: the frozen target runs inside each step | offline: shards, computed once
+    offline_dtype: str = "float16"  # offline: the shards' dtype
+    offline_max_gib: Optional[float] = 20.0  # offline: refuse to start when the shards' estimate is larger
+    label_temperature: float = 1.0  # token-loss label: softmax(target logits / T); 0 = the target's argmax (greedy serving)
+
+
+@dataclass
+class EagleConfig(HeadConfig):
+    """`drafter=eagle`: EAGLE-3, fused low/middle/high target features, one decoder layer, training-time test
+    (drafters/eagle.py). Layers default to [2, n//2, n-3] (vLLM's convention)."""
+
+    kind: str = "eagle"
+    ttt_steps: int = 4  # the head unrolled on its own outputs for this many draft steps: as deep as it drafts (k=4)
+    ttt_decay: float = 0.8  # loss weight of step s: ttt_decay ** s
+    # true: an output head of its own over the draft vocabulary, started from the target's rows and trained with the
+    # rest (EAGLE-3's reference recipe); false: draft through the target's output head, frozen
+    own_lm_head: bool = False
+    intermediate_size: Optional[int] = None  # the head's MLP width; null = the target's, smaller = cheaper steps
+    # The draft vocabulary (d2t / t2d maps): the most frequent share of the target's tokens; null = all. The recipe
+    # warns when a held-out category's tokens are under 99 % covered (greedy serving rejects the rest).
+    draft_vocab_share: Optional[float] = 0.25
+    draft_vocab_size: Optional[int] = None  # or a number of tokens, e.g. 1024 (wins over the share and the coverage)
+    # or the fewest tokens that make up this share (e.g. 0.999) of the training traffic's ranked counts (wins over
+    # the share)
+    draft_vocab_coverage: Optional[float] = None
+    # rank by counts in the (regenerated) responses (tokens) | by the target's next-token probabilities there
+    # (target_probabilities: keeps what sampled serving draws, not just the argmax)
+    draft_vocab_from: str = "tokens"
+    draft_vocab_examples: int = 256  # draft_vocab_from=target_probabilities: the first N training records are scored
+
+
+@dataclass
+class Eagle1Config(HeadConfig):
+    """`drafter=eagle1`: EAGLE-1, the last hidden state and the token embedding through fc, one decoder layer
+    (drafters/eagle1.py)."""
+
+    kind: str = "eagle1"
+    token_loss_weight: float = 0.1  # feature regression (smooth L1) + this x token cross-entropy
+
+
+@dataclass
+class MtpConfig(HeadConfig):
+    """`drafter=mtp`: DeepSeek-V3 multi-token prediction, chained modules sharing the target's embedding and
+    output head (drafters/mtp.py)."""
+
+    kind: str = "mtp"
+    depth: int = 3  # modules; a round drafts min(k, depth) tokens
+    module_decay: float = 0.8  # loss weight of module k: module_decay ** (k-1)
+
+
+@dataclass
+class MedusaConfig(HeadConfig):
+    """`drafter=medusa`: K residual heads on the last hidden state, the target frozen (drafters/medusa.py)."""
+
+    kind: str = "medusa"
+    num_heads: int = 4  # head i predicts token t+i+1; a round drafts min(k, num_heads) tokens
+    num_layers: int = 1  # residual blocks per head
+    head_decay: float = 0.8  # loss weight of head i: head_decay ** (i-1)
+
+
+# Each kind's schema: conf/drafter/<kind>.yaml composes `<kind>_schema` from the ConfigStore (register()).
+KINDS: dict[str, type[DrafterConfig]] = {"draft_lm": DraftLMConfig, "eagle": EagleConfig, "eagle1": Eagle1Config,
+                                         "mtp": MtpConfig, "medusa": MedusaConfig}
+
+
+# The module whose run(cfg) trains each kind (train/__main__.py dispatches on it).
+RECIPES: dict[str, str] = {"draft_lm": "train.distill", "eagle": "train.eagle3", "eagle1": "train.heads",
+                           "mtp": "train.heads", "medusa": "train.heads"}
+
+
+def drafter_keys(kind: str) -> list[str]:
+    """The keys a drafter kind has, in its schema's order."""
+    return [f.name for f in fields(KINDS[kind])]
 
 
 @dataclass
@@ -178,14 +245,26 @@ class FinalEvalConfig:
     engine: Optional[str] = None  # llamacpp: also measure the drafters in llama.cpp (eval/engine.py)
     # More drafters measured beside the trained one (python -m eval's specs), after the off-the-shelf draft: the
     # baselines of a target without one (n-gram, a layer-skip self-draft, llama.cpp's own n-gram modes).
-    drafters: list[DrafterSpec] = field(default_factory=list)
+    drafters: list[Any] = field(default_factory=list)  # each one of eval/config.py SPECS' kinds
+
+
+@dataclass
+class ExportSettings:
+    """What `export` writes: formats, dtype of the weights, and the draft length recorded for engines."""
+
+    formats: list[str] = field(default_factory=lambda: ["auto"])  # auto = every format the kind has
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (the weights as written)
+    num_speculative_tokens: int = 4  # the k recorded in the speculators config and the model card's commands
+    force: bool = False  # export a head whose held-out agreement is at chance (a warning then)
+    hub: HubSettings = field(default_factory=HubSettings)  # upload to the Hugging Face Hub (train/hub.py)
+
 
 
 @dataclass
 class TrainConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    drafter: DrafterConfig = MISSING  # one of KINDS' schemas, from conf/drafter/<kind>.yaml
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
@@ -210,8 +289,11 @@ class ExportConfig(ExportSettings):
 
 def register() -> None:
     """Store the training entry points' schemas (conf/prepare.yaml's `prepare_schema`, conf/train.yaml's
-    `train_schema`, conf/export.yaml's `export_schema`) in Hydra's ConfigStore."""
+    `train_schema`, conf/export.yaml's `export_schema`) and each drafter kind's (`drafter/<kind>_schema`,
+    which conf/drafter/<kind>.yaml composes) in Hydra's ConfigStore."""
     cs = ConfigStore.instance()
     cs.store(name="prepare_schema", node=PrepareConfig)
+    for kind, schema in KINDS.items():
+        cs.store(group="drafter", name=f"{kind}_schema", node=schema)
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="export_schema", node=ExportConfig)

@@ -28,7 +28,7 @@ import json
 import logging
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from eval.engine_formats import (ExportRefused, draft_lm_gguf, eagle3_tensors, sglang_writer, speculators_writer,
                                  target_directory, vllm_eagle1, write_dir, write_gguf)
 from eval.run import target_source
+from train.config import ExportSettings, register
 from train.hub import HubSettings
 
 log = logging.getLogger(__name__)
@@ -84,17 +85,6 @@ def read_run(path: str | Path) -> TrainedRun:
 
 
 # --- writing ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ExportSettings:
-    """What `export` writes: formats, dtype of the weights, and the draft length recorded for engines."""
-
-    formats: list[str] = field(default_factory=lambda: ["auto"])  # auto = every format the kind has
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (the weights as written)
-    num_speculative_tokens: int = 4  # the k recorded in the speculators config and the model card's commands
-    force: bool = False  # export a head whose held-out agreement is at chance (a warning then)
-    hub: HubSettings = field(default_factory=HubSettings)  # upload to the Hugging Face Hub (train/hub.py)
 
 
 def formats_for(kind: str, requested: list[str]) -> list[str]:
@@ -216,7 +206,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from train.config import register  # the structured configs (train.config imports this module)
-
     register()
     main()

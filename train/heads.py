@@ -5,7 +5,7 @@
     python -m train drafter=eagle drafter.draft_vocab_coverage=0.999   # sized to the traffic's tokens
     python -m train drafter=eagle1 | drafter=mtp | drafter=medusa
 
-The draft-LM recipe's machinery, reused as is (train/distill.py): Accelerate, the regenerated and
+The recipe every kind shares, reused as is (train/recipe.py): Accelerate, the regenerated and
 tokenized data, the seeded per-step data order, checkpoints and exact resume, W&B, the final
 evaluation. What changes: the model is a head (drafters/heads.py) sharing the target's embedding and
 output head; the target runs frozen to give the features (`drafter.hidden_states=online`, inside the
@@ -20,38 +20,28 @@ those answers are the target's greedy output.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import logging
 import shutil
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
-from drafters.heads import KINDS, build_head, load_head, save_head
-from drafters.layers import ReadRows, finish_logits
+from drafters.registry import KINDS, build_head, load_head, save_head
+from drafters.layers import finish_logits
 from traffic.checkpoint import full_model_state
-from train.distill import DistillRecipe, _records_batch
+from train.recipe import Recipe, _records_batch
+from train.recipe import run as run_recipe
+from train.config import HeadConfig, drafter_keys
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
 from train.shards import complete
 
 log = logging.getLogger(__name__)
+# The keys every head has (train/config.py HeadConfig): the recipe's, not the head's own settings.
+HEAD_KEYS = {f.name for f in dataclasses.fields(HeadConfig)}
 # EAGLE-3's maps between draft and target ids: a run's own, never another head's (HeadRecipe._start_from).
 VOCABULARY_MAPS = ("d2t", "t2d")
-
-# The settings of each kind that go into its config (conf/drafter/<kind>.yaml documents them).
-SETTINGS = {
-    "eagle": ("ttt_steps", "ttt_decay", "draft_vocab_size", "intermediate_size", "own_lm_head"),
-    "eagle1": ("token_loss_weight",),
-    "mtp": ("depth", "module_decay"),
-    "medusa": ("num_heads", "num_layers", "head_decay"),
-}
-
-
-# The recipe warns when the draft vocabulary can propose less than this share of a held-out category's tokens.
-WARN_BELOW_COVERAGE = 0.99
-
 
 def tokens_per_round_estimate(alphas: list[float]) -> float:
     """1 + sum_s prod_{r<=s} alpha_r: expected tokens per round if step s is accepted with alpha_s."""
@@ -100,40 +90,11 @@ def label_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor
     return torch.softmax(logits / temperature, dim=-1)
 
 
-@torch.no_grad()
-def expected_token_counts(target, rows, *, batch_size: int, max_length: int, pad_id: int,
-                          device: torch.device) -> dict[str, tuple[torch.Tensor, int]]:
-    """Per category of `rows` (tokenized records): the target's next-token distribution (temperature 1)
-    summed over the positions that predict an assistant token, as fp32 (V,), and how many positions.
-    A token's entry is its expected count when the target samples that traffic: what a draft
-    vocabulary must hold for sampled serving to accept (greedy-regenerated responses alone show only
-    the target's argmax tokens)."""
-    sums: dict[str, tuple[torch.Tensor, int]] = {}
-    for start in range(0, len(rows), batch_size):
-        batch = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
-        tensors = _records_batch(batch, pad_id, max_length, device)
-        loss_mask = tensors["loss_mask"].bool()
-        logits = target(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits[:, :-1]
-        for j, row in enumerate(batch):
-            # Position t predicts token t + 1; only those positions are turned into fp32 probabilities.
-            chosen = torch.softmax(logits[j][loss_mask[j, 1:]].float(), dim=-1)
-            total, count = sums.get(row["category"], (torch.zeros(logits.shape[-1], device=device), 0))
-            sums[row["category"]] = (total + chosen.sum(0), count + chosen.shape[0])
-    return {c: (total.cpu(), count) for c, (total, count) in sums.items()}
 
 
-def draft_vocab_size(drafter_cfg, vocab_size: int) -> int | None:
-    """EAGLE-3's draft vocabulary in tokens: `draft_vocab_size` if set, else `draft_vocab_share` of the
-    target's vocabulary (EAGLE-3 keeps 32,000 of Llama 3's 128,256, about a quarter); None = all of it."""
-    size, share = drafter_cfg.get("draft_vocab_size"), drafter_cfg.get("draft_vocab_share")
-    if size is None and share is not None:
-        if not 0 < share <= 1:
-            raise ValueError(f"drafter.draft_vocab_share must be in (0, 1], got {share}")
-        size = max(1, round(share * vocab_size))
-    return None if size is None or size == vocab_size else size
 
 
-class HeadRecipe(DistillRecipe):
+class HeadRecipe(Recipe):
     """One training run of a head (see the module docstring)."""
 
     def _validate(self) -> None:
@@ -142,16 +103,6 @@ class HeadRecipe(DistillRecipe):
             raise ValueError(f"this recipe trains drafter.kind in {sorted(KINDS)}, got {d.kind!r}")
         if d.hidden_states not in ("online", "offline"):
             raise ValueError(f"drafter.hidden_states must be online or offline, got {d.hidden_states!r}")
-        if d.draft_vocab_from not in ("tokens", "target_probabilities"):
-            raise ValueError(f"drafter.draft_vocab_from must be tokens or target_probabilities, "
-                             f"got {d.draft_vocab_from!r}")
-        coverage = d.draft_vocab_coverage
-        if coverage is not None and not 0 < coverage <= 1:
-            raise ValueError(f"drafter.draft_vocab_coverage must be in (0, 1], got {coverage}")
-        if d.draft_vocab_examples < 1:
-            raise ValueError(f"drafter.draft_vocab_examples must be >= 1, got {d.draft_vocab_examples}")
-        if d.intermediate_size is not None and d.intermediate_size < 1:
-            raise ValueError(f"drafter.intermediate_size must be >= 1 (null = the target's), got {d.intermediate_size}")
         if not d.label_temperature >= 0:
             raise ValueError(f"drafter.label_temperature must be >= 0 (0 = the target's argmax), "
                              f"got {d.label_temperature}")
@@ -159,40 +110,38 @@ class HeadRecipe(DistillRecipe):
     # --- setup ------------------------------------------------------------------------------------
 
     def _resolve_layers(self) -> None:
-        """The head's feature layers and the layers captured for it: plus the last one, whose feature
-        gives the target's next-token distribution (every head's label), unless it is the head's own."""
+        """The head's feature layers (`drafter.layers`, else its kind's default) and the layers captured for it."""
         d, n = self.cfg.drafter, self.target.config.num_hidden_layers
         self.layers = list(d.layers) if d.layers else default_layers(d.kind, n)
-        self.capture_layers = self.layers + ([] if self.layers[-1] == n and d.kind != "eagle" else [n])
+        self.capture_layers = self._capture_layers()
+
+    def _capture_layers(self) -> list[int]:
+        """The head's layers plus the last one, whose feature gives the target's next-token distribution (every
+        head's label), unless it is the head's own."""
+        n = self.target.config.num_hidden_layers
+        return self.layers + ([] if self.layers[-1] == n else [n])
 
     def _setup_models(self) -> None:
         d, target = self.cfg.drafter, self.target
-        settings = {name: d[name] for name in SETTINGS[d.kind]}
-        counts = None
-        if d.kind == "eagle":
-            size = draft_vocab_size(d, target.config.vocab_size)
-            if d.draft_vocab_coverage is not None and d.draft_vocab_size is None:
-                from drafters.eagle import vocabulary_size_for
-
-                counts = self._vocabulary_counts()
-                size = vocabulary_size_for(counts, d.draft_vocab_coverage, self._always_kept())
-                log.info("draft vocabulary sized by coverage %s of the training tokens: %d of %d",
-                         d.draft_vocab_coverage, size, target.config.vocab_size)
-                size = None if size == target.config.vocab_size else size
-            settings["draft_vocab_size"] = size
+        settings = self._head_settings()
         torch.manual_seed(self.cfg.trainer.seed)
         head = build_head(d.kind, target, self.layers, **settings)
-        self.coverage = self.mass = None
-        if d.kind == "eagle" and settings["draft_vocab_size"]:
-            self._set_draft_vocabulary(head, settings["draft_vocab_size"], counts)
-        if d.kind == "eagle" and d.own_lm_head and not d.init_from:
-            head.init_lm_head()
+        self.coverage = self.mass = None  # a draft vocabulary's coverage of the held-out traffic, where it has one
+        self._prepare_head(head)
         if d.init_from:
             self._start_from(head, d.init_from)
         self.model = head.to(self.device)
         if self.is_main:
             own = sum(p.numel() for p in head.parameters())
             log.info("%s head: %.2fM parameters of its own, layers %s", d.kind, own / 1e6, self.layers)
+
+    def _head_settings(self) -> dict:
+        """The settings the head is built with: its kind's own keys (train/config.py), those every head has aside."""
+        d = self.cfg.drafter
+        return {name: d[name] for name in drafter_keys(d.kind) if name not in HEAD_KEYS}
+
+    def _prepare_head(self, head) -> None:
+        """What a kind does to its new head before training or `drafter.init_from` (nothing, here)."""
 
     def _start_from(self, head, path: str) -> None:
         """Start from a saved head of the same kind, layers and shape (`drafter.init_from`: a run's `best` or a
@@ -219,77 +168,6 @@ class HeadRecipe(DistillRecipe):
         if getattr(head, "lm_head", None) is not None:
             head.init_lm_head(saved)
         log.info("head weights from %s", path)
-
-    def _always_kept(self) -> list[int]:
-        return [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-
-    def _vocabulary_counts(self) -> torch.Tensor:
-        """(V,) what ranks the draft vocabulary: token counts in the training traffic's assistant turns
-        (`drafter.draft_vocab_from=tokens`) or the target's expected counts there (`target_probabilities`,
-        over the first `drafter.draft_vocab_examples` training records)."""
-        d, t = self.cfg.drafter, self.cfg.trainer
-        counts = torch.zeros(self.target.config.vocab_size)
-        if d.draft_vocab_from == "tokens":
-            for row in self.train_set:
-                ids = torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)]
-                counts += torch.bincount(ids, minlength=counts.numel()).float()
-            return counts
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        rows = self.train_set.select(range(min(len(self.train_set), d.draft_vocab_examples)))
-        expected = expected_token_counts(self.target, rows, batch_size=t.batch_size, max_length=t.max_length,
-                                         pad_id=pad, device=self.device)
-        for total, _ in expected.values():
-            counts += total
-        return counts
-
-    def _set_draft_vocabulary(self, head, size: int, counts: torch.Tensor | None = None) -> None:
-        """The `size` target tokens most frequent in the training traffic's assistant turns (plus EOS):
-        counted as tokens (`drafter.draft_vocab_from=tokens`, EAGLE-3's recipe) or as the target's
-        probabilities at those positions (`target_probabilities`, over the first
-        `drafter.draft_vocab_examples` training records). Reports two coverages per held-out category:
-        the share of assistant tokens the vocabulary can propose (greedy serving's ceiling), and the
-        share of the target's probability it holds (sampled serving's: sum_x min(p, q) <= that mass)."""
-        from drafters.eagle import draft_vocabulary, vocabulary_coverage
-
-        d, t = self.cfg.drafter, self.cfg.trainer
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        expected = functools.partial(expected_token_counts, self.target, batch_size=t.batch_size,
-                                     max_length=t.max_length, pad_id=pad, device=self.device)
-        if counts is None:
-            counts = self._vocabulary_counts()
-        d2t, t2d = draft_vocabulary(counts, size, always=self._always_kept())
-        head.set_vocabulary(d2t, t2d)
-        held_out = datasets_rows(self.data_dirs["eval"])
-        per_category: dict[str, list[int]] = {}
-        for row in held_out:
-            per_category.setdefault(row["category"], []).extend(
-                t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
-        self.coverage = {c: round(vocabulary_coverage(ids, t2d), 4) for c, ids in sorted(per_category.items())}
-        self.mass = {c: round(float(total[t2d.to(total.device)].sum()) / max(n, 1), 4)
-                     for c, (total, n) in sorted(expected(held_out).items())}
-        log.info("draft vocabulary %d of %d tokens (from %s); held-out coverage per category: %s; target "
-                 "probability inside it: %s", size, counts.numel(), d.draft_vocab_from, self.coverage, self.mass)
-        if self.is_main:
-            print(f"draft vocabulary: {size} of {counts.numel()} tokens; coverage of held-out assistant tokens "
-                  f"per category: {self.coverage}; share of the target's probability (temperature 1) inside "
-                  f"it, the most sampled serving can accept: {self.mass}")
-        short = {c: v for c, v in self.coverage.items() if v < WARN_BELOW_COVERAGE}
-        if short and self.is_main:
-            # Greedy serving rejects every guess at a token the head cannot propose. Counted from tokens, a
-            # vocabulary sized from the training answers never reaches the tokens they lack.
-            seen = t2d | (counts.to(t2d.device) > 0)  # unseen: left out, and never in the training answers
-            unseen = {c: 1 - vocabulary_coverage(per_category[c], seen) for c in short} \
-                if d.draft_vocab_from == "tokens" else {}
-            msg = (f"the draft vocabulary of {size} tokens cannot propose "
-                   + ", ".join(f"{1 - v:.1%} of held-out {c} tokens"
-                               + (f" ({unseen[c]:.1%} never in the training answers)" if unseen.get(c) else "")
-                               for c, v in short.items())
-                   + "; a larger one (drafter.draft_vocab_share, or drafter.draft_vocab_coverage=0.999) "
-                     "costs one wider output-head matmul per drafted token"
-                   + ("; tokens the training answers lack need traffic that has them (or draft_vocab_share=1)"
-                      if any(unseen.values()) else ""))
-            log.warning(msg)
-            print(f"warning: {msg}")
 
     def _setup_data(self) -> None:
         super()._setup_data()
@@ -321,31 +199,19 @@ class HeadRecipe(DistillRecipe):
 
     def _features(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's input features (B, T, L*d) and the target's next-token distribution (B, T, V) at
-        `temperature` (0: one-hot on its argmax). An EAGLE-3 head at temperature 0 gets the argmax itself,
-        (B, T) token ids, and otherwise the distributions as `ReadRows`, both computed only where the loss reads
-        them (before each assistant token): the full vocabulary's logits at every position were most of a
-        step's work, and gigabytes for Gemma-3's vocabulary."""
-        if "features" in batch:
-            states = batch["features"].to(self.target.dtype)
-        else:
-            states = capture(self.target, batch["input_ids"], batch["attention_mask"], self.capture_layers)
+        `temperature` (0: one-hot on its argmax)."""
+        states = self._states(batch)
         head_states = states[:, :, : len(self.layers)].flatten(2).float()
-        head = self.target.get_output_embeddings()
         with torch.no_grad():
-            if self.cfg.drafter.kind == "eagle":  # its loss reads the target only before assistant tokens
-                read = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
-                read[:, :-1] = batch["loss_mask"][:, 1:].bool()
-                logits = finish_logits(self.target.config, head(states[:, :, -1][read]).float())
-                if temperature == 0:
-                    labels = torch.full(read.shape, -1, dtype=torch.long, device=read.device)
-                    labels[read] = logits.argmax(-1)
-                    return head_states, labels
-                index = torch.full(read.shape, -1, dtype=torch.long, device=read.device)
-                index[read] = torch.arange(logits.shape[0], device=read.device)
-                return head_states, ReadRows(index, label_distribution(logits, temperature))
-            logits = finish_logits(self.target.config, head(states[:, :, -1]).float())
+            logits = finish_logits(self.target.config, self.target.get_output_embeddings()(states[:, :, -1]).float())
             probs = label_distribution(logits, temperature)
         return head_states, probs
+
+    def _states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B, T, len(capture_layers), d): the captured layers' states, from the shards or the target."""
+        if "features" in batch:
+            return batch["features"].to(self.target.dtype)
+        return capture(self.target, batch["input_ids"], batch["attention_mask"], self.capture_layers)
 
     # --- training ---------------------------------------------------------------------------------
 
@@ -430,14 +296,8 @@ class HeadRecipe(DistillRecipe):
         return specs
 
 
-def datasets_rows(directory: Path):
-    import datasets
-
-    return datasets.load_from_disk(str(directory / "tokenized"))
 
 
 def run(cfg: DictConfig) -> dict:
     """setup, train, finish, cleanup: what `python -m train drafter=eagle` does."""
-    from train.distill import run as run_recipe
-
-    return run_recipe(cfg, recipe_class=HeadRecipe)
+    return run_recipe(cfg, HeadRecipe)

@@ -49,6 +49,26 @@ class PrepareSummary:
     data: dict | None = None  # the traffic prepared: {path, records}
 
 
+def held_out_indices(categories: list[str], n: int, how: str = "last") -> list[int]:
+    """Which records (given by their categories, in file order) training holds out to choose its checkpoint:
+    the last n (`last`), or n taken in turn from the end of each category's records (`per_category`), so
+    every category weighs alike in the choice and in the held-out τ. In file order."""
+    if how == "last":
+        return list(range(max(0, len(categories) - n), len(categories)))
+    if how != "per_category":
+        raise ValueError(f"trainer.heldout must be last or per_category, got {how!r}")
+    newest_first: dict[str, list[int]] = {}
+    for i in reversed(range(len(categories))):
+        newest_first.setdefault(categories[i], []).append(i)
+    queues = [newest_first[c] for c in sorted(newest_first)]
+    chosen: list[int] = []
+    for rank in range(max(map(len, queues), default=0)):
+        chosen += [q[rank] for q in queues if rank < len(q)][: n - len(chosen)]
+        if len(chosen) == n:
+            break
+    return sorted(chosen)
+
+
 def tokenize_all(records: list[Record], tokenizer, max_length: int, on_bad_record: str = "error",
                  progress: bool = True) -> tuple[list[Example], int]:
     """Tokenize and mask every record; conversations longer than max_length are errors (or skipped)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from drafters.draft_lm import DraftLM
-from drafters.heads import build_head, load_head, save_head
+from drafters.registry import build_head, load_head, save_head
 from drafters.layers import SharedTarget
 from drafters.sampling import Sampling
 from drafters.tree import TreeShape

@@ -11,7 +11,7 @@ import torch
 
 from drafters.base import STOP_RULES, ConfidenceStop, candidate_confidence
 from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_coverage, vocabulary_size_for
-from drafters.heads import build_head, load_head, save_head
+from drafters.registry import build_head, load_head, save_head
 from drafters.layers import ReadRows
 from drafters.sampling import Sampling
 from drafters.tree import TreeShape

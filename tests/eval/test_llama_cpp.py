@@ -202,7 +202,7 @@ def test_a_gemma3_target_serves_an_eagle3_head_in_llama_cpp_as_in_draftsmith(tin
     draftsmith's on the same prompts, so it drafts from the same features (Gemma's scaled embedding included)."""
     from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
-    from drafters.heads import build_head, save_head
+    from drafters.registry import build_head, save_head
     from eval.engine_formats import eagle3_gguf
     from helpers import _common
     from train.hidden_states import capture, default_layers

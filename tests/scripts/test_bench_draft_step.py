@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from drafters.heads import build_head, save_head
+from drafters.registry import build_head, save_head
 from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_draft_step.py"

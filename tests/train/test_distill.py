@@ -59,18 +59,18 @@ def test_config_errors_are_clear(tiny_world, tmp_path):
 
 
 def test_precision_auto_is_bf16_where_the_hardware_multiplies_it(tiny_world, monkeypatch, tmp_path):
-    from train import distill
+    from train import precision
 
     epyc = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
     sapphire_rapids = "flags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n"
     older = "flags\t\t: fpu avx2 avx512f avx512bw\n"
-    assert distill.cpu_multiplies_bf16(epyc) and distill.cpu_multiplies_bf16(sapphire_rapids)
-    assert not distill.cpu_multiplies_bf16(older) and not distill.cpu_multiplies_bf16("")
+    assert precision.cpu_multiplies_bf16(epyc) and precision.cpu_multiplies_bf16(sapphire_rapids)
+    assert not precision.cpu_multiplies_bf16(older) and not precision.cpu_multiplies_bf16("")
     for native in (True, False):
-        monkeypatch.setattr(distill, "cpu_multiplies_bf16", lambda native=native: native)
-        assert distill.mixed_precision("auto", on_cpu=True) == ("bf16" if native else "no")
-        assert distill.mixed_precision("no", on_cpu=True) == "no"
-        assert distill.mixed_precision("fp16", on_cpu=False) == "fp16"
+        monkeypatch.setattr(precision, "cpu_multiplies_bf16", lambda native=native: native)
+        assert precision.mixed_precision("auto", on_cpu=True) == ("bf16" if native else "no")
+        assert precision.mixed_precision("no", on_cpu=True) == "no"
+        assert precision.mixed_precision("fp16", on_cpu=False) == "fp16"
     with pytest.raises(ValueError, match="trainer.precision must be no, bf16, fp16 or auto, got 'half'"):
         train(make_cfg("experiment=smoke", "trainer.precision=half", f"out_dir={tmp_path}"))
 
@@ -84,9 +84,9 @@ def test_unsupported_distributed_setups_are_refused(kind, lora, error, tmp_path)
 
     from accelerate.utils import DistributedType
 
-    from train.distill import DistillRecipe
+    from train.distill import DraftLMRecipe
 
-    recipe = DistillRecipe(make_cfg(f"drafter.lora.enabled={lora}", f"out_dir={tmp_path}"))
+    recipe = DraftLMRecipe(make_cfg(f"drafter.lora.enabled={lora}", f"out_dir={tmp_path}"))
     recipe.acc = SimpleNamespace(distributed_type=DistributedType[kind])
     if error is None:
         recipe._check_distributed()
@@ -243,7 +243,7 @@ def test_without_eval_path_the_final_evaluation_reads_the_held_out_records(tiny_
 
 
 def test_held_out_records_taken_per_category():
-    from train.distill import held_out_indices
+    from train.prepare import held_out_indices
 
     categories = ["a"] * 10 + ["b"] * 3 + ["a"] * 2
     assert held_out_indices(categories, 4) == [11, 12, 13, 14]  # the last 4: b b a a

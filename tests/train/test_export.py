@@ -64,7 +64,7 @@ def test_the_eagle3_exports_carry_what_each_engine_reads(eagle_run, tmp_path):
 def test_an_own_output_head_is_exported_as_trained(eagle_own_run, tmp_path):
     """`drafter.own_lm_head=true`: the exports carry the head's trained output head, not the target's rows, and
     draftsmith reads it back from them as the head's own."""
-    from drafters.heads import load_head
+    from drafters.registry import load_head
 
     written = export(eagle_own_run, tmp_path / "out", ExportSettings(formats=["sglang", "speculators"]))
     target, _ = load_target(TARGET, device=torch.device("cpu"))
@@ -235,7 +235,8 @@ def specforge():
 
 def _head_inputs(eagle_run):
     """The target's features and draftsmith's step-0 draft logits for one held-out-style prompt."""
-    from drafters.heads import features_of, load_head
+    from drafters.heads import features_of
+    from drafters.registry import load_head
 
     target, tok = load_target(TARGET, device=torch.device("cpu"))
     head = load_head(eagle_run / "best", target)
@@ -333,7 +334,7 @@ def test_the_eagle1_export_carries_what_vllm_reads(eagle1_run, tmp_path):
 
 def _eagle1_inputs(eagle1_run, tmp_path):
     """The target's last (normed) states on a prompt, and draftsmith's head's outputs and logits on them."""
-    from drafters.heads import load_head
+    from drafters.registry import load_head
     from drafters.layers import causal_mask
 
     target, tok = load_target(TARGET, device=torch.device("cpu"))

@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from drafters.heads import build_head
+from drafters.registry import build_head
 from drafters.sampling import Sampling
 from eval.run import build_drafter, load_target
 from eval.speculative import autoregressive_generate, speculative_generate
@@ -115,7 +115,7 @@ def test_draft_vocabulary_sized_by_coverage_of_the_training_tokens(tiny_world, t
     import datasets
 
     from drafters.eagle import draft_vocabulary
-    from drafters.heads import load_head
+    from drafters.registry import load_head
 
     train(smoke(tmp_path, "drafter=eagle", "drafter.draft_vocab_coverage=0.9", "trainer.max_steps=1",
                 "trainer.eval_every=1", "evaluate.enabled=false"))
@@ -170,7 +170,7 @@ def test_draft_vocabulary_sized_by_coverage_of_the_training_tokens(tiny_world, t
 
 
 def test_expected_token_counts_sum_the_targets_distribution_at_assistant_positions(tiny_world):
-    from train.heads import expected_token_counts
+    from train.eagle3 import expected_token_counts
 
     target, _ = load_target("toyworld://tiny/target", device=torch.device("cpu"))
     rows = [{"input_ids": [5, 9, 14, 20, 7], "loss_mask": [0, 0, 1, 1, 1], "category": "code"},
@@ -194,8 +194,8 @@ def test_draft_vocabulary_from_the_targets_probabilities(tiny_world, tmp_path, c
     import datasets
 
     from drafters.eagle import draft_vocabulary
-    from drafters.heads import load_head
-    from train.heads import expected_token_counts
+    from drafters.registry import load_head
+    from train.eagle3 import expected_token_counts
 
     train(smoke(tmp_path, "drafter=eagle", "drafter.draft_vocab_size=120", "drafter.draft_vocab_from=target_probabilities",
                 "drafter.draft_vocab_examples=10", "trainer.max_steps=1", "trainer.eval_every=1",
@@ -298,7 +298,7 @@ def test_label_temperature_sets_the_training_label_only(tiny_world, tmp_path, mo
 def test_draft_vocabulary_size_from_share_or_count():
     from omegaconf import OmegaConf
 
-    from train.heads import draft_vocab_size
+    from train.eagle3 import draft_vocab_size
 
     def size(**kw):
         return draft_vocab_size(OmegaConf.create({"draft_vocab_size": None, "draft_vocab_share": None, **kw}), 4096)

@@ -1,0 +1,430 @@
+"""The training recipe every drafter kind shares, on Accelerate: the loop, the data, checkpoints and exact
+resume, held-out evaluation, tracking, the final evaluation and export. A kind's recipe is a subclass that
+sets up its model and says how it learns (train/distill.py: a standalone draft LM; train/heads.py: a head on
+the target's hidden states):
+
+    setup -> train -> save_checkpoint / evaluate_heldout (every N steps) -> finish -> cleanup.
+
+What a subclass provides: `_setup_models` (self.model), `_loss(batch)`, `evaluate_heldout()` (its held-out
+numbers, keeping self.best and calling `_save_best`), `_save_best()` (best/ in its format) and
+`_final_specs()` (the final evaluation's drafters); optionally `_validate` (its settings, before any work),
+`_check_sharding`, `_setup_data` and `_collate` (super() first, then its own), `_on_policy_step` and
+`_batch_for_step` (steps on other data than the training set's).
+
+The best checkpoint is chosen by a held-out estimate, not by the loss, on `trainer.eval_examples` records of
+the training traffic (its last ones, or as many of each category: `trainer.heldout`), which training never
+reads; the final evaluation measures the held-out traffic (`data.eval_path`, or the built-in world's held-out
+file; see eval.run.held_out_path), so its numbers are not the ones the checkpoint was chosen on.
+
+Data order is a seeded permutation per epoch and every random choice is seeded by the step, so a run
+resumed from a checkpoint continues exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from eval.config import checked_spec
+from traffic import checkpoint
+from train.final_eval import final_eval, final_eval_traffic
+from train.precision import mixed_precision
+from train.prepare import held_out_indices
+
+log = logging.getLogger(__name__)
+
+
+def _pad(rows: list[list[int]], value: int, left: bool = False) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([([value] * (width - len(r)) + r) if left else (r + [value] * (width - len(r))) for r in rows])
+
+
+def _records_batch(rows, pad_id: int, max_length: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Tokenized records (input_ids, loss_mask), cut at max_length and right-padded: input_ids,
+    attention_mask and loss_mask (B, T) on `device`."""
+    return {"input_ids": _pad([r["input_ids"][:max_length] for r in rows], pad_id).to(device),
+            "attention_mask": _pad([[1] * min(len(r["input_ids"]), max_length) for r in rows], 0).to(device),
+            "loss_mask": _pad([r["loss_mask"][:max_length] for r in rows], 0).to(device)}
+
+
+class Recipe:
+    """One training run (see the module docstring); a kind's recipe subclasses it."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir)
+        self.step = 0
+        self.best: dict | None = None
+        self._perms: dict[int, torch.Tensor] = {}  # the current epoch's permutation of the training set
+
+    # --- setup ------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        self._setup_accelerator()
+        self._setup_data()
+        self._setup_models()
+        self._setup_optimizer()
+        self._setup_tracking()
+        self._maybe_resume()
+
+    def _setup_accelerator(self) -> None:
+        from accelerate import Accelerator
+
+        t = self.cfg.trainer
+        if self.cfg.evaluate.enabled and self.cfg.evaluate.engine:  # fail now, not after training
+            from eval import engine
+
+            engine.check(self.cfg.evaluate.engine, engine.EngineCosts(), runs=("llamacpp",))
+        if t.select_by not in ("acceptance", "top1"):
+            raise ValueError(f"trainer.select_by must be acceptance or top1, got {t.select_by!r}")
+        if t.max_steps < 0:
+            raise ValueError(f"trainer.max_steps must be 0 (evaluate the starting weights only) or more, "
+                             f"got {t.max_steps}")
+        self._extra_specs()  # a drafter entry with a key its kind does not have fails now, not after training
+        self._validate()
+        on_cpu = t.cpu or not torch.cuda.is_available()
+        precision = mixed_precision(t.precision, on_cpu)
+        if precision != t.precision:
+            log.info("trainer.precision=auto: %s", precision)
+        self.acc = Accelerator(cpu=on_cpu, mixed_precision=precision)
+        self.device = self.acc.device
+        self.is_main = self.acc.is_main_process
+        self._check_distributed()
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            # The composed config, resolved: what `python -m train.export` reads (target, drafter kind, data).
+            OmegaConf.save(OmegaConf.to_container(self.cfg, resolve=True), self.out / "train_config.yaml")
+        torch.manual_seed(t.seed)
+        random.seed(t.seed)
+
+    def _check_distributed(self) -> None:
+        """Refuse the set-ups whose weights this recipe cannot gather into a checkpoint."""
+        from accelerate.utils import DistributedType
+
+        kind = self.acc.distributed_type
+        if kind == DistributedType.DEEPSPEED:
+            raise ValueError("DeepSpeed is not supported: its engine keeps weights and optimizer state partitioned "
+                             "outside torch's state-dict API, which draftsmith's checkpoints use. Use FSDP or DDP "
+                             "(`accelerate config`)")
+        self._check_sharding(kind)
+
+    def _check_sharding(self, kind) -> None:
+        """A recipe's own refusals of a distributed set-up (`kind`, Accelerate's DistributedType)."""
+
+    def _validate(self) -> None:
+        """The kind's own settings, checked before any work (nothing here)."""
+
+    def _setup_data(self) -> None:
+        import datasets
+
+        from eval.run import load_target, reading, resolve_data, target_source
+        from drafters.sampling import Sampling
+        from traffic.records import load_records
+        from train.prepare import prepare
+        from train.regenerate import answer_writer
+
+        cfg = self.cfg
+        # The held-out examples that choose the best checkpoint are `trainer.eval_examples` records of the
+        # training traffic (the last ones, or as many of each category: trainer.heldout): never trained on, and
+        # never the prompts the final evaluation measures (those come from the held-out traffic), so the
+        # reported numbers are not selected on.
+        records, summary = load_records(resolve_data(cfg.data.path), **reading(cfg.data))
+        log.info("%s: %s", cfg.data.path, summary)
+        held, how = cfg.trainer.eval_examples, cfg.trainer.heldout
+        if len(records) <= held:
+            raise ValueError(f"{cfg.data.path}: {len(records)} usable records, but training holds "
+                             f"{'the last ' if how == 'last' else ''}trainer.eval_examples={held} out to choose the "
+                             f"best checkpoint; lower trainer.eval_examples or add records")
+        held_idx = held_out_indices([r.category for r in records], held, how)
+        held_records, held_set = [records[i] for i in held_idx], set(held_idx)
+        train_records = [r for i, r in enumerate(records) if i not in held_set]
+        n_train = len(train_records)
+        if cfg.data.max_records is not None:
+            n_train = min(n_train, cfg.data.max_records)
+        self.trained_on = {"path": cfg.data.path, "records": n_train, "checkpoint_chosen_on": held,
+                           "categories": dict(Counter(r.category for r in train_records[:n_train]))}
+        missing = sorted(set(self.trained_on["categories"]) - {r.category for r in held_records})
+        if missing and self.is_main:
+            # The checkpoint is then chosen on traffic unlike part of what the drafter serves.
+            fix = ("order the file so its end mixes every category, or set trainer.heldout=per_category"
+                   if how == "last" else f"raise trainer.eval_examples to at least {len(set(r.category for r in records))}")
+            msg = (f"the {held} records that choose the best checkpoint (trainer.heldout={how} of {cfg.data.path}) "
+                   f"hold no {', '.join(missing)} records; {fix}")
+            log.warning(msg)
+            print(f"warning: {msg}")
+        if cfg.evaluate.enabled:  # read now, so a bad held-out file fails before training, not after it
+            self.eval_traffic = self._final_eval_traffic(held_records, summary)
+        # The target is loaded once here; prepare() regenerates with it and training scores with it.
+        self.target, self.tokenizer = load_target(target_source(cfg.target), device=self.device, dtype=cfg.target.dtype,
+                                                  trust_remote_code=cfg.target.trust_remote_code,
+                                                  chat_template=cfg.target.chat_template)
+        self.target.requires_grad_(False)
+        regen = OmegaConf.to_container(cfg.regenerate, resolve=True)
+        sampling = Sampling(regen["temperature"], regen["top_k"], regen["top_p"])
+        splits = {"train": (train_records[:n_train], [n_train]), "eval": (held_records, [how, held])}
+        self.data_dirs = {}
+        for split, (chosen, which) in splits.items():
+            # Keyed by the records' content, not the path: a file edited in place is prepared anew.
+            content = [[r.id, r.category, r.messages] + ([r.tools] if r.tools else []) for r in chosen]
+            key = zlib.crc32(json.dumps([target_source(cfg.target), content, regen, *which]).encode())
+            directory = Path(cfg.data_cache) / f"{cfg.target.name}-{split}-{key:08x}"
+            self.data_dirs[split] = directory
+            with self.acc.main_process_first():  # rank 0 regenerates; the others then read its cache
+                if not (directory / "prepare.json").exists():
+                    with answer_writer(regen, self.tokenizer, target_source(cfg.target), chosen, work=directory,
+                                       max_new_tokens=regen["max_new_tokens"]) \
+                            if regen["enabled"] else contextlib.nullcontext() as writer:
+                        prepare(chosen, self.target, self.tokenizer, directory, sampling=sampling,
+                                regenerate_responses=regen["enabled"], max_new_tokens=regen["max_new_tokens"],
+                                on_bad_record=cfg.data.on_bad_record, progress=cfg.progress and self.is_main,
+                                writer=writer)
+        self.train_set = datasets.load_from_disk(str(self.data_dirs["train"] / "tokenized"))
+        held_out = datasets.load_from_disk(str(self.data_dirs["eval"] / "tokenized"))
+        self.eval_set = held_out.select(range(min(len(held_out), cfg.trainer.eval_examples)))
+
+    def _cache_dir(self, prefix: str, *settings) -> Path:
+        """Where a cache computed from the training set with these settings lives (under data_cache)."""
+        key = zlib.crc32(json.dumps([str(self.data_dirs["train"]), *settings]).encode())
+        return Path(self.cfg.data_cache) / f"{prefix}-{key:08x}"
+
+    def _training_examples(self) -> list:
+        """The training set as the steps see it: truncated to trainer.max_length."""
+        from traffic.records import Example
+
+        limit = self.cfg.trainer.max_length
+        return [Example(r["id"], r["category"], r["input_ids"][:limit], r["loss_mask"][:limit])
+                for r in self.train_set]
+
+    def _setup_models(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} sets up self.model")
+
+    def _setup_optimizer(self) -> None:
+        t = self.cfg.trainer
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+
+        def schedule(step: int) -> float:
+            if step < t.warmup_steps:
+                return (step + 1) / t.warmup_steps
+            progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+            return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.model, self.optimizer = self.acc.prepare(self.model, self.optimizer)
+
+    def _setup_tracking(self) -> None:
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.wandb = None
+        if self.cfg.tracking.wandb and self.is_main:
+            import os
+
+            import wandb
+
+            self.wandb = wandb.init(project=self.cfg.tracking.project, entity=self.cfg.tracking.entity,
+                                    dir=str(self.out), config=OmegaConf.to_container(self.cfg, resolve=True),
+                                    mode="online" if os.environ.get("WANDB_API_KEY") else "offline", job_type="train")
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.trainer.resume
+        if resume == "none":
+            return
+        path = checkpoint.latest(self.out / "checkpoints") if resume == "auto" else Path(resume)
+        if path is None:
+            log.info("trainer.resume=auto: no complete checkpoint in %s, starting from scratch", self.out)
+            return
+        state = checkpoint.load(path, self.model, self.optimizer, self.scheduler)
+        self.step = state["step"]
+        self.best = state.get("best")
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # --- data -------------------------------------------------------------------------------------
+
+    def _batch_indices(self, step: int) -> list[int]:
+        """This process's example indices for micro-batches of `step`: a seeded permutation per epoch,
+        the global batch split across processes. A function of the step alone, so resume is exact."""
+        t = self.cfg.trainer
+        global_batch = t.batch_size * self.acc.num_processes * t.grad_accum
+        n = len(self.train_set)
+        out = []
+        for pos in range(step * global_batch, (step + 1) * global_batch):
+            epoch, offset = divmod(pos, n)
+            if epoch not in self._perms:
+                self._perms = {epoch: torch.randperm(n, generator=torch.Generator().manual_seed(t.seed * 100_003 + epoch))}
+            out.append(int(self._perms[epoch][offset]))
+        return out[self.acc.process_index :: self.acc.num_processes]
+
+    def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        rows = self.train_set.select(indices) if indices else []
+        limit = self.cfg.trainer.max_length
+        ids = [r["input_ids"][:limit] for r in rows]
+        masks = [r["loss_mask"][:limit] for r in rows]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        batch = {"input_ids": _pad(ids, pad).to(self.device),
+                 "attention_mask": _pad([[1] * len(i) for i in ids], 0).to(self.device),
+                 "loss_mask": _pad(masks, 0).to(self.device)}
+        return batch
+
+    def _on_policy_step(self, step: int) -> bool:
+        """Whether `step` trains on the drafter's own samples instead of the training set (never, here)."""
+        return False
+
+    def _batch_for_step(self, batch: dict[str, torch.Tensor], step: int, on_policy: bool) -> dict[str, torch.Tensor]:
+        """The batch a step trains on, from the training set's (`batch`): itself, here."""
+        return batch
+
+    # --- training ---------------------------------------------------------------------------------
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} gives the loss of a batch")
+
+    def train(self) -> None:
+        t = self.cfg.trainer
+        bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step",
+                   disable=not (self.cfg.progress and self.is_main), file=sys.stderr)
+        tokens, started = 0, time.perf_counter()
+        if t.max_steps == 0 and self.step == 0:  # evaluate only: the starting weights' held-out numbers, kept as best/
+            self._log({"step": 0, **self.evaluate_heldout()})
+        self.model.train()
+        while self.step < t.max_steps:
+            step_started = time.perf_counter()
+            on_policy = self._on_policy_step(self.step)
+            indices = self._batch_indices(self.step)
+            micro = [indices[i * t.batch_size:(i + 1) * t.batch_size] for i in range(t.grad_accum)]
+            total = torch.zeros((), device=self.device)
+            for i, chunk in enumerate(micro):
+                batch = self._collate(chunk)
+                batch = self._batch_for_step(batch, self.step, on_policy)
+                tokens += int(batch["attention_mask"].sum())
+                # Gradients are synchronised across processes only on the last micro-batch.
+                ctx = self.acc.no_sync(self.model) if i < len(micro) - 1 else contextlib.nullcontext()
+                with ctx:
+                    loss = self._loss(batch) / len(micro)
+                    self.acc.backward(loss)
+                total += loss.detach()
+            grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            mean_loss = self.acc.reduce(total, "mean").item()  # waits for the device: the step's time is its own
+            now = time.perf_counter()
+            # step_s: this step alone, its batch to its optimizer step (not the held-out evaluation or checkpoint
+            # after it); tokens_per_s: every step since this process started, evaluations included.
+            record = {"step": self.step, "loss": mean_loss, "on_policy": on_policy, "lr": self.scheduler.get_last_lr()[0],
+                      "grad_norm": float(grad_norm), "step_s": now - step_started,
+                      "tokens_per_s": tokens * self.acc.num_processes / (now - started)}
+            if self.step % t.eval_every == 0 or self.step == t.max_steps:
+                record.update(self.evaluate_heldout())
+            self._log(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}",
+                            acc=f"{self.best['acceptance'] if self.best else float('nan'):.3f}", refresh=False)
+            bar.update()
+            if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                self.save_checkpoint()
+        bar.close()
+
+    def evaluate_heldout(self) -> dict:
+        raise NotImplementedError(f"{type(self).__name__} measures the held-out records and keeps the best")
+
+    def _save_best(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} writes best/ in its format")
+
+    def save_checkpoint(self) -> None:
+        self.acc.wait_for_everyone()
+        # Every process takes part (the states are gathered); the first one writes.
+        checkpoint.save(self.out / "checkpoints", self.step, self.model, self.optimizer, self.scheduler,
+                        extra={"best": self.best}, keep=self.cfg.trainer.keep_checkpoints)
+        self.acc.wait_for_everyone()
+
+    def _log(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])
+
+    # --- the end ----------------------------------------------------------------------------------
+
+    def finish(self) -> dict:
+        """Check that every process holds the same weights, then run the evaluation instrument
+        (off-the-shelf draft as baseline, the best trained draft as candidate)."""
+        weights = checkpoint.full_model_state(self.model, everywhere=True)  # whole, even when sharded
+        checksum = torch.tensor([sum(float(t.double().sum()) for t in weights.values())], dtype=torch.float64,
+                                device=self.device)
+        sums = self.acc.gather(checksum).tolist()
+        summary = {"steps": self.step, "best": self.best, "rank_checksums": sums}
+        if len(set(sums)) != 1:
+            raise RuntimeError(f"processes ended with different weights (checksums {sums})")
+        if self.is_main:
+            if self.cfg.evaluate.enabled:
+                summary["report"] = self._final_eval()
+            if self.cfg.export.formats:
+                summary["export"] = self._export()
+            (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def _export(self) -> dict[str, str]:
+        """The best drafter in the engines' formats, into <run>/export/ (see train/export.py)."""
+        from train.export import export
+
+        written = export(self.out, self.out / "export", OmegaConf.to_object(self.cfg.export))  # an ExportSettings
+        for name, path in written.items():
+            print(f"exported {name}: {path}")
+        return {name: str(path) for name, path in written.items()}
+
+    def _final_specs(self) -> list[dict]:
+        raise NotImplementedError(f"{type(self).__name__} lists the final evaluation's drafters")
+
+    def _extra_specs(self) -> list[dict]:
+        """`evaluate.drafters`, each checked against its kind's keys (eval/config.py checked_spec)."""
+        return [checked_spec(OmegaConf.to_container(spec, resolve=True)) for spec in self.cfg.evaluate.drafters]
+
+    def _final_eval_traffic(self, held_records: list, summary):
+        return final_eval_traffic(self.cfg, held_records, summary)
+
+    def _final_eval(self) -> str:
+        self.target.eval()
+        return final_eval(self.cfg, self.target, self.tokenizer, self.device, self.eval_traffic, self._final_specs(),
+                          trained_on=self.trained_on, out=self.out)
+
+    def cleanup(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+        # Not acc.end_training(): it destroys the process group, after which the interpreter's exit frees the
+        # DDP reducer and gloo's threads through destructors, and that aborts now and then ("terminate
+        # called without an active exception", SIGABRT on one rank). The group stays up; every rank passes
+        # a last barrier and the entry point leaves without destructors (see train/__main__.py).
+        if torch.distributed.is_initialized():
+            self.acc.wait_for_everyone()
+
+
+_KEEP_ALIVE: list = []
+
+
+def run(cfg: DictConfig, recipe_class: type[Recipe]) -> dict:
+    """setup, train, finish, cleanup: what `python -m train` does with the kind's recipe class."""
+    recipe = recipe_class(cfg)
+    if torch.distributed.is_initialized() or "LOCAL_RANK" in os.environ:
+        # Keep a distributed run's recipe (and its DDP reducer) alive until the process exits: freeing
+        # the reducer joins gloo threads that wait for a peer that may already be gone (see __main__).
+        _KEEP_ALIVE.append(recipe)
+    recipe.setup()
+    try:
+        recipe.train()
+        return recipe.finish()
+    finally:
+        recipe.cleanup()
