@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from drafters.base import Chains, ConfidenceStop, Proposal
 from drafters.hf_cache import RaggedCache, cache_keyword, forward_rows, keep_path, masks_for
-from drafters.layers import RaggedRows
+from drafters.kv_cache import RaggedRows
 from drafters.llama_decode import LeanLlama
 from drafters.sampling import Sampling, draw
 from drafters.tree import StaticTree, Tree, TreeShape, entry_mask

@@ -24,15 +24,18 @@ Module and buffer names follow the EAGLE-3 checkpoints SGLang and vLLM load (`fc
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from drafters.base import Proposal
+from drafters.head_losses import label_cross_entropy, label_stats, soft_cross_entropy, step_stats
 from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting, head_config
-from drafters.layers import (Attention, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
-                             last_entries, label_cross_entropy, label_stats, mlp_decode, norm, soft_cross_entropy,
-                             step_stats)
+from drafters.kv_cache import KVCache, RaggedRows
+from drafters.layers import Attention, RMSNorm, Rotary, SharedTarget, causal_mask, last_entries, mlp_decode, norm
 from drafters.sampling import Sampling, draw
 
 
@@ -384,11 +387,6 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
     own (`drafter.own_lm_head`, or a head trained elsewhere, as EAGLE-3's reference recipe trains one), which the
     head then keeps and drafts through, as the engines do.
     """
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-
     path = Path(path)
     state = load_file(str(path / "model.safetensors"))
     state = {name.replace("layers.0.", "midlayer.", 1): t for name, t in state.items()}

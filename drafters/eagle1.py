@@ -17,13 +17,18 @@ with the norm they were trained with, and draft as before, but have no engine fo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from drafters.base import Proposal
+from drafters.head_losses import soft_cross_entropy, step_stats
 from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting, head_config
-from drafters.layers import DecoderLayer, KVCache, RaggedRows, Rotary, SharedTarget, causal_mask, soft_cross_entropy, step_stats
+from drafters.kv_cache import KVCache, RaggedRows
+from drafters.layers import DecoderLayer, Rotary, SharedTarget, causal_mask
 from drafters.sampling import Sampling, draw
 
 
@@ -178,9 +183,6 @@ def load_engine_eagle1(path, raw: dict, target, dtype: torch.dtype | None = None
     """An EAGLE-1 head from its engine export (vLLM's `EagleLlamaForCausalLM` layout, as
     eval/engine_formats.py writes it: `fc`, `layers.0.*` without an input norm, no embedding or output head),
     attached to `target`."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
 
 
     path = Path(path)

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from drafters.base import Chains, ConfidenceStop, Proposal
-from drafters.layers import KVCache, RaggedRows
+from drafters.kv_cache import KVCache, RaggedRows
 from drafters.sampling import Sampling
 from drafters.tree import Tree, entry_mask
 

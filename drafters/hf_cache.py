@@ -16,7 +16,7 @@ one preallocated buffer (B, kv_heads, capacity, head_dim) that grows by doubling
 
 `RaggedCache` gives a Hugging Face model this layout through transformers' cache interface, with
 explicit per-row `position_ids` and a 4-D mask (boolean for SDPA, additive for eager attention; per
-attention type for families with sliding-window layers). `RaggedRows` (drafters/layers.py) holds the
+attention type for families with sliding-window layers). `RaggedRows` (drafters/kv_cache.py) holds the
 lengths; the same module's `KVCache` takes a `RaggedRows` for the heads and the lean draft LM. The target
 decodes on it in eval/batching.py's loops, and the draft LM's batch (drafters/draft_lm.py) drafts on it.
 """
@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from drafters.heads import features_of
-from drafters.layers import RaggedRows, follow, ragged_write, stack_rows
+from drafters.kv_cache import RaggedRows, follow, ragged_write, stack_rows
 from drafters.tree import ancestor_mask, depths
 
 

@@ -7,7 +7,7 @@ and output dataclasses on every call, and `DynamicCache` concatenates on every a
 reads the model's own parameters (shared; q/k/v and gate/up each run as one matmul on a concatenated
 copy that is rebuilt whenever a weight changes, so a fine-tuned or merged model is what runs), applies
 RoPE to queries and keys in one pass, and keeps its keys and values in preallocated buffers (a
-`drafters.layers.KVCache` per layer, the heads' cache too), so a step
+`drafters.kv_cache.KVCache` per layer, the heads' cache too), so a step
 is the layers' ops and nothing else and a rollback is an integer. `python scripts/bench_draft_step.py`
 measures both paths side by side.
 
@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from drafters.layers import Fused, KVCache, RaggedRows, Rotary, causal_mask, rms_norm, rope
+from drafters.kv_cache import KVCache, RaggedRows
+from drafters.layers import Fused, Rotary, causal_mask, rms_norm, rope
 
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
 _MODEL_TYPES = {"llama", "mistral", "qwen2"}

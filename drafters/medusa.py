@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Proposal
+from drafters.head_losses import soft_cross_entropy, step_stats
 from drafters.heads import FeatureBatch, FeatureDrafter
-from drafters.layers import SharedTarget, soft_cross_entropy, step_stats
+from drafters.layers import SharedTarget
 from drafters.sampling import Sampling, draw
 
 

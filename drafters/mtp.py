@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from drafters.base import Chains, Proposal
+from drafters.head_losses import soft_cross_entropy, step_stats
 from drafters.heads import FeatureBatch, FeatureDrafter
-from drafters.layers import (DecoderLayer, KVCache, RaggedRows, RMSNorm, Rotary, SharedTarget, causal_mask,
-                             soft_cross_entropy, step_stats)
+from drafters.kv_cache import KVCache, RaggedRows
+from drafters.layers import DecoderLayer, RMSNorm, Rotary, SharedTarget, causal_mask
 from drafters.sampling import Sampling, draw
 
 

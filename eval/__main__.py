@@ -15,11 +15,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from eval import deployment
 from eval import engine as engines
 from eval.config import checked_spec, register
 from eval.evaluate import EvalPlan, evaluate
-from eval.report import build_report, console_summary, log_to_wandb, write_report
+from eval.report import build_report, log_to_wandb, write_report
+from eval.report_markdown import console_summary
 from eval.run import (build_drafter, held_out_path, load_target, pick_device, prompt_budget, read_traffic, reading,
                       resolve_specs, target_source, tokenize_prompts)
 
@@ -35,11 +35,9 @@ def run(cfg: DictConfig) -> dict:
     plan = EvalPlan(**{f.name: OmegaConf.to_object(cfg[f.name]) if OmegaConf.is_config(cfg[f.name])
                        else cfg[f.name] for f in fields(EvalPlan)})
     costs = OmegaConf.to_object(cfg.engine_costs)
-    engine_name = cfg.engine.name if cfg.engine else None
-    engines.check(engine_name, costs)
+    engine = engines.engine_for(cfg.engine.name if cfg.engine else None, costs, config=cfg.engine)
     alone = bool(cfg.engine and cfg.engine.only)
-    if alone:
-        engines.check_alone(engine_name, plan)
+    engine.check(plan, alone)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     # The traffic is read first: a bad record fails before a model is loaded.
@@ -48,11 +46,9 @@ def run(cfg: DictConfig) -> dict:
     source = target_source(cfg.target)
     target, tokenizer = load_target(source, device=device, dtype=cfg.target.dtype,
                                     trust_remote_code=cfg.target.trust_remote_code, chat_template=cfg.target.chat_template)
-    specs = resolve_specs(entries, source, engine_name,
-                          loop=not alone)
+    specs = resolve_specs(entries, source, own_drafters=engine.serves_own_drafters, loop=not alone)
     # A deployment is checked (reachable, serving the model) before anything is measured.
-    endpoints = deployment.connect(cfg.engine, list(plan.ks), [s["name"] for s in specs]) \
-        if engine_name == "openai" else None
+    engine.connect(list(plan.ks), [s["name"] for s in specs])
     # llama.cpp's own drafters run in the engine only; every other drafter in draftsmith's loop too, unless the
     # engine measures alone.
     drafters = [] if alone else [
@@ -62,19 +58,14 @@ def run(cfg: DictConfig) -> dict:
     prompts = tokenize_prompts(traffic, tokenizer, device=device, max_per_category=cfg.data.max_prompts_per_category,
                                max_prompt_tokens=limit, why=why, on_bad_record=cfg.data.on_bad_record)
     work = Path(cfg.out_dir) / "engine"
-    converted = engines.convert(engine_name, specs, target, source, work, alone=alone)
+    engine.convert(specs, target, source, work, alone=alone)
     rows = [] if alone else evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id,
                                      progress=cfg.progress)
-    if endpoints is not None:
-        engine = deployment.run(rows, endpoints, {c: [p.tolist() for p in ps] for c, ps in prompts.items()}, plan,
-                                cfg.engine, costs, progress=cfg.progress)
-    else:
-        engine = engines.add_figures(rows, specs, target, source, prompts, plan, engine=engine_name, costs=costs,
-                                     threads=cfg.threads or os.cpu_count(), work=work, converted=converted,
-                                     progress=cfg.progress, alone=alone)
-    engine_rows = engine.pop("engine_only", []) if engine else []
+    in_engine = engine.add_figures(rows, specs, target, source, prompts, plan, threads=cfg.threads or os.cpu_count(),
+                                   work=work, progress=cfg.progress, alone=alone)
+    engine_rows = in_engine.pop("engine_only", []) if in_engine else []
     settings = {"data": traffic.describe(prompts), **asdict(plan), "dtype": cfg.target.dtype, "device": str(device),
-                "engine": engine}
+                "engine": in_engine}
     report = build_report(rows, target=source, baseline=specs[0]["name"], settings=settings, engine_rows=engine_rows)
     paths = write_report(report, cfg.out_dir)
     print(console_summary(report))

@@ -37,7 +37,7 @@ import torch
 from transformers import PreTrainedModel
 
 from drafters.hf_cache import RaggedCache, forward_rows
-from drafters.layers import RaggedRows
+from drafters.kv_cache import RaggedRows
 from drafters.sampling import Sampling, choose, probs_from_logits
 from eval.speculative import Generation, Round, _finish, _sync, accept_sampled
 

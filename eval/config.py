@@ -16,7 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, ValidationError
 
-from eval.engine import EngineCosts
+from eval.costs import EngineCosts
 from eval.evaluate import EvalPlan
 
 

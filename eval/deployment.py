@@ -5,7 +5,7 @@ The team serves the same model twice, with the drafter (`engine.spec_url`) and w
 For each batch size B of `batch_sizes` and each category of the traffic, both servers get the same prompts
 (token ids, greedy, the same `max_new_tokens`), streamed, B requests in flight: a client per slot sends the next
 prompt as soon as its answer is back, and extra requests keep B in flight until every prompt is answered
-(eval/engine.py's `stream`, what `engine=llamacpp` does with llama-server's slots). Per category and B:
+(eval/endpoint.py's `stream`, what `engine=llamacpp` does with llama-server's slots). Per category and B:
 
 - τ from the server's own counters, read from its Prometheus `/metrics` before and after the category: vLLM's
   `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens` and
@@ -35,11 +35,13 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from eval.compare import Timings, compare, verdict
-from eval.endpoint import Endpoint, Streamed
-from eval.engine import FIELDS as ENGINE_FIELDS, stream, tau_to_pay
+from eval.costs import FIELDS as ENGINE_FIELDS
+from eval.costs import tau_to_pay
+from eval.endpoint import Endpoint, Streamed, stream
 from eval.evaluate import ALL
 from eval.metrics import predicted_speedup
 
@@ -68,7 +70,7 @@ class SpecCounters:
     def parse(cls, exposition: str) -> "SpecCounters | None":
         """The counters in a Prometheus exposition (summed over its label sets: vLLM labels each engine), or
         None where it has no speculative counters."""
-        from prometheus_client.parser import text_string_to_metric_families
+        from prometheus_client.parser import text_string_to_metric_families  # vLLM's: only with engine=openai
 
         totals: dict[str, float] = {}
         positions: dict[int, float] = {}
@@ -142,7 +144,7 @@ def settled_counters(endpoint: Endpoint, before: SpecCounters | None, generated:
 
 
 @dataclass
-class Served:
+class Answers:
     """Every answer of one server at one batch size, by (repeat, category): the prompts' answers in order, the
     stream's wall-clock seconds and tokens (extra requests included), and the speculative counters of each
     category's stream (None for the plain server or one without counters)."""
@@ -153,7 +155,7 @@ class Served:
 
 
 def measure(spec: Endpoint, plain: Endpoint | None, prompts: dict[str, list[list[int]]], *, max_new_tokens: int,
-            batch_sizes: list[int], repeats: int, progress: bool = True) -> dict[int, dict[str, Served]]:
+            batch_sizes: list[int], repeats: int, progress: bool = True) -> dict[int, dict[str, Answers]]:
     """Both servers over every category's prompts at each batch size, `repeats` times; within a repeat each
     category goes to the plain server and then to the drafting one, so both see the same moment of a shared
     machine. Each server answers one prompt first, untimed."""
@@ -163,9 +165,9 @@ def measure(spec: Endpoint, plain: Endpoint | None, prompts: dict[str, list[list
         endpoint.stream(first, max_tokens=max_new_tokens)
     total = sum(len(ps) for ps in prompts.values()) * len(servers) * repeats * len(batch_sizes)
     bar = tqdm(total=total, desc=f"{NAME} (OpenAI API)", unit="req", disable=not progress)
-    measured: dict[int, dict[str, Served]] = {}
+    measured: dict[int, dict[str, Answers]] = {}
     for batch in batch_sizes:
-        runs = measured[batch] = {name: Served() for name in servers}
+        runs = measured[batch] = {name: Answers() for name in servers}
         for rep in range(repeats):
             for category, chosen in prompts.items():
                 for name, endpoint in servers.items():
@@ -196,7 +198,7 @@ def _percentiles(values: list[float]) -> list[float] | None:
     return [float(np.percentile(values, 50)), float(np.percentile(values, 90))] if values else None
 
 
-def _timings(served: Served, keys: list[str], repeats: int) -> tuple[Timings, list[str]]:
+def decode_timings(served: Answers, keys: list[str], repeats: int) -> tuple[Timings, list[str]]:
     """Decode tokens (all but the first) and seconds (first token to last) per prompt, (repeats, prompts)."""
     rows = [[a for c in keys for a in served.answers[rep, c]] for rep in range(repeats)]
     strata = [c for c in keys for _ in served.answers[0, c]]
@@ -204,7 +206,7 @@ def _timings(served: Served, keys: list[str], repeats: int) -> tuple[Timings, li
                     np.array([[max(a.decode, 1e-6) for a in row] for row in rows])), strata)
 
 
-def figures(measured: dict[str, Served], category: str, *, repeats: int, pays_off_at: float, seed: int = 0) -> dict:
+def figures(measured: dict[str, Answers], category: str, *, repeats: int, pays_off_at: float, seed: int = 0) -> dict:
     """The deployment's figures for one category (or ALL) at one batch size."""
     spec, plain = measured["spec"], measured.get("plain")
     keys = [c for c in dict.fromkeys(c for _, c in spec.answers) if category in (ALL, c)]
@@ -214,7 +216,7 @@ def figures(measured: dict[str, Served], category: str, *, repeats: int, pays_of
     ttft = lambda served: _percentiles([a.ttft * 1000 for a in answers(served)])  # noqa: E731
     tpot = lambda served: _percentiles([a.decode / (a.tokens - 1) * 1000 for a in answers(served) if a.tokens > 1])  # noqa: E731
 
-    def throughput(served: Served) -> float:
+    def throughput(served: Answers) -> float:
         walls = [sum(served.wall[rep, c][1] for c in keys) / sum(served.wall[rep, c][0] for c in keys)
                  for rep in range(repeats)]
         return statistics.median(walls)
@@ -223,7 +225,7 @@ def figures(measured: dict[str, Served], category: str, *, repeats: int, pays_of
            "engine_acceptance_length": counters.tau if counters else None,
            "engine_acceptance_by_position": [round(p, 4) for p in counters.by_position] if counters else None,
            "engine_ttft_ms": {"spec": ttft(spec)}, "engine_tpot_ms": {"spec": tpot(spec)}}
-    spec_t, strata = _timings(spec, keys, repeats)
+    spec_t, strata = decode_timings(spec, keys, repeats)
     out["engine_sd_tokens_per_s"] = spec_t.median_tokens_per_s()
     if counters is None:
         out["engine_note"] = "the server exposes no speculative-decoding counters at /metrics: no τ"
@@ -231,7 +233,7 @@ def figures(measured: dict[str, Served], category: str, *, repeats: int, pays_of
         note = "no engine.plain_url: τ and latency only, no speed-up"
         out["engine_note"] = f"{out['engine_note']}; {note}" if out["engine_note"] else note
         return out
-    plain_t, _ = _timings(plain, keys, repeats)
+    plain_t, _ = decode_timings(plain, keys, repeats)
     vs_plain = compare(spec_t, plain_t, strata, seed=seed)
     out.update(engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_speedup=vs_plain.ratio,
                engine_speedup_ci=vs_plain.interval, engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at),
@@ -241,7 +243,7 @@ def figures(measured: dict[str, Served], category: str, *, repeats: int, pays_of
     return out
 
 
-def add_figures(rows: list[dict], measured: dict[int, dict[str, Served]], *, drafter: str | None, k: int | None,
+def add_figures(rows: list[dict], measured: dict[int, dict[str, Answers]], *, drafter: str | None, k: int | None,
                 repeats: int, pays_off_at: float, costs=None, seed: int = 0) -> list[dict]:
     """Rows of `drafter` at `k` (greedy, per batch size and category) gain the deployment's figures, and
     with `costs` (c, β entered for it) the speed-up draftsmith's τ predicts there; the other rows are left as they
@@ -280,8 +282,6 @@ def connect(engine, ks: list[int], drafters: list[str]) -> tuple[Endpoint, Endpo
         if engine.k not in ks:
             raise ValueError(f"engine.k={engine.k!r}: the tokens the deployment drafts per round, one of ks={ks} "
                              f"(draftsmith's rows of {engine.drafter!r} at that k get its figures)")
-    from omegaconf import OmegaConf
-
     body = engine.get("extra_body")
     extra = dict(OmegaConf.to_container(body) if OmegaConf.is_config(body) else body or {})
     made = [Endpoint(url, model=engine.model, api_key_env=engine.api_key_env, timeout=engine.timeout,

@@ -15,9 +15,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 
@@ -187,3 +189,39 @@ class Streamed:
     ttft: float
     decode: float
     finish_reason: str | None
+
+
+def stream(complete, prompts: list, concurrency: int, on_done=None) -> tuple[list, int]:
+    """The prompts served as an engine under constant load serves them: `concurrency` clients, each sending the
+    next prompt as soon as its previous answer is back (`complete(prompt)`), and extra requests (cycling through
+    the prompts, their answers dropped) keep every client busy until every prompt is answered. Returns the
+    prompts' answers, in order, and the number of requests sent; `on_done()` is called as each answer arrives.
+    A request that raises stops the other clients, and the error surfaces."""
+    lock = threading.Lock()
+    answers: list = [None] * len(prompts)
+    state = {"next": 0, "open": len(prompts)}
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not state["open"]:
+                    return
+                request = state["next"]
+                state["next"] += 1
+            try:
+                answer = complete(prompts[request % len(prompts)])
+            except BaseException:
+                with lock:
+                    state["open"] = 0  # the other clients stop too; the error surfaces from this one
+                raise
+            if request < len(prompts):
+                with lock:
+                    answers[request] = answer
+                    state["open"] -= 1
+                if on_done is not None:
+                    on_done()
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for future in [pool.submit(client) for _ in range(concurrency)]:
+            future.result()
+    return answers, state["next"]

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafters.eagle import check_vocab_maps
 from eval.llama_cpp import convert_to_gguf
 from traffic import models
 
@@ -62,7 +63,7 @@ def target_directory(name_or_path: str) -> Path:
     local = Path(models.resolve(name_or_path))
     if local.is_dir():
         return local
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # only where a hub id is fetched
 
     return Path(snapshot_download(name_or_path))
 
@@ -73,8 +74,6 @@ def target_directory(name_or_path: str) -> Path:
 def check_eagle3(state: dict[str, torch.Tensor], head_config: dict, target_config, *, eos_token_id: int | None,
                  best: dict | None, force: bool = False, where: str = "head") -> torch.Tensor:
     """Refuse a head that would load and then accept nothing; return its target ids (draft id -> target id)."""
-    from drafters.eagle import check_vocab_maps
-
     missing = [name for name in EAGLE3_OWN if name not in state]
     if missing:
         raise ExportRefused(f"{where}: weights {missing} are missing; an engine would load them as random")
@@ -392,7 +391,7 @@ def with_tokenizer_of(gguf_file: str | Path, source: str | Path) -> bool:
     shipped file has a SentencePiece one, and llama-server refuses the pair. The target's own token list, scores
     and types are the draft's (same ids, same texts), so they are copied over by the `gguf` package's own
     metadata rewriter (`gguf_new_metadata.copy_with_new_metadata`)."""
-    import gguf
+    import gguf  # only where a GGUF file is written
     from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
     gguf_file = Path(gguf_file)

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from drafters.base import Drafter
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
+from drafters.registry import load_head
 from traffic import models, toyworld
 from traffic.records import LoadSummary, Record, RecordError, load_records, prompt_ids
 
@@ -63,17 +64,17 @@ def target_source(target) -> str:
     return models.source(target["name_or_path"], target.get("gguf_file"))
 
 
-def resolve_specs(specs: list[dict], target_source: str, engine: str | None, loop: bool = True) -> list[dict]:
+def resolve_specs(specs: list[dict], target_source: str, own_drafters: bool, loop: bool = True) -> list[dict]:
     """The drafter specs with what they stand for made concrete: a self-draft (`kind: draft_lm`, `layers`, no
     path) gets the path of the target's first layers (built once, traffic/models.py); llama.cpp's own
-    drafters (`kind: llamacpp`) are checked to have an engine that runs them, and, where draftsmith's loop runs
-    (`loop`), to come after a baseline it runs."""
+    drafters (`kind: llamacpp`) are checked to have an engine that runs them (`own_drafters`: the engine's
+    `serves_own_drafters`), and, where draftsmith's loop runs (`loop`), to come after a baseline it runs."""
     out = []
     for spec in specs:
         spec = dict(spec)
         if spec.get("kind") == "draft_lm" and spec.get("layers") and not spec.get("path"):
             spec["path"] = str(models.self_draft(models.resolve(target_source), spec["layers"]))
-        if spec.get("kind") == "llamacpp" and engine != "llamacpp":
+        if spec.get("kind") == "llamacpp" and not own_drafters:
             raise ValueError(f"drafter {spec.get('name')!r} (kind llamacpp) is llama.cpp's own speculation: it is "
                              "measured in the engine only, set engine=llamacpp")
         out.append(spec)
@@ -97,8 +98,6 @@ def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remot
                                        name=name, trust_remote_code=trust_remote_code, lean=spec.get("lean", True),
                                        stop_below=stop_below, stop_rule=stop_rule)
     if kind == "head":
-        from drafters.registry import load_head
-
         if not spec.get("path"):
             raise ValueError(f"drafter {name!r} (kind head) needs a path: a directory saved by `python -m train`")
         return load_head(spec["path"], target).drafter(name, stop_below=stop_below, stop_rule=stop_rule)

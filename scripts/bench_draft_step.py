@@ -35,7 +35,7 @@ from drafters.draft_lm import DraftLM
 from drafters.heads import features_of
 from drafters.registry import load_head
 from drafters.hf_cache import cache_keyword
-from drafters.layers import KVCache
+from drafters.kv_cache import KVCache
 from drafters.llama_decode import LeanLlama
 from drafters.sampling import Sampling
 from eval.speculative import rollback

@@ -22,7 +22,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from eval import llama_cpp
-from eval.engine import _STATS, _counters
+from eval.llama_cpp_measure import _STATS, _counters
 from traffic import models
 
 

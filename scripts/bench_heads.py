@@ -27,7 +27,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from eval.evaluate import EvalPlan, evaluate
-from eval.report import build_report, console_summary, next_report_dir, write_report
+from eval.report import build_report, next_report_dir, write_report
+from eval.report_markdown import console_summary
 from eval.run import build_drafter, held_out_path, load_target, read_traffic, target_source, tokenize_prompts
 from train.__main__ import train
 

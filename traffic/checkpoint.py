@@ -20,7 +20,7 @@ The files are therefore the same whatever ran the training, and a checkpoint wri
 loads into a single process and the other way round. DeepSpeed's engine keeps its partitions outside
 that API; the recipes refuse it (train/distill.py).
 
-The training recipes (train/) and the toy world's own model training (traffic/toyworld.py `train_lm`)
+The training recipes (train/) and the toy world's own model training (traffic/toy_lm.py `train_lm`)
 both checkpoint through this module, which is why it sits in `traffic`, below them both.
 """
 

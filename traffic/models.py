@@ -105,7 +105,7 @@ def gguf_file(name_or_path: str) -> Path | None:
     if local.is_absolute() or name_or_path.startswith(".") or repo.count("/") != 1:
         raise FileNotFoundError(f"the GGUF file {name_or_path} does not exist (a Hub file is named "
                                 "<org>/<repo>/<file>.gguf)")
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download  # only where a hub id is fetched
 
     return Path(hf_hub_download(repo, filename))
 
@@ -165,7 +165,7 @@ def dequantized(gguf: str | Path) -> Path:
 
 
 def _dequantize(gguf: Path, out: Path) -> None:
-    import torch
+    import torch  # heavy: only where a model is converted (the rest of this module is light)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -190,7 +190,7 @@ def _keep_the_files_vocabulary(out: Path, gguf: Path) -> None:
     """Drop the tokens transformers' GGUF reader added beyond the file's own vocabulary: its byte-level
     builder adds GPT-2's default `<|endoftext|>` as the unknown token when a vocabulary lacks it, which
     makes the tokenizer one entry longer than the model's (and than a draft's with the same vocabulary)."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # only where a GGUF file is read
 
     n = len(GGUFReader(gguf).fields["tokenizer.ggml.tokens"].data)
     tok_file, config_file = out / "tokenizer.json", out / "tokenizer_config.json"
@@ -215,7 +215,7 @@ def self_draft(target_dir: str | Path, layers: int, out: str | Path | None = Non
     with its tokenizer: a draft LM that needs no training and no smaller sibling (what a team without an
     off-the-shelf draft starts from, and a baseline to beat). Written to `out`, by default cached under
     `$DRAFTSMITH_HOME/self_draft/`."""
-    import torch
+    import torch  # heavy: only where a model is converted (the rest of this module is light)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     target_dir = Path(target_dir)

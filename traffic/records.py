@@ -127,7 +127,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
 
 
 def _dataset_rows(spec: str, split: str) -> Iterator[tuple[int | None, object]]:
-    import datasets
+    import datasets  # heavy (pyarrow): only where a hub dataset is read
 
     builder = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}.get(Path(spec).suffix)
     if builder:  # a file or a glob of files of a known format

@@ -5,12 +5,15 @@ A thin Hydra wrapper: `train(cfg)` picks the recipe for `drafter.kind` and is wh
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
 from pathlib import Path
 
 import hydra
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from train.config import KINDS, RECIPES, drafter_keys, register
@@ -22,8 +25,6 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 def train(cfg: DictConfig) -> dict:
     """Run the recipe for cfg.drafter.kind; return its summary."""
-    import importlib
-
     if cfg.drafter.kind not in RECIPES:
         raise ValueError(f"drafter.kind={cfg.drafter.kind!r} has no training recipe; known: {sorted(RECIPES)}")
     return importlib.import_module(RECIPES[cfg.drafter.kind]).run(cfg)
@@ -36,7 +37,6 @@ def check_drafter_keys(arguments: list[str]) -> None:
     keys = [o.lstrip("+~").split("=", 1)[0].split(".")[1] for o in overrides if o.lstrip("+~").startswith("drafter.")]
     if not keys:
         return
-    from hydra import compose, initialize_config_dir
 
     rest = [o for o in overrides if not o.lstrip("+~").startswith(("drafter.", "hydra."))]
     try:
@@ -58,8 +58,6 @@ def main(cfg: DictConfig) -> None:
     except (ValueError, FileNotFoundError) as e:  # bad input the user can fix: say what, not a traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         # All ranks have passed a final barrier and every file is written. Tearing gloo down through
         # destructors can deadlock (the DDP reducer's process group destructor waits on a lock held by

@@ -16,16 +16,24 @@ acceptance sum_x min(p, q) or, with `trainer.select_by=top1`, greedy top-1 agree
 
 from __future__ import annotations
 
+import copy
 import json
 import random
+import shutil
 
 import torch
+from accelerate.utils import DistributedType
 from omegaconf import DictConfig
+from transformers import AutoModelForCausalLM
 
-from traffic import checkpoint
+from drafters.draft_lm import check_same_vocabulary
+from eval.run import target_source
+from traffic import checkpoint, models
+from train.logit_cache import LogitCache, write_logit_cache
 from train.losses import DIVERGENCES, acceptance_estimate, divergence, divergence_topk, greedy_agreement, sft
 from train.recipe import Recipe, _pad, _records_batch
 from train.recipe import run as run_recipe
+from train.shards import complete
 
 LOSSES = ("sft", *DIVERGENCES)
 
@@ -34,8 +42,6 @@ class DraftLMRecipe(Recipe):
     """One training run of a standalone draft LM (see the module docstring)."""
 
     def _check_sharding(self, kind) -> None:
-        from accelerate.utils import DistributedType
-
         if kind == DistributedType.FSDP and self.cfg.drafter.lora.enabled:
             raise ValueError("drafter.lora with FSDP is not supported: merging LoRA into the weights on save needs "
                              "unsharded weights. Use DDP, or train without LoRA")
@@ -61,9 +67,6 @@ class DraftLMRecipe(Recipe):
 
     def _setup_logit_cache(self) -> None:
         """The target's top-k log-probabilities over the training set, computed once (rank 0) and shared."""
-        from train.logit_cache import LogitCache, write_logit_cache
-        from train.shards import complete
-
         t, d = self.cfg.trainer, self.cfg.drafter
         directory = self._cache_dir("logits", t.max_length, d.cached_top_k, d.temperature)
         with self.acc.main_process_first():
@@ -74,16 +77,9 @@ class DraftLMRecipe(Recipe):
         self.logit_cache = LogitCache(directory)
 
     def _setup_models(self) -> None:
-        from transformers import AutoModelForCausalLM
-
-        from drafters.draft_lm import check_same_vocabulary
-
         d = self.cfg.drafter
         if d.kind != "draft_lm":
             raise ValueError(f"this recipe trains drafter.kind=draft_lm, got {d.kind!r}")
-        from eval.run import target_source
-        from traffic import models
-
         # The model training starts from, and the baseline the final evaluation measures it against.
         if d.init_from:
             self.init_path, self.init_name = models.resolve(d.init_from), "off_the_shelf"
@@ -98,7 +94,7 @@ class DraftLMRecipe(Recipe):
         check_same_vocabulary(self.tokenizer, None, self.target.get_output_embeddings().weight.shape[0],
                               model.get_output_embeddings().weight.shape[0], d.init_from)
         if d.lora.enabled:
-            from peft import LoraConfig, get_peft_model
+            from peft import LoraConfig, get_peft_model  # only with drafter.lora.enabled
 
             model = get_peft_model(model, LoraConfig(r=d.lora.r, lora_alpha=d.lora.alpha, lora_dropout=d.lora.dropout,
                                                      target_modules=d.lora.target_modules, task_type="CAUSAL_LM"))
@@ -191,8 +187,6 @@ class DraftLMRecipe(Recipe):
         if not self.is_main:
             return
         if self.cfg.drafter.lora.enabled:  # never sharded (see _check_distributed)
-            import copy
-
             model = copy.deepcopy(model).merge_and_unload()
         tmp = self.out / "best.tmp"
         model.save_pretrained(tmp, state_dict=state)
@@ -200,8 +194,6 @@ class DraftLMRecipe(Recipe):
         (tmp / "best.json").write_text(json.dumps(self.best) + "\n")
         final = self.out / "best"
         if final.exists():
-            import shutil
-
             shutil.rmtree(final)
         tmp.rename(final)
 

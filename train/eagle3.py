@@ -16,7 +16,9 @@ import datasets
 import torch
 from omegaconf import DictConfig
 
-from drafters.layers import ReadRows, finish_logits
+from drafters.eagle import draft_vocabulary, vocabulary_coverage, vocabulary_size_for
+from drafters.head_losses import ReadRows
+from drafters.layers import finish_logits
 from train.heads import HeadRecipe, label_distribution
 from train.recipe import _records_batch
 from train.recipe import run as run_recipe
@@ -88,8 +90,6 @@ class Eagle3Recipe(HeadRecipe):
         size = draft_vocab_size(d, target.config.vocab_size)
         self.counts = None
         if d.draft_vocab_coverage is not None and d.draft_vocab_size is None:
-            from drafters.eagle import vocabulary_size_for
-
             self.counts = self._vocabulary_counts()
             size = vocabulary_size_for(self.counts, d.draft_vocab_coverage, self._always_kept())
             log.info("draft vocabulary sized by coverage %s of the training tokens: %d of %d",
@@ -136,8 +136,6 @@ class Eagle3Recipe(HeadRecipe):
         `drafter.draft_vocab_examples` training records). Reports two coverages per held-out category:
         the share of assistant tokens the vocabulary can propose (greedy serving's ceiling), and the
         share of the target's probability it holds (sampled serving's: sum_x min(p, q) <= that mass)."""
-        from drafters.eagle import draft_vocabulary, vocabulary_coverage
-
         d, t = self.cfg.drafter, self.cfg.trainer
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         expected = functools.partial(expected_token_counts, self.target, batch_size=t.batch_size,

@@ -34,12 +34,13 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
+from transformers import AutoModelForCausalLM
 
 from eval.engine_formats import (ExportRefused, draft_lm_gguf, eagle3_tensors, sglang_writer, speculators_writer,
                                  target_directory, vllm_eagle1, write_dir, write_gguf)
-from eval.run import target_source
+from eval.run import dtype_of, load_target, target_source
 from train.config import ExportSettings, register
-from train.hub import HubSettings
+from train.hub import HubSettings, listing, model_card, stage, upload
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,6 @@ def formats_for(kind: str, requested: list[str]) -> list[str]:
 def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = ExportSettings()) -> dict[str, Path]:
     """Write the run's best drafter in each requested format under out_dir/<format>/; returns the paths.
     Everything is checked before the first file is written."""
-    from eval.run import dtype_of, load_target
-
     run = read_run(run_dir)
     formats = formats_for(run.kind, settings.formats)
     dtype = dtype_of(settings.dtype)
@@ -118,8 +117,6 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
     target_dir = target_directory(run.target)
     written: dict[str, Path] = {}
     if run.kind == "draft_lm":
-        from transformers import AutoModelForCausalLM
-
         draft = AutoModelForCausalLM.from_pretrained(run.best, dtype=dtype)
         if draft.config.vocab_size != target.config.vocab_size:
             raise ExportRefused(f"{run.best}: the draft's vocabulary ({draft.config.vocab_size}) is not the "
@@ -169,8 +166,6 @@ def _publish(run: TrainedRun, written: dict[str, Path], out: Path, hub: HubSetti
     dry_run, listed)."""
     if not hub.repo_id:
         return written
-    from train.hub import listing, model_card, stage, upload
-
     card = model_card(run, written, repo_id=hub.repo_id, license=hub.license, k=k)
     folder = stage(written, run.kind, out / "hub", card)
     if hub.dry_run:

@@ -10,9 +10,10 @@ import torch
 
 from eval import engine
 from eval.evaluate import EvalPlan, evaluate
-from eval.report import build_report, console_summary, write_report
-from eval.run import Traffic, build_drafter, held_out_path, prompt_budget, read_traffic, reading, resolve_specs, \
-    target_source, tokenize_prompts
+from eval.report import build_report, write_report
+from eval.report_markdown import console_summary
+from eval.run import (Traffic, build_drafter, held_out_path, prompt_budget, read_traffic, reading, resolve_specs,
+                      target_source, tokenize_prompts)
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +40,23 @@ def final_eval(cfg, target, tokenizer, device, traffic, specs: list[dict], *, tr
     prompts = tokenize_prompts(traffic, tokenizer, device=device, max_per_category=e.prompts_per_category,
                                max_prompt_tokens=limit, why=why, on_bad_record=cfg.data.on_bad_record)
     source = target_source(cfg.target)
-    specs = resolve_specs(specs, source, e.engine)
+    in_engine = engine.engine_for(e.engine, engine.EngineCosts(), runs=("llamacpp",))
+    specs = resolve_specs(specs, source, own_drafters=in_engine.serves_own_drafters)
     drafters = [build_drafter(spec, target=target, tokenizer=tokenizer) for spec in specs if spec["kind"] != "llamacpp"]
     plan = EvalPlan(ks=list(e.ks), trees=list(e.trees), batch_sizes=list(e.batch_sizes),
                     max_new_tokens=e.max_new_tokens, repeats=e.repeats, seed=cfg.trainer.seed)
     # The drafters in the engine's formats first, as `python -m eval` does: a conversion that fails stops the
     # run before the measurement, not after it.
-    converted = engine.convert(e.engine, specs, target, source, out / "engine")
+    in_engine.convert(specs, target, source, out / "engine")
     rows = evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id, progress=cfg.progress)
-    in_engine = engine.add_figures(rows, specs, target, source, prompts, plan, engine=e.engine,
-                                   costs=engine.EngineCosts(), threads=torch.get_num_threads(), work=out / "engine",
-                                   converted=converted, progress=cfg.progress)
-    engine_rows = in_engine.pop("engine_only", []) if in_engine else []
+    figures = in_engine.add_figures(rows, specs, target, source, prompts, plan, threads=torch.get_num_threads(),
+                                    work=out / "engine", progress=cfg.progress)
+    engine_rows = figures.pop("engine_only", []) if figures else []
     report = build_report(rows, target=source, baseline=drafters[0].name, engine_rows=engine_rows,
                           settings={"data": traffic.describe(prompts), "trained_on": trained_on,
                                     "ks": list(e.ks), "trees": list(e.trees), "batch_sizes": list(e.batch_sizes),
                                     "max_new_tokens": e.max_new_tokens, "repeats": e.repeats,
-                                    "pays_off_at": plan.pays_off_at, "engine": in_engine})
+                                    "pays_off_at": plan.pays_off_at, "engine": figures})
     paths = write_report(report, out)
     print(console_summary(report))
     print(f"\nreport: {paths['md']}")

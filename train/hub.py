@@ -19,7 +19,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.engine import sglang_settings
+from drafters.tree import TreeShape
+from eval.costs import sglang_settings
 
 ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf", "eagle1": "vllm"}
 # Per kind: vLLM's speculative method, SGLang's algorithm, the GGUF file, llama-server's spec type (None:
@@ -65,7 +66,7 @@ def stage(written: dict[str, Path], kind: str, out: Path, card: str) -> Path:
 def upload(folder: Path, settings: HubSettings, endpoint: str | None = None) -> str:
     """Create the repository (if needed) and commit `folder` to it; returns the commit's URL. `endpoint`:
     another Hub than huggingface_hub's (which follows HF_ENDPOINT)."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # only where an export is uploaded
     from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.utils import get_token
 
@@ -199,8 +200,6 @@ def _favoured_tree(report: dict | None):
     """The tree shape (drafters/tree.py) the final evaluation favours over all traffic, greedy, with why: the
     prediction for the team's engine (engine_costs) where there is one, else the speed measured in the run; None
     when a chain was faster or no tree was measured."""
-    from drafters.tree import TreeShape
-
     for key, why in (("engine_best_shape", "favoured by the engine costs entered (engine_costs)"),
                      ("best_shape", "fastest in draftsmith's measurement")):
         for r in (report or {}).get("results", []):

@@ -17,14 +17,16 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import datasets
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from drafters.sampling import Sampling
+from eval.run import load_target, pick_device, read_traffic, reading, target_source
 from traffic.records import Example, Record, RecordError, tokenize_record
 from train.config import register
-from train.hidden_states import bytes_per_token, write_shards
+from train.hidden_states import bytes_per_token, default_layers, write_shards
 from train.regenerate import TorchWriter, Writer, answer_writer, regenerate, summary, write_records
 
 log = logging.getLogger(__name__)
@@ -106,8 +108,6 @@ def prepare(
     """Regenerate (with `writer`: train/regenerate.py; None: the target in PyTorch), tokenize and (optionally)
     cache hidden states into out_dir; return what was made. `data` describes where the records came from
     ({path, records}) for prepare.json."""
-    import datasets
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     max_length = max_length or target.config.max_position_embeddings
@@ -143,9 +143,6 @@ def prepare(
 
 def run(cfg: DictConfig) -> PrepareSummary:
     """Run the preparation a composed conf/prepare.yaml describes (what `python -m train.prepare` does)."""
-    from eval.run import load_target, pick_device, read_traffic, reading, target_source
-    from train.hidden_states import default_layers
-
     # The traffic is read first: a bad record fails before a model is loaded.
     traffic = read_traffic(cfg.data.path, **reading(cfg.data))
     records = traffic.records[: cfg.data.max_records]

@@ -34,15 +34,24 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
+import datasets
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from drafters.sampling import Sampling
+from eval import engine
 from eval.config import checked_spec
+from eval.run import load_target, reading, resolve_data, target_source
 from traffic import checkpoint
+from traffic.records import Example, load_records
+from train.export import export
 from train.final_eval import final_eval, final_eval_traffic
 from train.precision import mixed_precision
-from train.prepare import held_out_indices
+from train.prepare import held_out_indices, prepare
+from train.regenerate import answer_writer
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +90,9 @@ class Recipe:
         self._maybe_resume()
 
     def _setup_accelerator(self) -> None:
-        from accelerate import Accelerator
-
         t = self.cfg.trainer
         if self.cfg.evaluate.enabled and self.cfg.evaluate.engine:  # fail now, not after training
-            from eval import engine
-
-            engine.check(self.cfg.evaluate.engine, engine.EngineCosts(), runs=("llamacpp",))
+            engine.engine_for(self.cfg.evaluate.engine, engine.EngineCosts(), runs=("llamacpp",)).check(None)
         if t.select_by not in ("acceptance", "top1"):
             raise ValueError(f"trainer.select_by must be acceptance or top1, got {t.select_by!r}")
         if t.max_steps < 0:
@@ -112,8 +117,6 @@ class Recipe:
 
     def _check_distributed(self) -> None:
         """Refuse the set-ups whose weights this recipe cannot gather into a checkpoint."""
-        from accelerate.utils import DistributedType
-
         kind = self.acc.distributed_type
         if kind == DistributedType.DEEPSPEED:
             raise ValueError("DeepSpeed is not supported: its engine keeps weights and optimizer state partitioned "
@@ -128,14 +131,6 @@ class Recipe:
         """The kind's own settings, checked before any work (nothing here)."""
 
     def _setup_data(self) -> None:
-        import datasets
-
-        from eval.run import load_target, reading, resolve_data, target_source
-        from drafters.sampling import Sampling
-        from traffic.records import load_records
-        from train.prepare import prepare
-        from train.regenerate import answer_writer
-
         cfg = self.cfg
         # The held-out examples that choose the best checkpoint are `trainer.eval_examples` records of the
         # training traffic (the last ones, or as many of each category: trainer.heldout): never trained on, and
@@ -202,8 +197,6 @@ class Recipe:
 
     def _training_examples(self) -> list:
         """The training set as the steps see it: truncated to trainer.max_length."""
-        from traffic.records import Example
-
         limit = self.cfg.trainer.max_length
         return [Example(r["id"], r["category"], r["input_ids"][:limit], r["loss_mask"][:limit])
                 for r in self.train_set]
@@ -229,9 +222,7 @@ class Recipe:
         self.metrics_path = self.out / "metrics.jsonl"
         self.wandb = None
         if self.cfg.tracking.wandb and self.is_main:
-            import os
-
-            import wandb
+            import wandb  # optional: only with tracking.wandb=true
 
             self.wandb = wandb.init(project=self.cfg.tracking.project, entity=self.cfg.tracking.entity,
                                     dir=str(self.out), config=OmegaConf.to_container(self.cfg, resolve=True),
@@ -379,8 +370,6 @@ class Recipe:
 
     def _export(self) -> dict[str, str]:
         """The best drafter in the engines' formats, into <run>/export/ (see train/export.py)."""
-        from train.export import export
-
         written = export(self.out, self.out / "export", OmegaConf.to_object(self.cfg.export))  # an ExportSettings
         for name, path in written.items():
             print(f"exported {name}: {path}")

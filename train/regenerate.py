@@ -34,7 +34,10 @@ import torch
 from tqdm.auto import tqdm
 
 from drafters.sampling import Sampling
+from eval import llama_cpp
 from eval.endpoint import Endpoint
+from eval.engine_formats import target_directory
+from traffic import models
 from traffic.records import Record, render
 
 
@@ -165,8 +168,6 @@ class EndpointWriter:
 def llama_cpp_writer(gguf: str | Path, *, parallel: int, ctx_size: int, threads: int) -> Iterator[EndpointWriter]:
     """A llama-server serving the target's GGUF on 127.0.0.1 with `parallel` slots of `ctx_size` tokens,
     as an EndpointWriter; the server stops when the block ends."""
-    from eval import llama_cpp
-
     with llama_cpp.LlamaServer(gguf, parallel=parallel, ctx_size=ctx_size, threads=threads) as server:
         endpoint = Endpoint(server.url, model=None, top_k_off=0)  # the server starts with top-k 1 (greedy)
         endpoint.check()
@@ -176,10 +177,6 @@ def llama_cpp_writer(gguf: str | Path, *, parallel: int, ctx_size: int, threads:
 def target_gguf(target_source: str, work: str | Path) -> Path:
     """The GGUF llama-server serves for the target: the file itself when the target was given as one, else the
     target converted into `work` by llama.cpp's converter in float32 (once)."""
-    from eval import llama_cpp
-    from eval.engine_formats import target_directory
-    from traffic import models
-
     gguf = models.gguf_file(target_source)
     if gguf is None:
         gguf = Path(work) / "target-f32.gguf"

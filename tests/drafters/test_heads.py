@@ -12,7 +12,7 @@ import torch
 from drafters.base import STOP_RULES, ConfidenceStop, candidate_confidence
 from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_coverage, vocabulary_size_for
 from drafters.registry import build_head, load_head, save_head
-from drafters.layers import ReadRows
+from drafters.head_losses import ReadRows
 from drafters.sampling import Sampling
 from drafters.tree import TreeShape
 from eval.batching import speculative_generate_batch
@@ -508,7 +508,7 @@ def _reference_guesses(head, kind, ids, feats, guesses):
         if kind == "medusa":
             return head.logits(feats[m - 1], n=n).argmax(-1).tolist()
         if kind == "eagle1":  # recompute from scratch, no cache, one draft at a time
-            from drafters.layers import KVCache
+            from drafters.kv_cache import KVCache
 
             hidden, out = feats[None], []
             for s in range(n):

@@ -8,7 +8,7 @@ import inspect
 import torch
 
 from drafters.hf_cache import RaggedCache, cache_keyword, forward_rows
-from drafters.layers import RaggedRows
+from drafters.kv_cache import RaggedRows
 from helpers import tiny_llama
 
 VOCAB = 64

@@ -5,7 +5,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from drafters.layers import DecoderLayer, Fused, KVCache, RMSNorm, Rotary, causal_mask, rope
+from drafters.layers import DecoderLayer, Fused, RMSNorm, Rotary, causal_mask, rope
+from drafters.kv_cache import KVCache
 
 
 def _config(**kw):

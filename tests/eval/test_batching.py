@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafters.draft_lm import DraftLM
-from drafters.layers import RaggedRows
+from drafters.kv_cache import RaggedRows
 from drafters.ngram import NgramDrafter
 from drafters.sampling import Sampling
 from eval.batching import autoregressive_generate_batch, speculative_generate_batch

@@ -116,7 +116,7 @@ def test_figures_pool_decode_time_and_catch_a_different_answer():
     from eval.endpoint import Streamed
 
     def served(decode, texts, counters=None):
-        out = deployment.Served()
+        out = deployment.Answers()
         for rep in range(2):
             for c in ("code", "chat"):
                 out.answers[rep, c] = [Streamed(t, 11, 0.01, d, "length") for t, d in zip(texts, decode)]
@@ -137,7 +137,7 @@ def test_figures_pool_decode_time_and_catch_a_different_answer():
     assert deployment.figures({"spec": spec, "plain": plain}, "chat", repeats=2, pays_off_at=1.05)[
         "engine_lossless"] is False
     # The rows of the named drafter at its k get the figures, and with costs entered, draftsmith's prediction.
-    from eval.engine import EngineCosts
+    from eval.costs import EngineCosts
 
     rows = [{"drafter": d, "k": k, "batch_size": 1, "temperature": 0.0, "category": c, "acceptance_length": 3.0,
              "mean_proposed": 4.0} for d, k in (("head", 4), ("head", 2), ("ngram", 4)) for c in ("code", "chat", "all")]

@@ -9,7 +9,14 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import eval.__main__ as entry
-from eval import engine, engine_formats, llama_cpp
+from eval import engine_formats, llama_cpp
+from eval.costs import EngineCosts, ceilings, predict
+from eval.endpoint import stream
+from eval.llama_cpp_drafters import Served, draft_dtype, llama_cpp_drafter
+from eval.llama_cpp_figures import CHAINS_ONLY, NOTHING_DRAFTED, PartingGaps, engine_figures, numerics_note
+from eval.llama_cpp_measure import DraftCounters, DraftStats, RoundCosts
+from eval.metrics import predicted_speedup
+from eval.engine import LlamaCpp, engine_for
 from eval.compare import verdict
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
@@ -29,14 +36,14 @@ def row(drafter, tau, proposed, k=4, category="all"):
 
 def test_predict_turns_tau_into_a_speedup_with_the_engines_costs():
     rows = [row("head", 3.0, 4.0), row("draft", 3.0, 4.0), row("ngram", 1.5, 2.0)]
-    costs = engine.EngineCosts(name="vLLM on 1x H100", c=0.5, beta=0.1)
-    engine.predict(rows, costs, {"head": 0.05, "draft": None, "ngram": None}, pays_off_at=1.05)
+    costs = EngineCosts(name="vLLM on 1x H100", c=0.5, beta=0.1)
+    predict(rows, costs, {"head": 0.05, "draft": None, "ngram": None}, pays_off_at=1.05)
     head, draft, ngram = rows
     assert head["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 4 * 0.05 + 0.1))  # its own c
     assert head["engine_verdict"] == "pays off (predicted)"
     # What it must keep there to pay: the τ at which the prediction reaches 1.05.
     assert head["engine_tau_to_pay"] == pytest.approx(1.05 * (1 + 4 * 0.05 + 0.1))
-    assert engine.predicted_speedup(head["engine_tau_to_pay"], 4.0, 0.05, 0.1) == pytest.approx(1.05)
+    assert predicted_speedup(head["engine_tau_to_pay"], 4.0, 0.05, 0.1) == pytest.approx(1.05)
     assert draft["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 4 * 0.5 + 0.1))  # the shared c
     assert draft["engine_verdict"] == "turn it off (predicted)"
     assert ngram["engine_cost_ratio"] == 0.5 and ngram["engine"] == "vLLM on 1x H100 (predicted)"
@@ -45,9 +52,9 @@ def test_predict_turns_tau_into_a_speedup_with_the_engines_costs():
 
 def test_predict_needs_beta_and_says_which_drafter_lacks_c():
     with pytest.raises(ValueError, match="engine_costs.beta"):
-        engine.predict([row("head", 3.0, 4.0)], engine.EngineCosts(c=0.1), {}, 1.05)
+        predict([row("head", 3.0, 4.0)], EngineCosts(c=0.1), {}, 1.05)
     rows = [row("head", 3.0, 4.0)]
-    engine.predict(rows, engine.EngineCosts(beta=0.1), {}, 1.05)
+    predict(rows, EngineCosts(beta=0.1), {}, 1.05)
     assert rows[0]["engine_predicted_speedup"] is None and "no c for drafter 'head'" in rows[0]["engine_note"]
 
 
@@ -59,7 +66,7 @@ def test_predict_prices_a_tree_at_its_width_and_names_the_shape_the_costs_favour
         return [row("head", 2.4, 4.0), tree]
 
     flat = rows()
-    engine.predict(flat, engine.EngineCosts(c=0.05, beta=0.1), {}, pays_off_at=1.05)
+    predict(flat, EngineCosts(c=0.05, beta=0.1), {}, pays_off_at=1.05)
     chain, tree = flat
     assert tree["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 4 * 0.05 + 0.1))  # depth steps, not nodes
     assert tree["engine_tau_to_pay"] == pytest.approx(1.05 * (1 + 4 * 0.05 + 0.1))
@@ -67,7 +74,7 @@ def test_predict_prices_a_tree_at_its_width_and_names_the_shape_the_costs_favour
     assert tree["sglang_settings"] == ("--speculative-num-steps 4 --speculative-eagle-topk 4 "
                                        "--speculative-num-draft-tokens 17")
     steep = rows()
-    engine.predict(steep, engine.EngineCosts(c=0.05, beta=0.1, betas={17: 1.2}), {}, pays_off_at=1.05)
+    predict(steep, EngineCosts(c=0.05, beta=0.1, betas={17: 1.2}), {}, pays_off_at=1.05)
     chain, tree = steep
     assert tree["engine_verify_overhead"] == 1.2 and chain["engine_verify_overhead"] == 0.1
     assert chain["engine_best_shape"] == "chain k=4"
@@ -102,25 +109,25 @@ def _engine_only_rows(draft_n: int) -> list[dict]:
     measured = {"items": items, "costs": {},
                 "completions": {"plain": {(0, c, i): gen(100.0, 0) for c, i in items},
                                 ("mod", 4): {(0, c, i): gen(80.0 + i, draft_n) for c, i in items}},
-                "counters": {("mod", 4): {(0, c, i): engine.DraftStats(verifications=draft_n, rounds=draft_n) for c, i in items}}}
+                "counters": {("mod", 4): {(0, c, i): DraftStats(verifications=draft_n, rounds=draft_n) for c, i in items}}}
     greedy = [dict(row("ngram", 1.5, 4, category="code"), batch_size=1)]  # draftsmith's row: a note in the engine
-    served = [engine.Served("ngram", note="no llama.cpp counterpart"), engine.Served("mod", spec_type="ngram-mod")]
-    return engine.engine_figures(greedy, measured, served, repeats=1, pays_off_at=1.05)
+    served = [Served("ngram", note="no llama.cpp counterpart"), Served("mod", spec_type="ngram-mod")]
+    return engine_figures(greedy, measured, served, repeats=1, pays_off_at=1.05)
 
 
 def test_a_drafter_that_drafted_nothing_is_not_called_faster_than_plain_decoding():
     """llama.cpp's n-gram modes draft only where text repeats: where they proposed nothing their runs were plain
     decoding, and a faster machine during them must not read as "pays off"."""
     (idle,) = _engine_only_rows(draft_n=0)
-    assert idle["engine_speedup"] > 1.2 and idle["engine_verdict"] == engine.NOTHING_DRAFTED
+    assert idle["engine_speedup"] > 1.2 and idle["engine_verdict"] == NOTHING_DRAFTED
     (drafting,) = _engine_only_rows(draft_n=5)
     assert drafting["engine_verdict"] == "pays off"
 
 
 def test_draft_counters_read_the_statistics_line_of_each_request_even_when_split_across_reads():
-    counters = engine.DraftCounters(FakeServer(STATS_1 + "slot release\n" + STATS_2[:60], "", STATS_2[60:]))
-    assert counters.after(1) == engine.DraftStats(verifications=94, drafted=373, accepted=274, draft_ms=66.426, rounds=94)
-    assert counters.after(2) == engine.DraftStats(verifications=109, drafted=433, accepted=321, draft_ms=76.950, rounds=109)
+    counters = DraftCounters(FakeServer(STATS_1 + "slot release\n" + STATS_2[:60], "", STATS_2[60:]))
+    assert counters.after(1) == DraftStats(verifications=94, drafted=373, accepted=274, draft_ms=66.426, rounds=94)
+    assert counters.after(2) == DraftStats(verifications=109, drafted=433, accepted=321, draft_ms=76.950, rounds=109)
     with pytest.raises(RuntimeError, match="statistics for 2 of 3 requests"):
         counters.after(3, timeout=0.05)
 
@@ -128,14 +135,14 @@ def test_draft_counters_read_the_statistics_line_of_each_request_even_when_split
 def test_round_costs_split_a_round_into_drafting_and_the_rest():
     """Two answers of 11 tokens from a server that keeps no draft: each 1 token from the prompt, 9 from
     verifications and 1 from a plain step (too few left to draft). The plain step is 2 ms."""
-    costs = engine.RoundCosts()
+    costs = RoundCosts()
     for _ in range(2):
         costs = costs.add(llama_cpp.Completion(list(range(11)), 36, 0, predicted_ms=9 * (4 * 1.0 + 6.0) + 2.0),
-                          engine.DraftStats(verifications=9, drafted=36, accepted=0, draft_ms=36.0))
+                          DraftStats(verifications=9, drafted=36, accepted=0, draft_ms=36.0))
     assert costs.requests == 2 and costs.tokens == 22 and costs.stats.verifications == 18
     assert costs.c(2.0) == pytest.approx(0.5)  # 1 ms per drafted token over a 2 ms step
     assert costs.beta(2.0) == pytest.approx(6.0 / 2.0 - 1)  # 6 ms of each round outside drafting
-    assert engine.RoundCosts().c(2.0) is None and engine.RoundCosts().beta(2.0) is None
+    assert RoundCosts().c(2.0) is None and RoundCosts().beta(2.0) is None
 
 
 def test_the_log_reader_keeps_its_own_position_and_decodes_utf8_split_between_reads(tmp_path):
@@ -161,7 +168,7 @@ def test_unknown_engine_and_engine_with_costs_are_errors_before_anything_loads(t
     with pytest.raises(MissingConfigException, match=r"(?s)Could not find 'engine/vllm'.*llamacpp\n\topenai"):
         make_cfg("engine=vllm", "data.path=/nonexistent.jsonl", f"out_dir={tmp_path}")
     with pytest.raises(ValueError, match="engine='vllm' is not one draftsmith runs"):  # the library's own check
-        engine.check("vllm", engine.EngineCosts())
+        engine_for("vllm", EngineCosts())
     with pytest.raises(ValueError, match="set one or the other"):
         entry.run(make_cfg("engine=llamacpp", "engine_costs.beta=0.1", "data.path=/nonexistent.jsonl",
                            f"out_dir={tmp_path}"))
@@ -220,7 +227,7 @@ def test_eval_in_llama_cpp_reports_the_engines_acceptance_speedup_and_costs(tiny
     for (drafter, k, category), r in rows.items():
         assert r["engine"] == "llama.cpp"
         if r["tree"]:  # draftsmith's loop verifies trees; llama.cpp chains only
-            assert r["engine_speedup"] is None and r["engine_note"] == engine.CHAINS_ONLY and r["lossless"] is True
+            assert r["engine_speedup"] is None and r["engine_note"] == CHAINS_ONLY and r["lossless"] is True
             continue
         if drafter == "ngram":
             assert r["engine_speedup"] is None and "no llama.cpp counterpart" in r["engine_note"]
@@ -302,14 +309,14 @@ class _Server:
 def test_a_stream_answers_every_prompt_in_order_and_keeps_the_slots_busy():
     prompts = [[i] for i in range(5)]
     server = _Server(3)
-    answers, sent = engine.stream(lambda p: server.complete(p, 8), prompts, server.parallel)
+    answers, sent = stream(lambda p: server.complete(p, 8), prompts, server.parallel)
     assert [a.tokens for a in answers] == prompts and sent >= len(prompts)
 
 
 def test_a_failed_request_stops_the_stream_with_its_error():
     with pytest.raises(ConnectionError, match="went away"):
         server = _Server(3, fail_at=4)
-        engine.stream(lambda p: server.complete(p, 8), [[i] for i in range(20)], server.parallel)
+        stream(lambda p: server.complete(p, 8), [[i] for i in range(20)], server.parallel)
 
 
 @pytest.mark.slow
@@ -343,7 +350,7 @@ def test_a_target_without_a_draft_is_measured_against_llama_cpps_own_speculation
         assert r["engine_verify_overhead"] is None and r["engine_ceiling"] is None  # not calibrated: drafts sometimes
         assert r["engine_acceptance_length"] is None or 1 <= r["engine_acceptance_length"] <= r["k"] + 1
         assert r["engine_verdict"] == (verdict(r["engine_speedup"], r["engine_speedup_ci"], 1.05)
-                                       if r["engine_acceptance_length"] else engine.NOTHING_DRAFTED)
+                                       if r["engine_acceptance_length"] else NOTHING_DRAFTED)
     md = (out / "report.md").read_text()
     assert "cache (ngram-cache), mod (ngram-mod), simple (ngram-simple): llama.cpp's own model-free speculation" in md
     assert "| prose | mod | 3 | – |" in md
@@ -401,16 +408,16 @@ def test_llama_cpp_alone_takes_what_llama_cpp_measures(tiny_world, tmp_path):
     from eval.evaluate import EvalPlan
 
     with pytest.raises(ValueError, match="engine.only=true measures in llama.cpp alone"):
-        engine.check_alone("openai", EvalPlan())
+        engine_for("openai", EngineCosts()).check(EvalPlan(), alone=True)
     with pytest.raises(ValueError, match=r"set temperatures=\[0.0\]"):
-        engine.check_alone("llamacpp", EvalPlan(temperatures=[0.0, 1.0]))
+        LlamaCpp(EngineCosts()).check(EvalPlan(temperatures=[0.0, 1.0]), alone=True)
     with pytest.raises(ValueError, match="chains only"):
-        engine.check_alone("llamacpp", EvalPlan(trees=["d2t2n4"]))
-    engine.check_alone("llamacpp", EvalPlan(ks=[2, 8]))
+        LlamaCpp(EngineCosts()).check(EvalPlan(trees=["d2t2n4"]), alone=True)
+    LlamaCpp(EngineCosts()).check(EvalPlan(ks=[2, 8]), alone=True)
     if llama_cpp.available():
         with pytest.raises(ValueError, match="llama.cpp serves none of the drafters: ngram: draftsmith's n-gram"):
-            engine.convert("llamacpp", [{"name": "ngram", "kind": "ngram"}], None, "toyworld://tiny_deep/target",
-                           tmp_path, alone=True)
+            LlamaCpp(EngineCosts()).convert([{"name": "ngram", "kind": "ngram"}], None, "toyworld://tiny_deep/target",
+                                            tmp_path, alone=True)
 
 
 def test_engine_verdict_lines_rank_each_drafters_best_k():
@@ -418,7 +425,7 @@ def test_engine_verdict_lines_rank_each_drafters_best_k():
         return {"category": "code", "drafter": drafter, "k": k, "engine_speedup": x, "engine_speedup_ci": (x - .1, x + .1),
                 "engine_verdict": verdict_}
 
-    from eval.report import engine_verdict_lines
+    from eval.report_engine import engine_verdict_lines
 
     (line,) = engine_verdict_lines([r("head", 2, 0.8, "turn it off"), r("head", 4, 1.2, "pays off"),
                                     r("mod", 2, 0.99, "undecided"), {**r("mod", 4, 1.0, None), "engine_speedup": None}])
@@ -439,7 +446,7 @@ def test_llama_cpps_own_drafters_need_the_engine_and_cannot_be_the_baseline(tiny
     with pytest.raises(ValueError, match="the first drafter is the baseline"):
         resolve_specs([simple], "toyworld://tiny/target", "llamacpp")
     with pytest.raises(ValueError, match="spec_type must be one of"):
-        engine.llama_cpp_drafter({"name": "x", "kind": "llamacpp", "spec_type": "ngram-magic"}, None, "", tmp_path)
+        llama_cpp_drafter({"name": "x", "kind": "llamacpp", "spec_type": "ngram-magic"}, None, "", tmp_path)
     spec, = resolve_specs([{"name": "self", "kind": "draft_lm", "layers": 1}], "toyworld://tiny/target", None)
     assert json.loads((Path(spec["path"]) / "config.json").read_text())["num_hidden_layers"] == 1
 
@@ -450,10 +457,10 @@ def test_a_drafter_is_served_in_bf16_where_the_targets_hidden_states_outgrow_f16
     from helpers import tiny
 
     target = tiny("llama")
-    assert engine.draft_dtype(target) == engine.draft_dtype(target, [0, 3]) == "float16"
+    assert draft_dtype(target) == draft_dtype(target, [0, 3]) == "float16"
     with torch.no_grad():
         target.get_input_embeddings().weight.mul_(1e6)  # massive activations from the first layer's input on
-    assert engine.draft_dtype(target, [0]) == engine.draft_dtype(target) == "bfloat16"
+    assert draft_dtype(target, [0]) == draft_dtype(target) == "bfloat16"
 
 
 def test_an_output_that_differs_as_the_verifying_servers_does_is_called_llama_cpps_numerics():
@@ -463,10 +470,10 @@ def test_an_output_that_differs_as_the_verifying_servers_does_is_called_llama_cp
     keys = [(0, "code", 0), (0, "code", 1)]
     plain = {keys[0]: c([1, 2, 3]), keys[1]: c([4, 5, 6])}
     runs = {keys[0]: c([1, 2, 9]), keys[1]: c([4, 5, 6])}  # the first differs at a near tie
-    note = engine.numerics_note(runs, plain, {keys[0]: c([1, 2, 9])}, keys)
+    note = numerics_note(runs, plain, {keys[0]: c([1, 2, 9])}, keys)
     assert note.startswith("its output differs from plain decoding on 1 of 2 generations") and "numerics" in note
-    assert "numerics" not in engine.numerics_note(runs, plain, {keys[0]: c([1, 2, 3])}, keys)  # the drafter's doing
-    assert engine.numerics_note(runs, plain, {}, keys).endswith("none of them is a prompt the cost servers measured")
+    assert "numerics" not in numerics_note(runs, plain, {keys[0]: c([1, 2, 3])}, keys)  # the drafter's doing
+    assert numerics_note(runs, plain, {}, keys).endswith("none of them is a prompt the cost servers measured")
 
 
 def test_a_confidence_stop_is_served_as_llama_cpps_p_min_only_with_its_rule(tmp_path, monkeypatch):
@@ -474,9 +481,9 @@ def test_a_confidence_stop_is_served_as_llama_cpps_p_min_only_with_its_rule(tmp_
     the engine would run, so the engine refuses it rather than measure another drafter under its name."""
     spec = {"name": "h", "kind": "head", "path": str(tmp_path), "stop_below": 0.5}
     with pytest.raises(ValueError, match="drafter 'h': llama.cpp's confidence stop .* stop_rule: drop"):
-        engine.llama_cpp_drafter(spec, None, "target", tmp_path)
+        llama_cpp_drafter(spec, None, "target", tmp_path)
     with pytest.raises(ValueError, match="drafter 'm': llama.cpp's n-gram modes have no confidence stop"):
-        engine.llama_cpp_drafter({"name": "m", "kind": "llamacpp", "spec_type": "ngram-mod", "stop_below": 0.5,
+        llama_cpp_drafter({"name": "m", "kind": "llamacpp", "spec_type": "ngram-mod", "stop_below": 0.5,
                                   "stop_rule": "drop"}, None, "target", tmp_path)
     monkeypatch.setattr(llama_cpp, "binary", lambda name: Path("llama.cpp/bin") / name)  # a command, not a build
     server = llama_cpp.LlamaServer("t.gguf", draft="d.gguf", spec_type="draft-eagle3", k=4, p_min=0.5)
@@ -492,7 +499,7 @@ def test_ngram_cache_is_served_and_reported_at_the_draft_length_llama_cpp_fixes_
         llama_cpp.LlamaServer("t.gguf", spec_type="ngram-cache", k=4)
     monkeypatch.setattr(llama_cpp, "binary", lambda name: Path("llama.cpp/bin") / name)  # a command, not a build
     assert "ngram-cache" in llama_cpp.LlamaServer("t.gguf", spec_type="ngram-cache", k=8).command(8080)
-    cache, mod = engine.Served("cache", spec_type="ngram-cache"), engine.Served("mod", spec_type="ngram-mod")
+    cache, mod = Served("cache", spec_type="ngram-cache"), Served("mod", spec_type="ngram-mod")
     assert cache.ks([2, 4]) == [8] and mod.ks([2, 4]) == [2, 4]
 
     def gen(ms, n):
@@ -503,13 +510,13 @@ def test_ngram_cache_is_served_and_reported_at_the_draft_length_llama_cpp_fixes_
                 "completions": {"plain": {(0, c, i): gen(100.0, 0) for c, i in items},
                                 ("cache", 8): {(0, c, i): gen(90.0, 4) for c, i in items},
                                 **{("mod", k): {(0, c, i): gen(95.0, 2) for c, i in items} for k in (2, 4)}},
-                "counters": {key: {(0, c, i): engine.DraftStats(verifications=2, rounds=4, drafted=4, accepted=2)
+                "counters": {key: {(0, c, i): DraftStats(verifications=2, rounds=4, drafted=4, accepted=2)
                                    for c, i in items} for key in [("cache", 8), ("mod", 2), ("mod", 4)]}}
     greedy = [dict(row("ngram", 1.5, 2.0, k=k, category="code"), batch_size=1) for k in (2, 4)]
-    served = [engine.Served("ngram", note="no llama.cpp counterpart"), cache, mod]
-    rows = engine.engine_figures(greedy, measured, served, repeats=1, pays_off_at=1.05)
+    served = [Served("ngram", note="no llama.cpp counterpart"), cache, mod]
+    rows = engine_figures(greedy, measured, served, repeats=1, pays_off_at=1.05)
     assert sorted((r["drafter"], r["k"]) for r in rows) == [("cache", 8), ("mod", 2), ("mod", 4)]
-    alone = engine.engine_figures([], measured, served, repeats=1, pays_off_at=1.05, alone=True, ks=[2, 4])
+    alone = engine_figures([], measured, served, repeats=1, pays_off_at=1.05, alone=True, ks=[2, 4])
     assert sorted({(r["drafter"], r["k"]) for r in alone}) == [("cache", 8), ("mod", 2), ("mod", 4)]
     assert all(r["engine_acceptance_length"] == pytest.approx(1.5) for r in alone)  # 1 + 2 accepted / 4 rounds
 
@@ -523,7 +530,7 @@ def test_an_output_that_differs_in_the_engine_says_how_near_a_tie_it_parts_at():
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                           num_attention_heads=2, num_key_value_heads=2)).eval()
-    gaps = engine.PartingGaps(target, {"code": [[1, 2, 3]]})
+    gaps = PartingGaps(target, {"code": [[1, 2, 3]]})
     plain, other = [5, 6, 7, 8], [5, 6, 9, 10]
     with torch.inference_mode():
         logits = target(input_ids=torch.tensor([[1, 2, 3, 5, 6]])).logits[0, -1]
@@ -535,14 +542,14 @@ def test_an_output_that_differs_in_the_engine_says_how_near_a_tie_it_parts_at():
         return llama_cpp.Completion(tokens, 0, 0, 1.0)
 
     key = (0, "code", 0)
-    note = engine.numerics_note({key: gen(other)}, {key: gen(plain)}, {}, [key], gaps)
+    note = numerics_note({key: gen(other)}, {key: gen(plain)}, {}, [key], gaps)
     assert note.startswith("its output differs from plain decoding on 1 of 1 generations; where each parts from "
                            f"plain, draftsmith's target (float32) scores plain's token above the drafter's by "
                            f"{expected:.2f} (logits; near 0: a near tie)")
-    assert "by" not in engine.numerics_note({key: gen(plain[:2])}, {key: gen(plain)}, {}, [key], gaps)
+    assert "by" not in numerics_note({key: gen(plain[:2])}, {key: gen(plain)}, {}, [key], gaps)
     measured = {"items": [("code", 0)], "costs": {}, "completions": {"plain": {key: gen(plain)}, ("mod", 4): {key: gen(other)}},
-                "counters": {("mod", 4): {key: engine.DraftStats(verifications=1, rounds=3, drafted=1, accepted=0)}}}
-    (row,) = engine.engine_figures([], measured, [engine.Served("mod", spec_type="ngram-mod")], repeats=1,
+                "counters": {("mod", 4): {key: DraftStats(verifications=1, rounds=3, drafted=1, accepted=0)}}}
+    (row,) = engine_figures([], measured, [Served("mod", spec_type="ngram-mod")], repeats=1,
                                    pays_off_at=1.05, alone=True, ks=[4], gaps=gaps)[:1]
     assert row["engine_lossless"] is False and f"above the drafter's by {expected:.2f}" in row["engine_note"]
 
@@ -571,6 +578,7 @@ def test_a_server_that_could_not_set_up_its_drafter_is_an_error_naming_why(tmp_p
     (build / "src").mkdir()
     (build / "src" / "convert_hf_to_gguf.py").write_text("")
     (build / "bin" / "patches.sha256").write_text(llama_cpp.patches_digest())
+    (build / "bin" / "llama-quantize").write_text("")  # a build has it; this test never runs it
     server = build / "bin" / "llama-server"
     server.write_text(FAKE_SERVER.format(python=sys.executable))
     server.chmod(0o755)
@@ -587,9 +595,9 @@ def test_a_server_that_could_not_set_up_its_drafter_is_an_error_naming_why(tmp_p
 def test_rounds_without_a_draft_count_in_tau_and_pay_no_verification():
     """A drafter that drafts nothing in some rounds (a confidence stop): llama.cpp's τ per round, as
     draftsmith's loop counts it, and the cost model's β paid by the rounds that verify only."""
-    assert engine.predicted_speedup(2.0, 1.5, 0.1, 1.0, verified=0.5) == pytest.approx(2.0 / (1 + 0.15 + 0.5))
-    assert engine.ceilings(4, 2.0, 1.0, 0.5) == {"engine_ceiling": None, "engine_tau_ceiling": pytest.approx(2.0 / 1.5)}
-    assert engine.ceilings(4, 2.0, 1.0)["engine_tau_ceiling"] == pytest.approx(1.0)
+    assert predicted_speedup(2.0, 1.5, 0.1, 1.0, verified=0.5) == pytest.approx(2.0 / (1 + 0.15 + 0.5))
+    assert ceilings(4, 2.0, 1.0, 0.5) == {"engine_ceiling": None, "engine_tau_ceiling": pytest.approx(2.0 / 1.5)}
+    assert ceilings(4, 2.0, 1.0)["engine_tau_ceiling"] == pytest.approx(1.0)
 
 
 def test_a_draft_lm_gets_the_vocabulary_type_of_the_target_file_it_is_served_with(tmp_path):
@@ -651,7 +659,7 @@ def test_the_report_names_the_device_the_engine_ran_on():
     """torch's view of the machine is not llama.cpp's: a GPU torch sees can sit idle under a CPU build, and a CUDA
     build offloads where torch has no GPU. The engine's lines name the device from llama-server's log; a report
     written before it was recorded keeps torch's."""
-    from eval import report as report_md
+    from eval import report_engine as report_md
 
     hw = {"cpu": "AMD EPYC", "gpu": "NVIDIA H200", "torch_threads": 2, "torch": "2.13.0"}
     on = lambda device: {"hardware": hw, "settings": {"engine": {"name": "llama.cpp", "threads": 4,

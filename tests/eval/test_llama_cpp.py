@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters.sampling import Sampling
 from eval import llama_cpp
-from eval.engine import DraftCounters
+from eval.llama_cpp_measure import DraftCounters
 from eval.run import build_drafter, load_target
 from eval.speculative import autoregressive_generate, speculative_generate
 from traffic import toyworld

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from eval.report import SCHEMA, build_report, console_summary, markdown, next_report_dir, write_report
+from eval.report import SCHEMA, build_report, next_report_dir, write_report
+from eval.report_markdown import console_summary, markdown
 
 
 def row(drafter, k, category, speedup, tau):

@@ -3,7 +3,7 @@ import torch
 
 from eval.run import (build_drafter, dtype_of, load_prompts, load_target, prompt_budget, read_traffic, resolve_data,
                       tokenize_prompts)
-from eval.report import traffic_lines
+from eval.report_tables import traffic_lines
 from traffic.records import RecordError
 
 

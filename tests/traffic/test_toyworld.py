@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import masked_spans
-from traffic import checkpoint, toyworld
+from traffic import checkpoint, toy_corpus, toy_lm, toyworld
 
 
 def test_tiny_world_has_every_piece(tiny_world):
@@ -13,7 +13,7 @@ def test_tiny_world_has_every_piece(tiny_world):
     assert meta["preset"] == "tiny" and meta["build_seconds"] < 60
     tok_t = AutoTokenizer.from_pretrained(tiny_world / "target")
     tok_d = AutoTokenizer.from_pretrained(tiny_world / "draft")
-    assert tok_t.get_vocab() == tok_d.get_vocab() and tok_t.chat_template == toyworld.CHAT_TEMPLATE
+    assert tok_t.get_vocab() == tok_d.get_vocab() and tok_t.chat_template == toy_lm.CHAT_TEMPLATE
     target = AutoModelForCausalLM.from_pretrained(tiny_world / "target")
     draft = AutoModelForCausalLM.from_pretrained(tiny_world / "draft")
     assert draft.num_parameters() < target.num_parameters()
@@ -22,7 +22,7 @@ def test_tiny_world_has_every_piece(tiny_world):
     held_out = [json.loads(line) for line in (tiny_world / "company_logs" / "eval.jsonl").open()]
     assert {r["category"] for r in train} == set(toyworld.CATEGORIES) == {r["category"] for r in held_out}
     assert not {r["id"] for r in train} & {r["id"] for r in held_out}
-    assert all(toyworld.is_eval(r["id"], 0.1) for r in held_out)
+    assert all(toy_corpus.is_eval(r["id"], 0.1) for r in held_out)
 
 
 def test_resolve_uses_the_cache(tiny_world):
@@ -35,17 +35,17 @@ def test_resolve_uses_the_cache(tiny_world):
 
 
 def _knowledge(seed=0, size=12):
-    return toyworld.company_directory(seed, size), toyworld.company_codebase(seed, size)
+    return toy_corpus.company_directory(seed, size), toy_corpus.company_codebase(seed, size)
 
 
 def test_corpus_and_records_are_deterministic():
-    texts = toyworld.corpus(0)
+    texts = toy_corpus.corpus(0)
     assert all(len(texts[kind]) > 100 for kind in ("code", "prose", "json"))
-    assert toyworld.corpus(0) == texts and toyworld.corpus(1)["json"] != texts["json"]
+    assert toy_corpus.corpus(0) == texts and toy_corpus.corpus(1)["json"] != texts["json"]
     assert _knowledge(0) == _knowledge(0) and _knowledge(0) != _knowledge(1)
-    assert toyworld.company_records(texts, 5, 0, *_knowledge()) == toyworld.company_records(texts, 5, 0, *_knowledge())
-    assert toyworld.company_records(texts, 5, 0, *_knowledge()) != toyworld.company_records(texts, 5, 1, *_knowledge())
-    assert toyworld.company_records(texts, 5, 0) != toyworld.company_records(texts, 5, 0, *_knowledge())
+    assert toy_corpus.company_records(texts, 5, 0, *_knowledge()) == toy_corpus.company_records(texts, 5, 0, *_knowledge())
+    assert toy_corpus.company_records(texts, 5, 0, *_knowledge()) != toy_corpus.company_records(texts, 5, 1, *_knowledge())
+    assert toy_corpus.company_records(texts, 5, 0) != toy_corpus.company_records(texts, 5, 0, *_knowledge())
 
 
 def test_worlds_without_a_wiki_keep_their_names_and_traffic():
@@ -55,10 +55,10 @@ def test_worlds_without_a_wiki_keep_their_names_and_traffic():
     assert not toy.has_wiki and wiki.has_wiki
     assert "wiki_repeats" not in toy.hashed_fields() and wiki.hashed_fields()["wiki_repeats"] == 32
     assert toy.digest() != wiki.digest() and toy.target.steps < wiki.target.steps
-    records = toyworld.company_records(toyworld.corpus(0), 60, 0)
+    records = toy_corpus.company_records(toy_corpus.corpus(0), 60, 0)
     users = [r["messages"][1]["content"] for r in records]
     assert not any(u.startswith("Look up employee") for u in users)
-    assert not any(u.split("`")[1].split(".")[0] in toyworld.COMPANY_MODULES for u in users if "`" in u)
+    assert not any(u.split("`")[1].split(".")[0] in toy_corpus.COMPANY_MODULES for u in users if "`" in u)
 
 
 def test_company_knowledge_is_unique_and_well_formed():
@@ -96,10 +96,10 @@ def test_traffic_is_what_the_prompts_ask():
     changes only the status, a record described in words carries the described values, a tool call
     serves its request, a lookup answers the directory's entry; prose is asked by topic and drawn from the company's half
     of the reference paragraphs, which the off-the-shelf draft's general mix leaves out."""
-    texts = toyworld.corpus(0)
+    texts = toy_corpus.corpus(0)
     directory, codebase = _knowledge(0, 12)
-    records = toyworld.company_records(texts, 60, 0, directory, codebase)
-    company = {p for _, p in toyworld.company_prose(texts)}
+    records = toy_corpus.company_records(texts, 60, 0, directory, codebase)
+    company = {p for _, p in toy_corpus.company_prose(texts)}
     functions = dict(codebase) | {f.split("\n", 1)[0][2:]: f.split("\n", 1)[1] for f in texts["code"]}
     employees = {e["employee"]: e for e in directory}
     general = {p for p in texts["prose"] if p not in company}
@@ -144,13 +144,13 @@ def test_wiki_world_trains_its_target_on_the_wiki(tiny_world):
     assert json.loads((world / "build.json").read_text())["wiki_tokens"] > 0
     records = [json.loads(line) for split in ("train", "eval")
                for line in (world / "company_logs" / f"{split}.jsonl").open()]
-    directory = {e["employee"]: e for e in toyworld.company_directory(config.seed, config.directory_size)}
+    directory = {e["employee"]: e for e in toy_corpus.company_directory(config.seed, config.directory_size)}
     lookups = [r for r in records if r["messages"][1]["content"].startswith("Look up employee")]
     assert lookups and all(json.loads(r["messages"][2]["content"]) == directory[int(r["messages"][1]["content"].split()[3])]
                            for r in lookups)
     tok = AutoTokenizer.from_pretrained(world / "draft")
-    texts = toyworld.corpus(config.seed)
-    wiki = toyworld.company_wiki(list(directory.values()), toyworld.company_codebase(config.seed, config.codebase_size))
+    texts = toy_corpus.corpus(config.seed)
+    wiki = toyworld.company_wiki(list(directory.values()), toy_corpus.company_codebase(config.seed, config.codebase_size))
     target_stream = toyworld._target_stream(config, texts, records, wiki, tok).tolist()
     draft_stream = toyworld._draft_stream(config, texts, tok).tolist()
     for doc in (wiki[0], wiki[-1]):  # an employee, a function
@@ -179,10 +179,10 @@ def test_draft_variant_follows_the_worlds_draft_recipe(tiny_world, tmp_path):
 def test_training_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
     """Stopped after 6 of 10 steps and resumed, a world's model ends with the weights of an
     uninterrupted run: model, optimizer, schedule and batch sampler all come back."""
-    spec = toyworld.LMSpec(hidden_size=16, layers=1, heads=2, kv_heads=1, intermediate_size=32, steps=10,
+    spec = toy_lm.LMSpec(hidden_size=16, layers=1, heads=2, kv_heads=1, intermediate_size=32, steps=10,
                            batch_size=2)
 
-    class Tok:  # what _llama reads of a tokenizer
+    class Tok:  # what new_llama reads of a tokenizer
         bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
 
         def __len__(self):
@@ -192,7 +192,7 @@ def test_training_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
 
     def model():
         torch.manual_seed(0)
-        return toyworld._llama(spec, Tok(), context=64)
+        return toy_lm.new_llama(spec, Tok(), context=64)
 
     whole = model()
     loss = toyworld.train_lm(whole, stream, spec, 16, seed=0, desc="whole")
@@ -250,14 +250,14 @@ def test_agent_traffic_is_logged_as_gateways_log_it_and_trained_on_as_the_templa
     assert {r.category for r in records} == {*toyworld.CATEGORIES, "agent"} and summary.formats == {"chat": len(records)}
     assert [r.category for r in records[:8]].count("agent") >= 1  # interleaved: a prefix (data.max_records) has some
     raw = json.loads(next(line for line in open(path) if '"agent"' in line))
-    assert isinstance(raw["messages"][2]["tool_calls"][0]["function"]["arguments"], str) and raw["tools"] == toyworld.TOOLS
+    assert isinstance(raw["messages"][2]["tool_calls"][0]["function"]["arguments"], str) and raw["tools"] == toy_corpus.TOOLS
     tok = AutoTokenizer.from_pretrained(world / "target")
     example = tokenize_record(agent[0], tok)
     spans = masked_spans(example, tok)
     call = agent[0].messages[2]["tool_calls"][0]["function"]
     assert spans == [f"<tool_call>{json.dumps({'name': call['name'], 'arguments': call['arguments']})}</tool_call><|end|>\n",
                      agent[0].messages[4]["content"] + "<|end|>\n"]
-    text = tok.decode(toyworld._target_stream(toyworld.PRESETS["tiny_agent"], toyworld.corpus(0), [raw], [], tok))
+    text = tok.decode(toyworld._target_stream(toyworld.PRESETS["tiny_agent"], toy_corpus.corpus(0), [raw], [], tok))
     assert "<|tool|>\n" in text and "<tool_call>{\"name\": " in text  # the target reads the conversations rendered
     # A conversation without tool calls renders as the template before tool calls rendered it.
     old = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
