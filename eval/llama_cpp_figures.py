@@ -18,9 +18,7 @@ from eval.llama_cpp_drafters import Converted, Served
 from eval.llama_cpp_measure import DraftStats, generation_timings, measure_llama_cpp
 from eval.metrics import predicted_speedup
 
-ENGINES = {"llamacpp": "llama.cpp"}
-
-
+NAME = "llama.cpp"  # what the report calls it
 # What the vendored llama.cpp verifies: common/speculative.cpp drafts a token list per sequence and the server
 # verifies it as one chain; there is no tree drafting or tree attention (llama-cpp-python 0.3.36's llama.cpp).
 CHAINS_ONLY = "llama.cpp drafts and verifies chains only: a tree's τ and speed are draftsmith's"
@@ -83,7 +81,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
         note = None if lossless else numerics_note(runs, plain, measured.get("verified", {}).get(key, {}), generations,
                                                    gaps)
         return dict(
-            engine=ENGINES["llamacpp"], engine_acceptance_length=tau_engine, engine_mean_proposed=proposed_engine,
+            engine=NAME, engine_acceptance_length=tau_engine, engine_mean_proposed=proposed_engine,
             engine_ar_tokens_per_s=plain_t.median_tokens_per_s(), engine_sd_tokens_per_s=spec_t.median_tokens_per_s(),
             engine_speedup=vs_plain.ratio, engine_speedup_ci=vs_plain.interval,
             engine_verdict=verdict(vs_plain.ratio, vs_plain.interval, pays_off_at) if drafted else NOTHING_DRAFTED,
@@ -96,7 +94,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
     for r in rows:
         if r.get("batch_size", 1) != batch:
             continue
-        figures = {**dict.fromkeys(FIELDS), "engine": ENGINES["llamacpp"]}
+        figures = {**dict.fromkeys(FIELDS), "engine": NAME}
         if r["temperature"] != 0:
             figures["engine_note"] = "the engine is measured greedy (temperature 0) only"
         elif r.get("tree"):
@@ -187,7 +185,7 @@ def run_llama_cpp(rows: list[dict], converted: Converted, prompts: dict[str, lis
         devices.append(measured["device"])
         engine_only += engine_figures(rows, measured, served, repeats=repeats, pays_off_at=pays_off_at, seed=seed,
                                       batch=batch, alone=alone, ks=ks, gaps=gaps)
-    return {"name": ENGINES["llamacpp"], "version": llama_cpp.VERSION, "target_gguf": str(target_gguf),
+    return {"name": NAME, "version": llama_cpp.VERSION, "target_gguf": str(target_gguf),
             "threads": threads, "device": ", ".join(dict.fromkeys(devices)), "work_dir": str(work), "alone": alone,
             "cost_prompts_per_category": cost_prompts, "served": {s.name: s.spec_type or s.note for s in served},
             "p_min": {s.name: s.p_min for s in served if s.p_min},
