@@ -286,6 +286,7 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "speedup_ci": vs_plain.interval,
         "cost_ratio": costs.cost_ratio,
         "verify_overhead": costs.verify_overhead,
+        "round_overhead": costs.round_overhead,  # β as this drafter's rounds verified: what the prediction charges
         "predicted_speedup": costs.predicted_speedup,
         # A prompt's prefill (plain, speculative: the target's prefill, its first token, the drafter's start), in
         # target steps (at B > 1, its share of the batch's prefills counted B times, as above).

@@ -89,6 +89,9 @@ class CostModel:
     cost_ratio c: one draft step (a full round's drafting time / its n guesses).
     verify_overhead beta: the rest of a full round (the target's forward of n+1 positions, the acceptance
         test, the rollback and the bookkeeping), minus 1.
+    round_overhead: the rest of a round as the drafter's rounds verified it, minus 1, averaged over its rounds:
+        a round whose proposal was m guesses pays the overhead of rounds of m guesses (0 guesses: a plain step),
+        so a drafter that proposes fewer than n in some rounds, or none, is charged what those rounds cost.
     prefill, spec_prefill: the time before the first step (plain) or round (speculative: the target's
         prefill, its first token and the drafter's start on the prompt), None where not timed.
     batch_acceptance_length: the tokens a generation advances per round, its plain decoding steps over its
@@ -103,6 +106,7 @@ class CostModel:
     prefill: float | None = None
     spec_prefill: float | None = None
     batch_acceptance_length: float | None = None
+    round_overhead: float | None = None
 
 
 def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, acceptance_length: float, *,
@@ -116,7 +120,8 @@ def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, 
     some rounds. c and beta come from the full rounds (n guesses drafted and verified): c is the cost of
     one drafted token (a full round's draft time / n), beta the rest of the round. Rounds timed without
     their whole (`round_s` None) take beta from the verification alone. The prediction charges each round
-    its mean proposal length. With `steps` and `spec_rounds` (plain decoding's mean steps and speculative
+    its mean proposal length, and the rest of each round at the width it verified (`round_overhead`: a round
+    of m guesses, the median of such rounds; an empty proposal is a plain step, not a full round). With `steps` and `spec_rounds` (plain decoding's mean steps and speculative
     decoding's mean rounds per generation) and both loops' prefill times it predicts the end-to-end
     speed-up: each generation pays its prefill once and `spec_rounds` full rounds. At B > 1 a generation's
     steps and rounds are shared with the other rows, 1/B of each (eval/batching.py), so the prefill is
@@ -130,17 +135,20 @@ def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, 
     c = statistics.median(r.draft_s for r in (full or rounds)) / n / step
     if not full:
         return CostModel(c, None, None)
-    rest = [r.verify_s if r.round_s is None else r.round_s - r.draft_s for r in full]
-    beta = statistics.median(rest) / step - 1
+    rest: dict[int, list[float]] = {}  # the rest of each round, by the guesses it verified
+    for r in rounds:
+        rest.setdefault(r.proposed, []).append(r.verify_s if r.round_s is None else r.round_s - r.draft_s)
+    overhead = {m: statistics.median(times) / step - 1 for m, times in rest.items()}
+    beta, charged = overhead[n], statistics.fmean(overhead[r.proposed] for r in rounds)
     mean_proposed = statistics.fmean(r.proposed for r in rounds)
     prefill = statistics.median(prefill_s) / step if prefill_s else None
     spec_prefill = statistics.median(spec_prefill_s) / step if spec_prefill_s else None
     if steps is None or not spec_rounds or prefill is None or spec_prefill is None:
-        return CostModel(c, beta, predicted_speedup(acceptance_length, mean_proposed, c, beta))
+        return CostModel(c, beta, predicted_speedup(acceptance_length, mean_proposed, c, charged), round_overhead=charged)
     batch_tau = steps / spec_rounds
-    predicted = predicted_speedup(batch_tau, mean_proposed, c, beta, steps=steps, prefill=prefill,
+    predicted = predicted_speedup(batch_tau, mean_proposed, c, charged, steps=steps, prefill=prefill,
                                   spec_prefill=spec_prefill)
-    return CostModel(c, beta, predicted, prefill, spec_prefill, batch_tau)
+    return CostModel(c, beta, predicted, prefill, spec_prefill, batch_tau, round_overhead=charged)
 
 
 def predicted_speedup(acceptance_length: float, proposed: float, c: float, beta: float, *,
