@@ -28,9 +28,9 @@ from transformers import PreTrainedModel
 from drafters.base import Drafter
 from drafters.sampling import Sampling
 from drafters.tree import StaticTree, TreeShape
+from eval.batching import autoregressive_generate_batch, speculative_generate_batch
 from eval.compare import Comparison, Timings, compare, verdict
 from eval.metrics import acceptance_stats, cost_model, expected_acceptance_length
-from eval.batching import autoregressive_generate_batch, speculative_generate_batch
 from eval.speculative import Generation, autoregressive_generate, speculative_generate
 
 ALL = "all"  # the aggregate over every category; reserved, no category may use the name

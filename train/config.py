@@ -17,7 +17,6 @@ from omegaconf import MISSING
 from eval.config import DataConfig, TargetConfig, TrackingConfig
 from train.hub import HubSettings
 
-
 # --- python -m train.prepare --------------------------------------------------------------------------
 
 

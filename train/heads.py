@@ -1,9 +1,8 @@
 """Recipe: train a feature-reading head (EAGLE-3, EAGLE-1, MTP, Medusa) on the frozen target's hidden states.
 
     python -m train drafter=eagle                        # EAGLE-3 on the toy world's company traffic
-    python -m train drafter=eagle drafter.draft_vocab_size=2048 drafter.hidden_states=offline
-    python -m train drafter=eagle drafter.draft_vocab_coverage=0.999   # sized to the traffic's tokens
-    python -m train drafter=eagle1 | drafter=mtp | drafter=medusa
+    python -m train drafter=eagle1 drafter.hidden_states=offline
+    python -m train drafter=mtp | drafter=medusa
 
 The recipe every kind shares, reused as is (train/recipe.py): Accelerate, the regenerated and
 tokenized data, the seeded per-step data order, checkpoints and exact resume, W&B, the final
@@ -16,6 +15,9 @@ held-out estimate of tokens accepted per round, 1 + sum_s prod_{r<=s} alpha_r, w
 expected acceptance sum_x min(p, q) of draft step r; with `trainer.select_by=top1`, by the τ of greedy
 chain drafting replayed on the held-out answers (`greedy_rounds`), which the loop measures exactly where
 those answers are the target's greedy output.
+
+A kind's own set-up goes through the hooks `_head_settings`, `_prepare_head`, `_capture_layers` and `_features`
+in a subclass of its own (EAGLE-3's draft vocabulary and output head: train/eagle3.py `Eagle3Recipe`).
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ import shutil
 import torch
 from omegaconf import DictConfig
 
-from drafters.registry import KINDS, build_head, load_head, save_head
 from drafters.layers import finish_logits
+from drafters.registry import KINDS, build_head, load_head, save_head
 from traffic.checkpoint import full_model_state
-from train.recipe import Recipe, _records_batch
-from train.recipe import run as run_recipe
 from train.config import HeadConfig, drafter_keys
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
+from train.recipe import Recipe, _records_batch
+from train.recipe import run as run_recipe
 from train.shards import complete
 
 log = logging.getLogger(__name__)
