@@ -194,7 +194,7 @@ def load_engine_eagle1(path, raw: dict, target, dtype: torch.dtype | None = None
     if shared:
         raise ValueError(f"{path}: {shared} stored in the checkpoint; draftsmith drafts with the target's own")
     config = head_config(target.config, "eagle1", [target.config.num_hidden_layers],
-                         intermediate_size=raw["intermediate_size"], token_loss_weight=0.0)
+                         intermediate_size=raw["intermediate_size"], token_loss_weight=0.0, input_norm=False)
     head = Eagle1(config)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:

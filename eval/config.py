@@ -9,7 +9,8 @@ arguments.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -110,22 +111,39 @@ SPECS: dict[str, type[DrafterSpec]] = {"draft_lm": DraftLMSpec, "head": HeadSpec
                                        "llamacpp": LlamaCppSpec}
 
 
+def _any_spec() -> type:
+    """The schema a `drafters` entry composes with: every kind's keys, each with its kind's default (the kinds'
+    defaults agree where they share a key), so `drafters.1.engine_c=0.05` overrides any entry on the command
+    line; `checked_spec` then holds each entry to its own kind's keys."""
+    taken: dict[str, tuple] = {}
+    for spec in SPECS.values():
+        hints = typing.get_type_hints(spec)
+        for f in fields(spec):
+            taken.setdefault(f.name, (f.name, hints[f.name], field(default=f.default)))
+    return make_dataclass("AnyDrafterSpec", list(taken.values()))
+
+
+AnyDrafterSpec = _any_spec()
+
+
 def checked_spec(entry: Mapping) -> dict:
-    """A `drafters` entry checked against its kind's spec and completed with its defaults: an unknown kind, a
-    key the kind does not have or a value of the wrong type is an error naming the drafter, its kind and its
-    keys."""
+    """A `drafters` entry checked against its kind's spec and completed with its defaults: an unknown kind, a key
+    the kind does not have (set to anything but the default every kind shares) or a value of the wrong type is an
+    error naming the drafter, its kind and its keys."""
     entry = dict(entry)
     name, kind = entry.get("name"), entry.get("kind")
     if kind not in SPECS:
         raise ValueError(f"drafter {name!r}: unknown kind {kind!r}; known kinds: {list(SPECS)}")
     keys = [f.name for f in fields(SPECS[kind])]
-    unknown = [key for key in entry if key not in keys]
+    defaults = {f.name: f.default for f in fields(AnyDrafterSpec)}
+    unknown = [key for key, value in entry.items() if key not in keys and (key not in defaults or value != defaults[key])]
     if unknown:
         raise ValueError(f"drafter {name!r} (kind {kind}) has no key {', '.join(map(repr, unknown))}; "
                          f"kind {kind}'s keys: {', '.join(keys)}")
     try:
-        return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(SPECS[kind]), entry), resolve=True,
-                                      throw_on_missing=True)
+        return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(SPECS[kind]),
+                                                      {k: v for k, v in entry.items() if k in keys}),
+                                      resolve=True, throw_on_missing=True)
     except (ValidationError, MissingMandatoryValue) as e:
         raise ValueError(f"drafter {name!r} (kind {kind}): {e.msg}") from None
 
@@ -170,8 +188,8 @@ class EvalConfig(EvalPlan):
 
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    # Each a mapping of one of SPECS' kinds (checked by checked_spec); the first is the baseline
-    drafters: list[Any] = field(default_factory=list)
+    # Each one of SPECS' kinds (checked by checked_spec); the first is the baseline
+    drafters: list[AnyDrafterSpec] = field(default_factory=list)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: Optional[int] = None  # torch intra-op threads (None = torch's default); the engine's too
     # Measure the drafters inside a serving engine too: engine=llamacpp (built by `make llama-cpp`, eval/engine.py)

@@ -31,6 +31,7 @@ from eval.report import build_report, next_report_dir, write_report
 from eval.report_markdown import console_summary
 from eval.run import build_drafter, held_out_path, load_target, read_traffic, target_source, tokenize_prompts
 from train.__main__ import train
+from train.config import drafter_keys
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 KINDS = {
@@ -45,6 +46,12 @@ KINDS = {
     "mtp": ["drafter=mtp"],
     "medusa": ["drafter=medusa"],
 }
+
+
+def for_kind(overrides: list[str], kind: str) -> list[str]:
+    """The overrides a run of `kind` takes: a `drafter.KEY=...` only where the kind has KEY (train/config.py), so
+    one list can set, say, EAGLE-3's draft vocabulary beside a draft LM."""
+    return [o for o in overrides if not o.startswith("drafter.") or o[8:].split("=")[0].split(".")[0] in drafter_keys(kind)]
 
 
 def main() -> None:
@@ -69,7 +76,7 @@ def main() -> None:
         run_dir = out / name
         steps = args.offline_steps if name == "eagle_offline" else args.steps
         overrides = [*extra, f"trainer.max_steps={steps}", f"out_dir={run_dir}", "evaluate.enabled=false",
-                     "progress=false", *args.overrides]
+                     "progress=false", *for_kind(args.overrides, next(o for o in extra if o.startswith("drafter="))[8:])]
         with initialize_config_dir(config_dir=CONF, version_base="1.3"):
             cfg = compose(config_name="train", overrides=overrides)
         if not (run_dir / "train_summary.json").exists():  # finished runs are not trained again

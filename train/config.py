@@ -9,12 +9,12 @@ Only the entry points and the recipes (train/distill.py, train/heads.py) read th
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from eval.config import DataConfig, TargetConfig, TrackingConfig
+from eval.config import AnyDrafterSpec, DataConfig, TargetConfig, TrackingConfig
 from train.hub import HubSettings
 
 # --- python -m train.prepare --------------------------------------------------------------------------
@@ -244,7 +244,7 @@ class FinalEvalConfig:
     engine: Optional[str] = None  # llamacpp: also measure the drafters in llama.cpp (eval/engine.py)
     # More drafters measured beside the trained one (python -m eval's specs), after the off-the-shelf draft: the
     # baselines of a target without one (n-gram, a layer-skip self-draft, llama.cpp's own n-gram modes).
-    drafters: list[Any] = field(default_factory=list)  # each one of eval/config.py SPECS' kinds
+    drafters: list[AnyDrafterSpec] = field(default_factory=list)  # each one of eval/config.py SPECS' kinds
 
 
 @dataclass

@@ -60,3 +60,13 @@ def test_the_kind_an_experiment_composes_is_the_one_checked(capsys):
     with pytest.raises(SystemExit):
         check_drafter_keys(["experiment=smollm2_eagle", "drafter.num_heads=3"])
     assert "drafter kind 'eagle' has no key 'num_heads'" in capsys.readouterr().err
+
+
+def test_an_experiment_composes_with_its_own_kind_only():
+    """experiment=smollm2_eagle sets a head's keys (offline features, greedy labels): with a draft LM chosen beside
+    it, they are keys a draft LM does not have, an error rather than settings silently dropped; another head kind
+    has them and takes them."""
+    assert make_cfg("experiment=smollm2_eagle").drafter.kind == "eagle"
+    assert make_cfg("experiment=smollm2_eagle", "drafter=medusa").drafter.hidden_states == "offline"
+    with pytest.raises(ConfigCompositionException):
+        make_cfg("experiment=smollm2_eagle", "drafter=draft_lm")
