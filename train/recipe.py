@@ -31,6 +31,7 @@ import random
 import sys
 import time
 import zlib
+from abc import ABC, abstractmethod
 from collections import Counter
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def _records_batch(rows, pad_id: int, max_length: int, device: torch.device) -> 
             "loss_mask": _pad([r["loss_mask"][:max_length] for r in rows], 0).to(device)}
 
 
-class Recipe:
+class Recipe(ABC):
     """One training run (see the module docstring); a kind's recipe subclasses it."""
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -201,8 +202,9 @@ class Recipe:
         return [Example(r["id"], r["category"], r["input_ids"][:limit], r["loss_mask"][:limit])
                 for r in self.train_set]
 
+    @abstractmethod
     def _setup_models(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} sets up self.model")
+        """self.model: the drafter to train, on self.device."""
 
     def _setup_optimizer(self) -> None:
         t = self.cfg.trainer
@@ -278,8 +280,9 @@ class Recipe:
 
     # --- training ---------------------------------------------------------------------------------
 
+    @abstractmethod
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} gives the loss of a batch")
+        """The training loss of a batch (a scalar)."""
 
     def train(self) -> None:
         t = self.cfg.trainer
@@ -327,11 +330,13 @@ class Recipe:
                 self.save_checkpoint()
         bar.close()
 
+    @abstractmethod
     def evaluate_heldout(self) -> dict:
-        raise NotImplementedError(f"{type(self).__name__} measures the held-out records and keeps the best")
+        """The held-out numbers of the model now; the best so far kept in self.best and written by `_save_best`."""
 
+    @abstractmethod
     def _save_best(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} writes best/ in its format")
+        """best/: the best model so far, in the format the kind loads from."""
 
     def save_checkpoint(self) -> None:
         self.acc.wait_for_everyone()
@@ -375,8 +380,9 @@ class Recipe:
             print(f"exported {name}: {path}")
         return {name: str(path) for name, path in written.items()}
 
+    @abstractmethod
     def _final_specs(self) -> list[dict]:
-        raise NotImplementedError(f"{type(self).__name__} lists the final evaluation's drafters")
+        """The final evaluation's drafters as `python -m eval` specs, the baseline first."""
 
     def _extra_specs(self) -> list[dict]:
         """`evaluate.drafters`, each checked against its kind's keys (eval/config.py checked_spec)."""

@@ -30,6 +30,15 @@ def a_build(dest: Path) -> dict[Path, bytes]:
     return files
 
 
+def a_current_build(dest: Path) -> None:
+    """`a_build`, but made with this clone's patches (the digest the script computes, in the shell, itself)."""
+    a_build(dest)
+    patches = SCRIPT.parents[1] / "eval" / "llama_cpp_patches"
+    digest = subprocess.run(f"cat {patches}/*.patch | sha256sum", shell=True, capture_output=True, text=True,
+                            env={**os.environ, "LC_ALL": "C"}).stdout.split()[0]
+    (dest / "bin" / "patches.sha256").write_text(digest + "\n")
+
+
 def test_an_unknown_backend_is_refused_by_name(tmp_path):
     done = build(tmp_path / "lc", LLAMA_CPP_BACKEND="metal")
     assert done.returncode == 2 and "LLAMA_CPP_BACKEND must be cpu or cuda, got 'metal'" in done.stderr
@@ -62,11 +71,7 @@ def test_a_failed_build_leaves_the_previous_one_in_place(tmp_path):
 def test_the_cached_builds_backend_is_kept_unless_another_is_asked_for(tmp_path):
     """`make test` after `LLAMA_CPP_BACKEND=cuda make llama-cpp` keeps the CUDA build; asking for cpu rebuilds."""
     dest = tmp_path / "lc"
-    a_build(dest)
-    patches = SCRIPT.parents[1] / "eval" / "llama_cpp_patches"
-    digest = subprocess.run(f"cat {patches}/*.patch | sha256sum", shell=True, capture_output=True, text=True,
-                            env={**os.environ, "LC_ALL": "C"}).stdout.split()[0]
-    (dest / "bin" / "patches.sha256").write_text(digest + "\n")
+    a_current_build(dest)
     (dest / "bin" / "backend").write_text("cuda\n")
     (dest / "bin" / "amx").write_text("none\n")  # built on a CPU without AMX, as this test's CPU is said to be
     (tmp_path / "cpuinfo").write_text("flags\t\t: fpu avx2\n")
@@ -122,11 +127,7 @@ def test_the_amx_kernels_are_left_out_where_the_cpu_has_amx(tmp_path, cpu, amx, 
 def test_a_build_from_before_the_amx_choice_is_rebuilt_on_an_amx_cpu_only(tmp_path):
     """A build without bin/amx ran the AMX kernels wherever the CPU had them: rebuilt there, kept elsewhere."""
     dest = tmp_path / "lc"
-    a_build(dest)
-    patches = SCRIPT.parents[1] / "eval" / "llama_cpp_patches"
-    digest = subprocess.run(f"cat {patches}/*.patch | sha256sum", shell=True, capture_output=True, text=True,
-                            env={**os.environ, "LC_ALL": "C"}).stdout.split()[0]
-    (dest / "bin" / "patches.sha256").write_text(digest + "\n")
+    a_current_build(dest)
     (tmp_path / "other").write_text("flags\t\t: fpu avx2\n")
     (tmp_path / "amx").write_text("flags\t\t: fpu avx2 amx_tile amx_int8\n")
     kept = build(dest, DRAFTSMITH_CPUINFO=str(tmp_path / "other"), LLAMA_CPP_SOURCE=str(tmp_path / "nowhere"))
