@@ -283,7 +283,7 @@ class LlamaServer:
     stops early at its first guess below `p_min`, which it drops: llama.cpp's confidence stop). Greedy, deterministic; `parallel` slots of `ctx_size` tokens each, whose
     requests the server decodes together (one slot: a request at a time). Use as a context manager.
 
-    log_verbosity 4 makes it log its drafting statistics (eval/engine.py reads its drafting timer there).
+    log_verbosity 4 makes it log its drafting statistics (eval/llama_cpp_measure.py reads its drafting timer there).
     `accept_none=True` is llama.cpp's synthetic acceptance for benchmarking (`--spec-synth-len 1`): every
     round drafts and verifies as usual but keeps none of the drafts, so each round emits the target's own
     token (the output stays the plain output) and costs what a round costs, whatever the drafter's skill."""

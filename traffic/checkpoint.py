@@ -18,7 +18,7 @@ them: a plain module, DDP, or FSDP with sharded parameters and optimizer state. 
 states (every process must call `save`; the first one writes), loading gives each process its part.
 The files are therefore the same whatever ran the training, and a checkpoint written by an FSDP run
 loads into a single process and the other way round. DeepSpeed's engine keeps its partitions outside
-that API; the recipes refuse it (train/distill.py).
+that API; the recipes refuse it (train/recipe.py).
 
 The training recipes (train/) and the toy world's own model training (traffic/toy_lm.py `train_lm`)
 both checkpoint through this module, which is why it sits in `traffic`, below them both.

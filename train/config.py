@@ -2,7 +2,7 @@
 `python -m train.export`): a mistyped key or a wrong type is an error. The groups they share with
 `python -m eval` (`target`, `data`, `tracking`) are eval/config.py's.
 
-Only the entry points and the recipes (train/distill.py, train/heads.py) read these; the library calls
+Only the entry points and the recipes (train/recipe.py and its kinds) read these; the library calls
 (`train.prepare.prepare`, `train.export.export`) take plain arguments.
 """
 

@@ -116,7 +116,7 @@ def test_the_exported_eagle3_head_runs_in_llama_cpp_as_in_draftsmith(world, run,
 
 
 def test_llama_cpps_confidence_stop_is_the_drop_rule_of_draftsmiths_loop(world, eagle_run):
-    """The head served with --spec-draft-p-min (eval/engine.py passes a drafter's stop_below with stop_rule
+    """The head served with --spec-draft-p-min (eval/llama_cpp_drafters.py passes a drafter's stop_below with stop_rule
     drop): lossless, some rounds draft nothing, and τ per round (its draft calls) is draftsmith's loop's with
     the same stop, which llama.cpp's f16 head reproduces but for a decision near the threshold."""
     written = export(eagle_run, world["out"] / "stop", ExportSettings(formats=["gguf"]))
