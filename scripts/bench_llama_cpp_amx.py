@@ -46,7 +46,20 @@ def timed_forward(server: llama_cpp.LlamaServer, width: int, vocab: int, salt: i
 
 
 def measure(build: str, model: Path, *, threads: int, repeats: int) -> dict:
+    """One build serving one model: its row (see the module docstring). eval/llama_cpp.py finds the build through
+    $DRAFTSMITH_LLAMA_CPP, set for the measurement and restored after it."""
+    before = os.environ.get("DRAFTSMITH_LLAMA_CPP")
     os.environ["DRAFTSMITH_LLAMA_CPP"] = build
+    try:
+        return _measure(build, model, threads=threads, repeats=repeats)
+    finally:
+        if before is None:
+            os.environ.pop("DRAFTSMITH_LLAMA_CPP")
+        else:
+            os.environ["DRAFTSMITH_LLAMA_CPP"] = before
+
+
+def _measure(build: str, model: Path, *, threads: int, repeats: int) -> dict:
     row = {"build": build, "model": model.name, "amx_record": llama_cpp.amx_kernels()}
     try:
         with llama_cpp.LlamaServer(model, threads=threads, ctx_size=1024, log_verbosity=4, timeout=300) as server:
@@ -65,14 +78,14 @@ def measure(build: str, model: Path, *, threads: int, repeats: int) -> dict:
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", action="append", required=True, help="NAME=DIR: a llama.cpp build to measure")
     ap.add_argument("--model", action="append", required=True, type=Path, help="a GGUF (repeatable)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     builds = dict(b.split("=", 1) for b in args.build)
     rows = []
     for model in args.model:
