@@ -19,13 +19,13 @@ from drafters.base import Drafter
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
 from drafters.registry import load_head
+from eval.config import SPECS
 from traffic import models, toyworld
 from traffic.records import LoadSummary, Record, RecordError, load_records, prompt_ids
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DRAFTER_KINDS = ("draft_lm", "head", "ngram", "llamacpp")
 # The built-in world's company traffic: training records, and the held-out records evaluation measures.
 TOY_TRAIN, TOY_EVAL = "/company_logs/train.jsonl", "/company_logs/eval.jsonl"
 
@@ -108,7 +108,7 @@ def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remot
         raise ValueError(f"drafter {name!r}: kind llamacpp is llama.cpp's own speculation, measured in the engine only")
     if kind == "ngram":
         return NgramDrafter(max_ngram=spec.get("max_ngram", 3), min_ngram=spec.get("min_ngram", 1), name=name)
-    raise ValueError(f"drafter {name!r}: unknown kind {kind!r}; known kinds: {list(DRAFTER_KINDS)}")
+    raise ValueError(f"drafter {name!r}: unknown kind {kind!r}; known kinds: {list(SPECS)}")
 
 
 @dataclass
