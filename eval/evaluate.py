@@ -30,7 +30,7 @@ from drafters.sampling import Sampling
 from drafters.tree import StaticTree, TreeShape
 from eval.batching import autoregressive_generate_batch, speculative_generate_batch
 from eval.compare import Comparison, Timings, compare, verdict
-from eval.metrics import acceptance_stats, cost_model, expected_acceptance_length
+from eval.metrics import acceptance_by_length, acceptance_stats, cost_model, expected_acceptance_length
 from eval.speculative import Generation, autoregressive_generate, speculative_generate
 
 ALL = "all"  # the aggregate over every category; reserved, no category may use the name
@@ -202,6 +202,7 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
 
         plain = _Runs()
         spec = {(d.name, k): _Runs() for d in drafters for k in _ks(d, plan)}
+        lengths = {(c, i): int(p.shape[-1]) for c, ps in prompts.items() for i, p in enumerate(ps)}
         for rep in range(plan.repeats):
             for category, indices, unit in units:
                 seed = _seed(plan.seed, temperature, rep, category, indices[0])
@@ -224,7 +225,7 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
                 at_k = [d for d in drafters if k in _ks(d, plan)]
                 timings = {d.name: _timings(spec[d.name, k], keys, plan.repeats) for d in at_k}
                 group = [_row(d.name, k, sampling, category, plain, spec[d.name, k], timings[d.name], plain_t,
-                              compare(timings[d.name], plain_t, strata, seed=seed), batch,
+                              compare(timings[d.name], plain_t, strata, seed=seed), lengths, batch,
                               *((d.shape, d.base.name) if isinstance(d, TreeDrafter) else ())) for d in at_k]
                 # Against the first drafter (or, at a tree depth no chain is measured at, the first tree).
                 _compare_drafters(group, timings, strata, baseline=names[0] if names[0] in timings else at_k[0].name,
@@ -242,8 +243,8 @@ def _timings(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
 
 
 def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, spec_t: Timings,
-         plain_t: Timings, vs_plain: Comparison, batch: int = 1, tree: TreeShape | StaticTree | None = None,
-         base: str | None = None) -> dict:
+         plain_t: Timings, vs_plain: Comparison, lengths: dict[tuple[str, int], int], batch: int = 1,
+         tree: TreeShape | StaticTree | None = None, base: str | None = None) -> dict:
     gens = spec.select(category)
     rounds = [r for g in gens for r in g.rounds]
     if not rounds:
@@ -278,6 +279,10 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "base_drafter": base or drafter,  # the drafter a tree row's shape was drafted by (a chain row's own name)
         **stats.to_dict(),
         # What tau would be if each proposed guess were kept independently at the measured rate (chains only).
+        # τ by the prompt's length in tokens (eval/metrics.py LENGTH_EDGES): where a head trained on short windows
+        # loses acceptance on long prompts.
+        "acceptance_by_length": acceptance_by_length(
+            [(key[1:], lengths[key[1:]], gen.rounds) for key, gen in spec.by_key.items() if category in (ALL, key[1])], k),
         "acceptance_length_iid": (None if tree else
                                   expected_acceptance_length(stats.acceptance_rate, stats.mean_proposed)),
         "ar_tokens_per_s": plain_t.median_tokens_per_s(),

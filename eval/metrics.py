@@ -173,3 +173,34 @@ def expected_acceptance_length(alpha: float, k: float) -> float:
     if not 0 <= alpha <= 1:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     return float(k + 1) if math.isclose(alpha, 1.0) else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+# Prompt-length buckets, in tokens: each four times the last, wide enough that a category's prompts fill few of
+# them, narrow enough to part a chat turn (tens of tokens) from a RAG prompt (thousands). A head trained on short
+# windows loses acceptance on long prompts (speculators' long-context study: τ 2.30 at 2k tokens, 1.08 at 20k).
+LENGTH_EDGES = (128, 512, 2048, 8192, 32768)
+
+
+def length_bucket(tokens: int) -> str:
+    """The label of the bucket a prompt of `tokens` tokens falls in: "<128", "128–511", …, "≥32768"."""
+    low = 0
+    for edge in LENGTH_EDGES:
+        if tokens < edge:
+            return f"<{edge}" if low == 0 else f"{low}–{edge - 1}"
+        low = edge
+    return f"≥{LENGTH_EDGES[-1]}"
+
+
+def acceptance_by_length(rounds_by_prompt: Sequence[tuple[object, int, Sequence[Round]]], k: int) -> dict[str, dict]:
+    """τ split by prompt length: {bucket: {"prompts", "rounds", "tau"}} over (prompt id, prompt tokens, rounds of
+    one generation) triples (a prompt measured several times comes once per repeat), buckets in increasing length,
+    only those some prompt falls in; "tau" is None where no generation in the bucket drafted a round."""
+    groups: dict[int, tuple[set, list[Round], int]] = {}
+    for prompt, tokens, rounds in rounds_by_prompt:
+        index = sum(tokens >= edge for edge in LENGTH_EDGES)
+        prompts, pooled, _ = groups.setdefault(index, (set(), [], tokens))
+        prompts.add(prompt)
+        pooled.extend(rounds)
+    return {length_bucket(tokens): {"prompts": len(prompts), "rounds": len(pooled),
+                                    "tau": acceptance_stats(pooled, k).acceptance_length if pooled else None}
+            for _, (prompts, pooled, tokens) in sorted(groups.items())}

@@ -3,7 +3,7 @@ verdict lines (eval/report.py)."""
 
 from __future__ import annotations
 
-from eval.evaluate import EvalPlan, base_drafter
+from eval.evaluate import ALL, EvalPlan, base_drafter
 from eval.report_engine import engine_alone_markdown, engine_device, engine_section, engine_verdict_lines
 from eval.report_tables import (BATCH_COLUMNS, TRAFFIC_KEYS, TREE_COLUMNS, batch_sizes, fmt, fmt_interval, in_order,
                                 pays_up_to, table, traffic_lines)
@@ -69,6 +69,7 @@ def markdown(report: dict) -> str:
         pos = " ".join(fmt(p) for p in r["position_acceptance"])
         out.append(f"| {r['category']} | {r['drafter']} | {r['k']} | {fmt(r['temperature'])} | {pos} | "
                    f"{r['accept_hist']} | {fmt(r['acceptance_length_iid'])} |")
+    out += length_section(rows)
     out += ["", "## Verdict per category (best k)", ""]
     for r in rows:
         if r["k"] == r["best_k"]:
@@ -92,6 +93,27 @@ def markdown(report: dict) -> str:
                 table([r for r in rows if r["k"] == r["best_k"]], BATCH_COLUMNS)]
     out += engine_section(rows + report.get("engine_results", []), report.get("plots", []))
     return "\n".join(out) + "\n"
+
+
+def length_section(rows: list[dict]) -> list[str]:
+    """report.md's τ by prompt length: each drafter at its best k, its prompts split by length in tokens
+    (eval/metrics.py LENGTH_EDGES), τ and the prompts in each bucket; omitted where every prompt falls in one."""
+    shown = [r for r in rows if r.get("acceptance_by_length") and r["k"] == r.get("best_k") and not r.get("tree")]
+    buckets = list(dict.fromkeys(b for r in shown if r["category"] == ALL for b in r["acceptance_by_length"]))
+    if len(buckets) < 2:
+        return []
+    return ["", "## Acceptance by prompt length", "",
+            "τ of each drafter at its best k over the prompts of each length (tokens, the chat template"
+            " applied), the prompts in brackets: a head trained on windows shorter than the prompts it serves"
+            " (`trainer.max_length`) keeps less of its acceptance as prompts grow.", "",
+            "| category | drafter | k | T | " + " | ".join(buckets) + " |",
+            "|---|---|---|---|" + "---|" * len(buckets),
+            *(f"| {r['category']} | {r['drafter']} | {r['k']} | {fmt(r['temperature'])} | "
+              + " | ".join(_bucket_cell(r["acceptance_by_length"].get(b)) for b in buckets) + " |" for r in shown)]
+
+
+def _bucket_cell(bucket: dict | None) -> str:
+    return "" if bucket is None else f"{fmt(bucket['tau'])} ({bucket['prompts']})"
 
 
 def tree_section(rows: list[dict]) -> list[str]:
@@ -155,6 +177,12 @@ def console_summary(report: dict) -> str:
         )
     lines += ["", "Which drafter is fastest (speed over the fastest's, 95 % interval over prompts):",
               *_fastest_lines(rows)]
+    split = [r for r in rows if len(r.get("acceptance_by_length") or {}) > 1 and r["k"] == r.get("best_k")
+             and not r.get("tree")]
+    if split:
+        lines += ["", "τ by prompt length in tokens (each drafter at its best k; prompts in brackets):",
+                  *(f"- {r['category']}, {r['drafter']}, k={r['k']}, T={fmt(r['temperature'])}: "
+                    + ", ".join(f"{b} {_bucket_cell(v)}" for b, v in r["acceptance_by_length"].items()) for r in split)]
     if len(batch_sizes(rows)) > 1:
         lines += ["", "Up to which batch size speculation pays (each drafter at its best k per batch size):",
                   *pays_up_to(rows)]

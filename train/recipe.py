@@ -47,7 +47,7 @@ from eval import engine
 from eval.config import checked_spec
 from eval.run import load_target, reading, resolve_data, target_source
 from traffic import checkpoint
-from traffic.records import Example, load_records
+from traffic.records import Example, load_records, prompt_ids
 from train.export import export
 from train.final_eval import final_eval, final_eval_traffic
 from train.precision import mixed_precision
@@ -168,6 +168,8 @@ class Recipe(ABC):
                                                   trust_remote_code=cfg.target.trust_remote_code,
                                                   chat_template=cfg.target.chat_template)
         self.target.requires_grad_(False)
+        if cfg.evaluate.enabled and self.is_main:
+            self._warn_long_prompts()
         regen = OmegaConf.to_container(cfg.regenerate, resolve=True)
         sampling = Sampling(regen["temperature"], regen["top_k"], regen["top_p"])
         splits = {"train": (train_records[:n_train], [n_train]), "eval": (held_records, [how, held])}
@@ -190,6 +192,30 @@ class Recipe(ABC):
         self.train_set = datasets.load_from_disk(str(self.data_dirs["train"] / "tokenized"))
         held_out = datasets.load_from_disk(str(self.data_dirs["eval"] / "tokenized"))
         self.eval_set = held_out.select(range(min(len(held_out), cfg.trainer.eval_examples)))
+
+    def _warn_long_prompts(self) -> None:
+        """Warn when the prompts the final evaluation serves (with the tokens it generates) reach past the
+        windows the drafter trains on, `trainer.max_length`: it never trained at those positions, and heads keep
+        less of their acceptance there (the report's τ by prompt length shows how much)."""
+        e, window = self.cfg.evaluate, self.cfg.trainer.max_length
+        measured, past = Counter(), Counter()
+        longest = 0
+        for record in self.eval_traffic.records:
+            if e.prompts_per_category is not None and measured[record.category] >= e.prompts_per_category:
+                continue
+            measured[record.category] += 1
+            reach = len(prompt_ids(record, self.tokenizer)) + e.max_new_tokens
+            if reach > window:
+                past[record.category] += 1
+                longest = max(longest, reach)
+        if past:
+            msg = (f"{sum(past.values())} of the {sum(measured.values())} prompts the final evaluation serves ("
+                   + ", ".join(f"{c}: {n} of {measured[c]}" for c, n in sorted(past.items()))
+                   + f") reach past trainer.max_length={window} tokens with their {e.max_new_tokens} new ones (the "
+                     f"longest to {longest}): the drafter never trains that far into a sequence, and its acceptance "
+                     f"there is likely lower; trainer.max_length={longest} trains on windows that long")
+            log.warning(msg)
+            print(f"warning: {msg}")
 
     def _cache_dir(self, prefix: str, *settings) -> Path:
         """Where a cache computed from the training set with these settings lives (under data_cache)."""

@@ -76,6 +76,22 @@ def test_rows_cover_every_configuration(setup):
     assert agg["rounds"] == sum(r["rounds"] for r in selfrows if r["k"] == 3 and r["category"] != ALL)
 
 
+def test_acceptance_is_split_by_prompt_length(setup):
+    target, drafters, _ = setup
+    g = torch.Generator().manual_seed(1)
+    prompts = {"a": [torch.randint(0, VOCAB, (n,), generator=g) for n in (6, 140, 9)]}
+    rows = evaluate(target, drafters[1:2], prompts, EvalPlan(ks=[2], max_new_tokens=8, repeats=2, warmup=0),
+                    progress=False)
+    for r in rows:
+        by_length = r["acceptance_by_length"]
+        assert list(by_length) == ["<128", "128–511"]
+        assert [b["prompts"] for b in by_length.values()] == [2, 1]  # each prompt once, whatever the repeats
+        assert sum(b["rounds"] for b in by_length.values()) == r["rounds"]
+        # The buckets' τ, weighted by their rounds, is the row's τ: they split its rounds, nothing else.
+        assert sum(b["tau"] * b["rounds"] for b in by_length.values()) / r["rounds"] == pytest.approx(
+            r["acceptance_length"])
+
+
 def test_reserved_category_and_empty_prompts_are_errors(setup):
     target, drafters, prompts = setup
     plan = EvalPlan(ks=[2], repeats=1, max_new_tokens=4)

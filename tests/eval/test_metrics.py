@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from eval.metrics import acceptance_stats, cost_model, expected_acceptance_length
+from eval.metrics import acceptance_by_length, acceptance_stats, cost_model, expected_acceptance_length, length_bucket
 from eval.speculative import Round
 
 
@@ -115,3 +115,22 @@ def test_expected_acceptance_length_matches_the_closed_form():
     assert expected_acceptance_length(0.0, 5) == 1.0
     assert expected_acceptance_length(1.0, 5) == 6.0
     assert math.isclose(expected_acceptance_length(0.5, 1), 1.5)
+
+
+def test_length_buckets_are_labelled_by_their_edges():
+    assert [length_bucket(n) for n in (0, 127, 128, 511, 512, 2047, 2048, 8191, 8192, 32767, 32768, 10**6)] == [
+        "<128", "<128", "128–511", "128–511", "512–2047", "512–2047", "2048–8191", "2048–8191", "8192–32767",
+        "8192–32767", "≥32768", "≥32768"]
+
+
+def test_acceptance_by_length_pools_each_buckets_rounds_and_counts_each_prompt_once():
+    # Two short prompts (one measured twice, as repeats are), one long one whose generation drafted nothing.
+    by_length = acceptance_by_length([
+        (("code", 0), 40, rounds([4, 0])),  # τ 5 and 1
+        (("code", 0), 40, rounds([2])),  # the same prompt again: a second repeat, τ 3
+        (("chat", 1), 100, rounds([0, 0])),
+        (("chat", 2), 3000, []),
+    ], k=4)
+    assert list(by_length) == ["<128", "2048–8191"]  # increasing length, only buckets a prompt fell in
+    assert by_length["<128"] == {"prompts": 2, "rounds": 5, "tau": pytest.approx((5 + 1 + 3 + 1 + 1) / 5)}
+    assert by_length["2048–8191"] == {"prompts": 1, "rounds": 0, "tau": None}

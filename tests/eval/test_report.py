@@ -89,3 +89,25 @@ def test_trees_get_their_own_section_and_histogram_panel(tmp_path):
     assert "## Trees and chains" in md and "| all | base@d3t2n6 | 3 | 0.00 | 6.00 | 2.60 | 1.30 |" in md
     assert ("fastest shape: tree d3t2n6 (1.40×: tree d3t2n6 keeps τ 2.60 against the chain's 2.00 (k=2))"
             in md)
+
+
+def test_acceptance_is_split_by_prompt_length_where_the_prompts_differ_in_length():
+    short, long = {"prompts": 3, "rounds": 30, "tau": 2.4}, {"prompts": 1, "rounds": 12, "tau": 1.3}
+    rows = [row("base", 2, "code", 1.3, 2.0), row("base", 2, "all", 1.2, 1.9), row("base", 2, "rag", 1.0, 1.3)]
+    rows[0]["acceptance_by_length"] = {"<128": short}
+    rows[1]["acceptance_by_length"] = {"<128": short, "2048–8191": long}
+    rows[2]["acceptance_by_length"] = {"2048–8191": long}
+    report = build_report(rows, target="t", baseline="base", settings={"ks": [2]})
+    md = markdown(report)
+    section = md.split("## Acceptance by prompt length")[1].split("##")[0]
+    assert "| category | drafter | k | T | <128 | 2048–8191 |" in section
+    assert "| all | base | 2 | 0.00 | 2.40 (3) | 1.30 (1) |" in section
+    assert "| code | base | 2 | 0.00 | 2.40 (3) |  |" in section  # a bucket the category has no prompt in: empty
+    assert "- all, base, k=2, T=0.00: <128 2.40 (3), 2048–8191 1.30 (1)" in console_summary(report)
+    # Every prompt in one bucket: nothing to split, no section.
+    for r in rows:
+        r["acceptance_by_length"] = {"<128": short}
+    assert "## Acceptance by prompt length" not in markdown(build_report(rows, target="t", baseline="base",
+                                                                             settings={"ks": [2]}))
+    assert "τ by prompt length" not in console_summary(build_report(rows, target="t", baseline="base",
+                                                                     settings={"ks": [2]}))
