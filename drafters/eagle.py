@@ -108,18 +108,23 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.input_layernorm = RMSNorm(d, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps)
+        # EAGLE-3.1 (speculators' default): the residual is the normed hidden state, not the raw one.
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
 
     def forward(self, embeds, hidden, cos, sin, mask, cache=None, base=None, diagonal=()):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         h, kv = self.self_attn(x, cos, sin, mask, cache, base, diagonal)
-        h = hidden + h
+        h = (normed if self.norm_before_residual else hidden) + h
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
     def decode(self, embeds, hidden, cos, sin, mask, cache: KVCache, last: bool = False):
         """`forward(...)[0]` on top of `cache` for drafting (inference only), on the fused ops. `last`:
         the last entry's output only, every entry's keys and values cached (`Attention.decode`)."""
-        x = torch.cat([norm(embeds, self.input_layernorm), norm(hidden, self.hidden_norm)], dim=-1)
-        h = last_entries(hidden, last) + self.self_attn.decode(x, cos, sin, mask, cache, last)
+        normed = norm(hidden, self.hidden_norm)
+        x = torch.cat([norm(embeds, self.input_layernorm), normed], dim=-1)
+        residual = normed if self.norm_before_residual else hidden
+        h = last_entries(residual, last) + self.self_attn.decode(x, cos, sin, mask, cache, last)
         return h + mlp_decode(self.mlp, norm(h, self.post_attention_layernorm))
 
 
@@ -131,7 +136,13 @@ class Eagle3(nn.Module):
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.fc = nn.Linear(len(config.feature_layers) * config.target_hidden_size, d, bias=False)
+        fused = len(config.feature_layers) * config.target_hidden_size
+        # EAGLE-3.1 (speculators' defaults, config flags as its format names them): an RMS norm over the fused
+        # features before fc (`norm_before_fc`), and the final norm's output, not the layer's, fed to the next draft
+        # step (`norm_output`); `norm_before_residual` is the layer's (Eagle3Layer).
+        self.input_norm = RMSNorm(fused, eps=config.rms_norm_eps) if getattr(config, "norm_before_fc", False) else None
+        self.norm_output = bool(getattr(config, "norm_output", False))
+        self.fc = nn.Linear(fused, d, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary = Rotary(config)
@@ -164,12 +175,22 @@ class Eagle3(nn.Module):
     def target_ids(self) -> torch.Tensor:
         return check_vocab_maps(self.d2t, self.t2d)
 
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's fused features (..., L*d_target) as the layer's hidden input (..., d)."""
+        return self.fc(features if self.input_norm is None else norm(features, self.input_norm))
+
+    def _out(self, h: torch.Tensor) -> torch.Tensor:
+        """What a step hands on (to the output head and the next step): the layer's output, or with `norm_output`
+        the final norm's."""
+        return norm(h, self.norm) if self.norm_output else h
+
     def draft_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits over the draft vocabulary: the head's own output head, or the target's (only the kept rows),
-        on norm(h). `rows`: `_draft_rows()` already looked up (drafting fetches them once per round)."""
+        on norm(h) (on h itself with `norm_output`, whose steps hand on the normed state). `rows`: `_draft_rows()`
+        already looked up (drafting fetches them once per round)."""
         if rows is None and (self.reduced or self.lm_head is not None):
             rows = self._draft_rows()
-        return self.shared.logits(norm(h, self.norm), rows)
+        return self.shared.logits(h if self.norm_output else norm(h, self.norm), rows)
 
     def init_lm_head(self, saved: "Eagle3 | None" = None) -> None:
         """Fill the head's own output head (config.own_lm_head) with the target's rows of the draft vocabulary;
@@ -205,7 +226,7 @@ class Eagle3(nn.Module):
         cos, sin = self.rotary.decode(hidden, start, q)
         mask = causal_mask(q, len(cache), hidden.device) if q > 1 and not last else None
         embeds = self.shared.embed_tokens(tokens[None], hidden.dtype)
-        return self.midlayer.decode(embeds, hidden, cos, sin, mask, cache, last)
+        return self._out(self.midlayer.decode(embeds, hidden, cos, sin, mask, cache, last))
 
     def step_tree(self, hidden: torch.Tensor, tokens: torch.Tensor, position: int, mask: torch.Tensor,
                   cache: KVCache) -> torch.Tensor:
@@ -213,7 +234,7 @@ class Eagle3(nn.Module):
         tokens (q,)), all at `position`, each seeing the keys `mask` (q, len(cache) + q) allows; outputs (1, q, d)."""
         cos, sin = self.rotary.decode(hidden, position, 1)
         embeds = self.shared.embed_tokens(tokens[None], hidden.dtype)
-        return self.midlayer.decode(embeds, hidden, cos, sin, mask[None, None], cache)
+        return self._out(self.midlayer.decode(embeds, hidden, cos, sin, mask[None, None], cache))
 
     def step_rows(self, hidden: torch.Tensor, tokens: torch.Tensor, rows: RaggedRows, cache: KVCache,
                   last: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,7 +244,8 @@ class Eagle3(nn.Module):
         q = hidden.shape[1]
         cos, sin = self.rotary.decode_rows(hidden, rows.positions(q), rows.end(q))
         embeds = self.shared.embed_tokens(tokens, hidden.dtype)
-        return self.midlayer.decode(embeds, hidden, cos, sin, rows.mask(q), cache, False if last is None else last)
+        return self._out(self.midlayer.decode(embeds, hidden, cos, sin, rows.mask(q), cache,
+                                              False if last is None else last))
 
     def unroll(self, features, input_ids, attention_mask) -> list[torch.Tensor]:
         """Training-time test over whole sequences: draft-vocabulary logits (B, T-1, N) of each step.
@@ -241,12 +263,13 @@ class Eagle3(nn.Module):
         key_valid = attention_mask[:, 1:].bool().clone()
         key_valid[:, 0] = True  # never a query with no key at all (padding rows are masked out of the loss)
         mask = causal_mask(E, 0, input_ids.device, key_valid)
-        hidden = self.fc(features[:, :-1])
+        hidden = self.fuse(features[:, :-1])
         base, diagonal = None, []
         for s in range(S):
             cos, sin = self.rotary(hidden, s, E)
             embeds = self.shared.embed_tokens(ids[:, 1 + s: 1 + s + E], hidden.dtype)
             out, kv = self.midlayer(embeds, hidden, cos, sin, mask, base=base, diagonal=diagonal)
+            out = self._out(out)
             if s == 0:
                 base = kv
             else:
@@ -310,7 +333,7 @@ class Eagle3Drafter(TreeDrafting, FeatureDrafter):
         self.target_ids = self.head.target_ids() if self.head.reduced else None
 
     def first(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        return self.head.step(self.head.fc(self.pending)[None], tokens, start, self.cache, last=True)
+        return self.head.step(self.head.fuse(self.pending)[None], tokens, start, self.cache, last=True)
 
     def tree_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head.draft_logits(h, self.head._draft_rows() if self.target_ids is not None else None)
@@ -323,7 +346,7 @@ class Eagle3Drafter(TreeDrafting, FeatureDrafter):
             return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
         new = self.pending.shape[0]
         tokens = torch.tensor(self.ids[m - new + 1: m + 1], device=self.device)
-        h = head.step(head.fc(self.pending)[None], tokens, m - new, self.cache, last=True)
+        h = head.step(head.fuse(self.pending)[None], tokens, m - new, self.cache, last=True)
         self.pending, self.fed = self.pending[:0], m
         rows = head._draft_rows() if self.target_ids is not None else None
         guesses, dists = [], []
@@ -358,7 +381,7 @@ class Eagle3Batch(ChainBatch):
         self.target_ids = self.head.target_ids() if self.head.reduced else None
 
     def first(self, hidden, tokens, last):
-        return self.head.step_rows(self.head.fc(hidden), tokens, self.rows, self.cache, last)
+        return self.head.step_rows(self.head.fuse(hidden), tokens, self.rows, self.cache, last)
 
     def next(self, h, tokens):
         return self.head.step_rows(h, tokens, self.rows, self.cache)
@@ -378,6 +401,10 @@ def _pick(logits, sampling, generator, target_ids, vocab_size):
     return target_ids[d], (None if q is None else q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(-1, target_ids, q))
 
 
+# EAGLE-3.1's norm switches, as speculators' and SGLang's config.json name them (Eagle3, Eagle3Layer).
+NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+
+
 def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None) -> Eagle3:
     """An EAGLE-3 head from an engine-format export (SGLang's LlamaForCausalLMEagle3 or speculators'
     Eagle3Speculator, as eval/engine_formats.py writes them), attached to `target`.
@@ -395,9 +422,9 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
     if layers is None:
         raise ValueError(f"{path}/config.json: no top-level eagle_aux_hidden_state_layer_ids (vLLM's convention); "
                          "cannot tell which target layers the head reads")
-    if raw.get("norm_before_residual", False):
-        raise ValueError(f"{path}/config.json: norm_before_residual=true heads are not supported")
-    if raw.get("target_hidden_size", target.config.hidden_size) != target.config.hidden_size:
+    if raw.get("fc_norm", False):
+        raise ValueError(f"{path}/config.json: fc_norm=true heads (a norm per auxiliary layer) are not supported")
+    if (raw.get("target_hidden_size") or target.config.hidden_size) != target.config.hidden_size:  # null: the draft's
         raise ValueError(f"{path}/config.json: target_hidden_size {raw['target_hidden_size']} is not the target's "
                          f"{target.config.hidden_size}")
     draft_vocab = state["d2t"].numel()
@@ -416,7 +443,8 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
         state.pop("lm_head.weight")
     config = head_config(target.config, "eagle", list(layers), intermediate_size=layer["intermediate_size"],
                          draft_vocab_size=draft_vocab if draft_vocab < target.config.vocab_size else None,
-                         ttt_steps=1, ttt_decay=1.0, own_lm_head=own)
+                         ttt_steps=1, ttt_decay=1.0, own_lm_head=own,
+                         **{flag: bool(raw.get(flag, False)) for flag in NORM_FLAGS})
     head = Eagle3(config)
     embed = state.pop("embed_tokens.weight", None)  # speculators stores the target's; SGLang's format has none
     if embed is not None and not torch.equal(embed, target.get_input_embeddings().weight.detach().to(embed)):

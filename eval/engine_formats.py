@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafters.eagle import check_vocab_maps
+from drafters.eagle import NORM_FLAGS, check_vocab_maps
 from eval.llama_cpp import convert_to_gguf
 from traffic import models
 
@@ -215,6 +215,8 @@ def eagle3_tensors(head_dir: Path, target, *, best: dict | None, force: bool = F
     target_ids = check_eagle3(state, head_config, target.config, eos_token_id=target.config.eos_token_id,
                               best=best, force=force, where=str(head_dir))
     tensors = {name: state[name] for name in EAGLE3_OWN}
+    if "input_norm.weight" in state:  # EAGLE-3.1's norm over the fused features (norm_before_fc)
+        tensors["input_norm.weight"] = state["input_norm.weight"]
     if "lm_head.weight" in state:  # its own, trained with the rest
         tensors["lm_head.weight"] = state["lm_head.weight"]
     else:
@@ -252,8 +254,9 @@ def sglang_config(head_config: dict, target_config, dtype: str) -> dict:
         "eos_token_id": target_config.eos_token_id,
         "pad_token_id": target_config.pad_token_id,
         "torch_dtype": dtype,
-        # Pre-norm residual (the layer adds attention to the un-normed feature), as the head is built.
-        "norm_before_residual": False,
+        # EAGLE-3.1's norms, as the head is built (off: EAGLE-3's pre-norm residual, un-normed fc input and
+        # hand-over between draft steps).
+        **{flag: bool(head_config.get(flag, False)) for flag in NORM_FLAGS},
         # vLLM's convention, read first by vLLM and llama.cpp: the input of layer i.
         "eagle_aux_hidden_state_layer_ids": layers,
         # SGLang's: 0-based layer outputs (it adds 1 itself).
@@ -279,12 +282,10 @@ def speculators_config(head_config: dict, target_config, verifier: str, dtype: s
         "tie_word_embeddings": False,
         "draft_vocab_size": layer["draft_vocab_size"],
         "target_hidden_size": layer["target_hidden_size"],
-        # Every norm switch explicit: speculators' defaults differ from the head (norm_before_residual is
-        # true when absent).
-        "norm_before_residual": False,
-        "norm_before_fc": False,
+        # Every norm switch explicit: speculators' defaults differ from a head's (norm_before_residual is true
+        # when absent).
+        **{flag: layer[flag] for flag in NORM_FLAGS},
         "fc_norm": False,
-        "norm_output": False,
         "eagle_aux_hidden_state_layer_ids": layer["eagle_aux_hidden_state_layer_ids"],
         "transformer_layer_config": transformer,
         "speculators_config": {
@@ -357,6 +358,9 @@ def eagle3_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file
     best_file = head_dir / "best.json"
     best = json.loads(best_file.read_text()) if best_file.exists() else None
     tensors, head_config = eagle3_tensors(head_dir, target, best=best)
+    if head_config.get("norm_output"):  # llama.cpp's EAGLE-3 graph hands the un-normed state to the next step
+        raise ExportRefused(f"{head_dir}: a norm_output head (EAGLE-3.1) drafts other tokens in llama.cpp, whose EAGLE-3 "
+                            "graph hands the un-normed state to the next draft step; export it for vLLM or SGLang")
     target_dir = target_directory(target_name_or_path)
     sglang = write_dir(out_file.with_suffix(".sglang"), sglang_writer(tensors, head_config, target.config,
                                                                        target_dir, "float32"))

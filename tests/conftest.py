@@ -80,6 +80,16 @@ def eagle_own_run(tiny_world, shared_dir):
 
 
 @pytest.fixture(scope="session")
+def eagle31_run(tiny_world, shared_dir):
+    """`eagle_run`'s head with EAGLE-3.1's norms (`drafter.norm_before_fc`, `norm_before_residual`, `norm_output`:
+    speculators' defaults), trained a few dozen steps."""
+    return trained(shared_dir, "eagle31", "drafter=eagle", "trainer.max_steps=60", "trainer.eval_every=30",
+                   "trainer.checkpoint_every=30", "trainer.lr=5e-3", "drafter.label_temperature=0",
+                   "trainer.select_by=top1", "drafter.draft_vocab_size=120", "drafter.norm_before_fc=true",
+                   "drafter.norm_before_residual=true", "drafter.norm_output=true")
+
+
+@pytest.fixture(scope="session")
 def eagle1_run(tiny_world, shared_dir):
     """An EAGLE-1 head on tiny_deep, trained a few dozen steps: what the `vllm` export ships."""
     return trained(shared_dir, "eagle1", "drafter=eagle1", "trainer.max_steps=60", "trainer.eval_every=30",

@@ -151,6 +151,12 @@ class EagleConfig(HeadConfig):
     # (target_probabilities: keeps what sampled serving draws, not just the argmax)
     draft_vocab_from: str = "tokens"
     draft_vocab_examples: int = 256  # draft_vocab_from=target_probabilities: the first N training records are scored
+    # EAGLE-3.1's norms (speculators' defaults, under its names): an RMS norm over the fused target features before fc
+    # (norm_before_fc); the normed hidden state as the layer's residual (norm_before_residual); the final norm's output
+    # handed to the next draft step (norm_output; llama.cpp's EAGLE-3 graph does not read it, vLLM's does).
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
 
 @dataclass
@@ -210,6 +216,7 @@ class TrainerConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     max_grad_norm: float = 1.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's (beta1, beta2)
     max_length: int = 512  # training sequences are truncated to this many tokens
     # no | bf16 | fp16 (accelerate mixed precision) | auto: bf16 where the hardware multiplies it natively (a GPU
     # with bf16, a CPU with AVX512-BF16 or AMX), else no

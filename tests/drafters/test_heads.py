@@ -178,8 +178,8 @@ def _heads(target):
     yield from ((name, _head(name, target)) for name in VARIANTS)
 
 
-def _reduced_eagle(target, size=40, own_lm_head=False, counts=None):
-    head = make_head("eagle", target, draft_vocab_size=size, own_lm_head=own_lm_head)
+def _reduced_eagle(target, size=40, own_lm_head=False, counts=None, **norms):
+    head = make_head("eagle", target, draft_vocab_size=size, own_lm_head=own_lm_head, **norms)
     counts = torch.arange(VOCAB, 0, -1).float() if counts is None else counts  # the lowest ids: "most frequent"
     head.set_vocabulary(*draft_vocabulary(counts, size))
     if own_lm_head:  # an output head of its own: the target's rows, then moved off them as training would
@@ -190,8 +190,10 @@ def _reduced_eagle(target, size=40, own_lm_head=False, counts=None):
     return head
 
 
-# EAGLE-3 variants beside the kinds: a reduced draft vocabulary, and one with an output head of its own.
-VARIANTS = {"eagle_reduced": {}, "eagle_own": {"own_lm_head": True}}
+# EAGLE-3 variants beside the kinds: a reduced draft vocabulary, one with an output head of its own, and EAGLE-3.1's
+# norms (speculators' defaults: over the fused features, before the residual, and on the state handed on).
+VARIANTS = {"eagle_reduced": {}, "eagle_own": {"own_lm_head": True},
+            "eagle31": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}}
 
 
 def _head(kind, target):

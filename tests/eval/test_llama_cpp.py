@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters.sampling import Sampling
 from eval import llama_cpp
+from eval.llama_cpp_drafters import llama_cpp_drafter
 from eval.llama_cpp_measure import DraftCounters
 from eval.run import build_drafter, load_target
 from eval.speculative import autoregressive_generate, speculative_generate
@@ -113,6 +114,21 @@ def test_the_exported_eagle3_head_runs_in_llama_cpp_as_in_draftsmith(world, run,
                          target=world["target"], tokenizer=world["tok"])
     ours, theirs = draftsmith_tau(world, head), llama_tau(stats[0])
     assert abs(theirs / ours - 1) <= TAU_TOLERANCE, (ours, theirs)
+
+
+@pytest.mark.parametrize("form", ["sglang", "speculators"])
+def test_a_head_in_an_engines_format_is_served_as_it_is(world, eagle_run, form):
+    """An EAGLE-3 head given to `python -m eval` in SGLang's or speculators' layout (a peer trainer's export, say)
+    goes through llama.cpp's converter unchanged, and llama.cpp drafts with it as draftsmith's loop does."""
+    written = export(eagle_run, world["out"] / f"as_{form}", ExportSettings(formats=[form]))
+    spec = {"name": f"as_{form}", "kind": "head", "path": str(written[form])}
+    served = llama_cpp_drafter(spec, world["target"], TARGET, world["out"] / f"served_{form}")
+    assert served.gguf is not None and served.spec_type == "draft-eagle3", served
+    stats = []
+    completions = serve(world, served.gguf, served.spec_type, stats)
+    assert [c.tokens for c in completions] == world["plain"]
+    head = build_drafter(spec, target=world["target"], tokenizer=world["tok"])  # the export, read by draftsmith
+    assert abs(llama_tau(stats[0]) / draftsmith_tau(world, head) - 1) <= TAU_TOLERANCE
 
 
 def test_llama_cpps_confidence_stop_is_the_drop_rule_of_draftsmiths_loop(world, eagle_run):

@@ -249,6 +249,12 @@ def _head_inputs(eagle_run):
     return target, head, ids, features, ours
 
 
+def _second_step(head, features, ids) -> torch.Tensor:
+    """draftsmith's draft logits of step 1, its training-time unroll on its own step-0 outputs."""
+    with torch.no_grad():
+        return head.unroll(features, ids, torch.ones_like(ids))[1]
+
+
 @pytest.mark.parametrize("run", ["eagle_run", "eagle_own_run"])
 def test_specforge_loads_the_sglang_export_and_computes_the_heads_logits(run, request, tmp_path, specforge):
     """SpecForge's LlamaForCausalLMEagle3 (the class SGLang's format comes from) on the `sglang` export:
@@ -274,10 +280,11 @@ def test_specforge_loads_the_sglang_export_and_computes_the_heads_logits(run, re
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("run", ["eagle_run", "eagle_own_run"])
+@pytest.mark.parametrize("run", ["eagle_run", "eagle_own_run", "eagle31_run"])
 def test_speculators_loads_the_export_and_computes_the_heads_logits(run, request, tmp_path, speculators):
     """speculators' own from_pretrained on the export: its EAGLE-3 forward gives draftsmith's head's draft
-    logits on the same target features and tokens (within 1e-5: the same fp32 arithmetic in another order)."""
+    logits on the same target features and tokens (within 1e-5: the same fp32 arithmetic in another order), at
+    the first two draft steps (the second reads the state the first hands on: EAGLE-3.1's norm_output)."""
     from speculators import SpeculatorModel, SpeculatorModelConfig
 
     eagle_run = request.getfixturevalue(run)
@@ -296,16 +303,20 @@ def test_speculators_loads_the_export_and_computes_the_heads_logits(run, request
         hook = model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output))
         with torch.no_grad():  # speculators pairs hidden state t with token t+1, as draftsmith does: the caller shifts
             model(hidden_states=features[:, :-1], input_ids=ids[:, 1:], document_ids=torch.zeros_like(ids[:, 1:]),
-                  ttt_steps=1)
+                  ttt_steps=2)
         hook.remove()
-        return logits[0].float()
+        return logits[0].float(), logits[1].float()
 
-    theirs = speculators_logits(written["speculators"])
+    theirs, second = speculators_logits(written["speculators"])
     assert theirs.shape == ours.shape
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    # Step 1: speculators shifts its inputs one token on each step; draftsmith's entry e of step 1 is its e + 1.
+    ours_second = _second_step(head, features, ids)
+    torch.testing.assert_close(second[:, : ours_second.shape[1] - 1], ours_second[:, :-1], rtol=1e-4, atol=1e-4)
     # The check has teeth: the same weights read with the other residual convention give other logits.
-    _edit_json(written["speculators"] / "config.json", lambda c: c.__setitem__("norm_before_residual", True))
-    assert not torch.allclose(speculators_logits(written["speculators"]), ours, rtol=1e-3, atol=1e-3)
+    _edit_json(written["speculators"] / "config.json", lambda c: c.__setitem__(
+        "norm_before_residual", not head.config.norm_before_residual))
+    assert not torch.allclose(speculators_logits(written["speculators"])[0], ours, rtol=1e-3, atol=1e-3)
 
 
 def test_training_exports_at_the_end_when_asked(tiny_world, tmp_path):
@@ -417,3 +428,17 @@ def test_an_eagle1_head_at_chance_is_refused_unless_forced(eagle1_run, tmp_path)
     with pytest.raises(ExportRefused, match="at chance.*force=true"):
         export(run, tmp_path / "out", ExportSettings(formats=["vllm"]))
     assert (export(run, tmp_path / "out", ExportSettings(formats=["vllm"], force=True))["vllm"] / "config.json").exists()
+
+
+def test_a_norm_output_head_is_not_sent_to_llama_cpp(eagle31_run, tmp_path):
+    """llama.cpp's EAGLE-3 graph hands the un-normed state to its next draft step: an EAGLE-3.1 head with
+    norm_output would draft other tokens there, so neither the gguf export nor `python -m eval` sends it."""
+    from eval.llama_cpp_drafters import llama_cpp_drafter
+
+    with pytest.raises(ExportRefused, match="norm_output"):
+        export(eagle31_run, tmp_path / "out", ExportSettings(formats=["speculators", "gguf"]))
+    assert not (tmp_path / "out").exists()
+    target, _ = load_target(TARGET, device=torch.device("cpu"))
+    served = llama_cpp_drafter({"name": "h", "kind": "head", "path": str(eagle31_run / "best")}, target, TARGET,
+                               tmp_path / "engine")
+    assert served.gguf is None and "norm_output" in served.note

@@ -1,0 +1,104 @@
+"""scripts/bench_peers.py: draftsmith's, SpecForge's and speculators' trainers on the same records of the tiny world,
+each peer reading what draftsmith trained on, every head measured by draftsmith's held-out replay."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from traffic import toyworld
+from train.hidden_states import ShardReader
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = ROOT / ".venv"
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_world, tmp_path_factory):
+    """Three steps of every trainer and setting, on tiny_deep's company traffic."""
+    world = toyworld.build("tiny_deep")
+    out = tmp_path_factory.mktemp("peers")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--data",
+                           str(world / "company_logs" / "train.jsonl"), "--steps", "3", "--heldout", "6", "--out",
+                           str(out), "--overrides", "experiment=smoke", "target=tiny_deep"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, json.loads((out / "peers.json").read_text()), done.stdout
+
+
+def test_every_trainer_and_setting_writes_a_row_measured_on_the_same_held_out_records(bench):
+    out, report, stdout = bench
+    rows = report["rows"]
+    assert [(r["trainer"], r["settings"]) for r in rows] == [
+        ("draftsmith", "recipe"), ("specforge", "matched"), ("specforge", "defaults"), ("speculators", "matched"),
+        ("speculators", "defaults")]
+    categories = {r["category"] for r in datasets.load_from_disk(str(next((out / "data").glob("*-eval-*"))
+                                                                      / "tokenized"))}
+    for r in rows:
+        assert r["steps"] == 3 and r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["train_s"] > 0
+        assert 1.0 <= r["heldout_tau"] <= 5.0 and set(r["heldout_tau_by_category"]) == categories
+        assert Path(r["head"], "config.json").exists()
+    # The referee's replay of draftsmith's own head is the number its run logged: one measurement for all.
+    assert rows[0]["notes"]["referee_tau"] == rows[0]["heldout_tau"]
+    # Each peer's export is its own format, read by draftsmith as it is.
+    formats = {r["trainer"]: json.loads(Path(r["head"], "config.json").read_text())["architectures"] for r in rows[1:]}
+    assert formats == {"specforge": ["LlamaForCausalLMEagle3"], "speculators": ["Eagle3Speculator"]}
+    speculators_defaults = json.loads(Path(rows[4]["head"], "config.json").read_text())
+    assert speculators_defaults["norm_before_residual"] and speculators_defaults["norm_output"]  # EAGLE-3.1's
+    assert "| speculators | defaults | 3 |" in (out / "peers.md").read_text() and "peers.md" in stdout
+
+
+def _draftsmith_data(out: Path):
+    return (datasets.load_from_disk(str(next((out / "data").glob("*-train-*")) / "tokenized")),
+            ShardReader(next((out / "data").glob("hidden-*"))))
+
+
+def test_specforge_reads_the_features_and_predictions_draftsmith_trained_on(bench):
+    """SpecForge's own offline reader on the converted files: the same tokens and features, and its loss mask on
+    exactly the entries draftsmith's loss reads (entry t predicts token t + 2 in SpecForge's offline step)."""
+    out, _, _ = bench
+    sys.path.append(str(VENV / "specforge"))
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.runtime.data_plane.offline_reader import list_feature_files
+
+    rows, shards = _draftsmith_data(out)
+    files = list_feature_files(str(next(out.glob("features-specforge-*"))))
+    assert len(files) == len(rows)
+    for i in (0, len(rows) // 2, len(rows) - 1):
+        sample = normalize_offline_sample(load_feature_file(files[i]), 10_000)
+        hidden, ids = shards[i]["hidden"], torch.tensor(rows[i]["input_ids"])
+        assert torch.equal(sample["input_ids"][0], ids)
+        torch.testing.assert_close(sample["hidden_state"][0], hidden[:, :3].flatten(1).to(sample["hidden_state"]))
+        torch.testing.assert_close(sample["target"][0], hidden[:, 3].to(sample["target"]))
+        trained = torch.tensor(rows[i]["loss_mask"]).bool()
+        assert torch.equal(sample["loss_mask"][0, :-2].bool(), trained[2:])
+        assert trained[2:].any()
+
+
+def test_speculators_reads_the_features_and_predictions_draftsmith_trained_on(bench):
+    """speculators' own dataset on the converted directory: the same tokens and auxiliary features, a last state its
+    final norm maps to draftsmith's cached one, and its loss mask where draftsmith's predictions are (its position t
+    trains the distribution predicting token t + 1)."""
+    out, _, _ = bench
+    sys.path.append(str(VENV / "speculators"))
+    from speculators.train.data import ArrowDataset
+
+    from eval.run import load_target
+
+    rows, shards = _draftsmith_data(out)
+    data = ArrowDataset(10_000, str(out / "features-speculators"), on_missing="raise", hidden_states_dtype=torch.float32)
+    target, _ = load_target("toyworld://tiny_deep/target", device=torch.device("cpu"))
+    for i in (0, len(rows) // 2, len(rows) - 1):
+        item, hidden = data._get_raw_data(i), shards[i]["hidden"]
+        assert torch.equal(item["input_ids"], torch.tensor(rows[i]["input_ids"]))
+        torch.testing.assert_close(item["hidden_states"].float(), hidden[:, :3].flatten(1).float())
+        with torch.no_grad():
+            post = target.model.norm(item["verifier_last_hidden_states"].float())
+        torch.testing.assert_close(post, hidden[:, 3].float(), atol=2e-2, rtol=1e-2)  # fp16 features
+        trained = torch.tensor(rows[i]["loss_mask"]).bool()
+        assert torch.equal(item["loss_mask"][:-1].bool(), trained[1:]) and not item["loss_mask"][-1]
