@@ -194,10 +194,8 @@ def convert_specforge(tokenized_dir: Path, shards_dir: Path, out: Path, dtype: s
         raise ValueError(f"{shards_dir}: expected three auxiliary layers and the last state for each of {len(rows)} "
                          f"records, found layers {reader.layers} for {len(reader)}")
     for i in range(len(rows)):
-        item, ids = reader[i], torch.tensor(rows[i]["input_ids"])
-        if not torch.equal(item["input_ids"].long(), ids):
-            raise ValueError(f"{shards_dir}: example {i}'s features are not tokenized record {i}'s")
-        mask = torch.tensor(rows[i]["loss_mask"], dtype=torch.long)
+        item, ids, mask = _record(rows, reader, i, shards_dir)
+        mask = mask.long()
         shifted = torch.zeros_like(mask)
         shifted[:-2] = mask[2:]  # entry t predicts token t + 2 (above)
         hidden = item["hidden"].to(getattr(torch, dtype))  # (T, 4, d)
@@ -205,6 +203,17 @@ def convert_specforge(tokenized_dir: Path, shards_dir: Path, out: Path, dtype: s
                     "aux_hidden_state": hidden[None, :, :3].flatten(2).clone()}, out / f"data_{i:08d}.ckpt")
     (out / "done").touch()
     return out
+
+
+def _record(rows, reader, i: int, shards_dir: Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Record i's features, and its tokens and loss mask as far as they reach: draftsmith's recipe computes features
+    for the first `trainer.max_length` tokens of a record, the window it trains on."""
+    item = reader[i]
+    n = item["input_ids"].numel()
+    ids, mask = torch.tensor(rows[i]["input_ids"][:n]), torch.tensor(rows[i]["loss_mask"][:n])
+    if not torch.equal(item["input_ids"].long(), ids):
+        raise ValueError(f"{shards_dir}: example {i}'s features are not tokenized record {i}'s")
+    return item, ids, mask
 
 
 def _specforge_target(target_dir: Path, out: Path) -> tuple[Path, str]:
@@ -405,9 +414,7 @@ def convert_speculators(tokenized_dir: Path, shards_dir: Path, referee: Referee,
     (out / "hidden_states").mkdir(parents=True, exist_ok=True)
     ids_col, mask_col = [], []
     for i in range(len(rows)):
-        item, ids = reader[i], torch.tensor(rows[i]["input_ids"])
-        if not torch.equal(item["input_ids"].long(), ids):
-            raise ValueError(f"{shards_dir}: example {i}'s features are not tokenized record {i}'s")
+        item, ids, mask = _record(rows, reader, i, shards_dir)
         post = item["hidden"][:, -1].float()
         pre = post / weight
         with torch.no_grad():
@@ -417,7 +424,7 @@ def convert_speculators(tokenized_dir: Path, shards_dir: Path, referee: Referee,
         save_file({"hidden_states": torch.cat([item["hidden"][:, :-1], pre.to(item["hidden"].dtype)[:, None]], 1)
                    .contiguous(), "token_ids": ids}, str(out / "hidden_states" / f"hs_{i}.safetensors"))
         ids_col.append(ids.tolist())
-        mask_col.append(list(rows[i]["loss_mask"])[1:] + [0])
+        mask_col.append(mask.tolist()[1:] + [0])
     data = datasets.Dataset.from_dict(
         {"input_ids": ids_col, "loss_mask": mask_col, "seq_len": [len(x) for x in ids_col]},
         features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),

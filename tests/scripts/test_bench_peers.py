@@ -19,12 +19,13 @@ VENV = ROOT / ".venv"
 
 @pytest.fixture(scope="module")
 def bench(tiny_world, tmp_path_factory):
-    """Three steps of every trainer and setting, on tiny_deep's company traffic."""
+    """Three steps of every trainer and setting, on tiny_deep's company traffic, in windows of 128 tokens."""
     world = toyworld.build("tiny_deep")
     out = tmp_path_factory.mktemp("peers")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--data",
                            str(world / "company_logs" / "train.jsonl"), "--steps", "3", "--heldout", "6", "--out",
-                           str(out), "--overrides", "experiment=smoke", "target=tiny_deep"],
+                           str(out), "--overrides", "experiment=smoke", "target=tiny_deep",
+                           "trainer.max_length=128"],  # shorter than some records: features of their first 128 tokens
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, json.loads((out / "peers.json").read_text()), done.stdout
@@ -40,7 +41,7 @@ def test_every_trainer_and_setting_writes_a_row_measured_on_the_same_held_out_re
                                                                       / "tokenized"))}
     for r in rows:
         assert r["steps"] == 3 and r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["train_s"] > 0
-        assert 1.0 <= r["heldout_tau"] <= 5.0 and set(r["heldout_tau_by_category"]) == categories
+        assert 1.0 <= r["heldout_tau"] <= 5.0 and set(r["heldout_tau_by_category"]) == categories, r
         assert Path(r["head"], "config.json").exists()
     # The referee's replay of draftsmith's own head is the number its run logged: one measurement for all.
     assert rows[0]["notes"]["referee_tau"] == rows[0]["heldout_tau"]
@@ -53,8 +54,13 @@ def test_every_trainer_and_setting_writes_a_row_measured_on_the_same_held_out_re
 
 
 def _draftsmith_data(out: Path):
-    return (datasets.load_from_disk(str(next((out / "data").glob("*-train-*")) / "tokenized")),
-            ShardReader(next((out / "data").glob("hidden-*"))))
+    """The tokenized training records, their features, and records to compare: the first and last with an assistant
+    token in the window, and the first the window cuts."""
+    rows = datasets.load_from_disk(str(next((out / "data").glob("*-train-*")) / "tokenized"))
+    trained = [i for i, r in enumerate(rows) if any(r["loss_mask"][:128])]
+    cut = [i for i in trained if len(rows[i]["input_ids"]) > 128]
+    assert cut  # the windows cut records the peers must read as draftsmith does
+    return rows, ShardReader(next((out / "data").glob("hidden-*"))), [trained[0], cut[0], trained[-1]]
 
 
 def test_specforge_reads_the_features_and_predictions_draftsmith_trained_on(bench):
@@ -66,16 +72,17 @@ def test_specforge_reads_the_features_and_predictions_draftsmith_trained_on(benc
     from specforge.runtime.data_plane.feature_store import load_feature_file
     from specforge.runtime.data_plane.offline_reader import list_feature_files
 
-    rows, shards = _draftsmith_data(out)
+    rows, shards, chosen = _draftsmith_data(out)
     files = list_feature_files(str(next(out.glob("features-specforge-*"))))
     assert len(files) == len(rows)
-    for i in (0, len(rows) // 2, len(rows) - 1):
+    for i in chosen:
         sample = normalize_offline_sample(load_feature_file(files[i]), 10_000)
-        hidden, ids = shards[i]["hidden"], torch.tensor(rows[i]["input_ids"])
+        hidden = shards[i]["hidden"]  # the first trainer.max_length tokens of the record: what draftsmith trains on
+        ids = torch.tensor(rows[i]["input_ids"][: hidden.shape[0]])
         assert torch.equal(sample["input_ids"][0], ids)
         torch.testing.assert_close(sample["hidden_state"][0], hidden[:, :3].flatten(1).to(sample["hidden_state"]))
         torch.testing.assert_close(sample["target"][0], hidden[:, 3].to(sample["target"]))
-        trained = torch.tensor(rows[i]["loss_mask"]).bool()
+        trained = torch.tensor(rows[i]["loss_mask"][: hidden.shape[0]]).bool()
         assert torch.equal(sample["loss_mask"][0, :-2].bool(), trained[2:])
         assert trained[2:].any()
 
@@ -90,15 +97,15 @@ def test_speculators_reads_the_features_and_predictions_draftsmith_trained_on(be
 
     from eval.run import load_target
 
-    rows, shards = _draftsmith_data(out)
+    rows, shards, chosen = _draftsmith_data(out)
     data = ArrowDataset(10_000, str(out / "features-speculators"), on_missing="raise", hidden_states_dtype=torch.float32)
     target, _ = load_target("toyworld://tiny_deep/target", device=torch.device("cpu"))
-    for i in (0, len(rows) // 2, len(rows) - 1):
+    for i in chosen:
         item, hidden = data._get_raw_data(i), shards[i]["hidden"]
-        assert torch.equal(item["input_ids"], torch.tensor(rows[i]["input_ids"]))
+        assert torch.equal(item["input_ids"], torch.tensor(rows[i]["input_ids"][: hidden.shape[0]]))
         torch.testing.assert_close(item["hidden_states"].float(), hidden[:, :3].flatten(1).float())
         with torch.no_grad():
             post = target.model.norm(item["verifier_last_hidden_states"].float())
         torch.testing.assert_close(post, hidden[:, 3].float(), atol=2e-2, rtol=1e-2)  # fp16 features
-        trained = torch.tensor(rows[i]["loss_mask"]).bool()
+        trained = torch.tensor(rows[i]["loss_mask"][: hidden.shape[0]]).bool()
         assert torch.equal(item["loss_mask"][:-1].bool(), trained[1:]) and not item["loss_mask"][-1]
