@@ -349,6 +349,17 @@ def speculators_writer(tensors: dict[str, torch.Tensor], head_config: dict, targ
     return write
 
 
+def llama_cpp_cannot_serve(head_config: dict) -> str | None:
+    """Why llama.cpp would draft other tokens than an EAGLE-3 head does (its config), or None where it drafts the
+    same: llama.cpp's EAGLE-3 graph (src/models/eagle3.cpp) hands the layer's un-normed output to its next draft
+    step."""
+    if head_config.get("norm_output"):
+        return ("an EAGLE-3.1 head with norm_output hands the normed state to its next draft step, which llama.cpp's "
+                "EAGLE-3 graph does not do: it would draft other tokens there (export it as sglang or speculators: "
+                "vLLM and SGLang serve it)")
+    return None
+
+
 def eagle3_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file: str | Path,
                 dtype: str = "float32") -> Path:
     """A saved EAGLE-3 head (a `best/` directory of a run) as a llama.cpp GGUF, its weights in `dtype`: the
@@ -358,9 +369,8 @@ def eagle3_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file
     best_file = head_dir / "best.json"
     best = json.loads(best_file.read_text()) if best_file.exists() else None
     tensors, head_config = eagle3_tensors(head_dir, target, best=best)
-    if head_config.get("norm_output"):  # llama.cpp's EAGLE-3 graph hands the un-normed state to the next step
-        raise ExportRefused(f"{head_dir}: a norm_output head (EAGLE-3.1) drafts other tokens in llama.cpp, whose EAGLE-3 "
-                            "graph hands the un-normed state to the next draft step; export it for vLLM or SGLang")
+    if why := llama_cpp_cannot_serve(head_config):
+        raise ExportRefused(f"{head_dir}: {why}")
     target_dir = target_directory(target_name_or_path)
     sglang = write_dir(out_file.with_suffix(".sglang"), sglang_writer(tensors, head_config, target.config,
                                                                        target_dir, "float32"))

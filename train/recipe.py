@@ -45,9 +45,9 @@ from tqdm.auto import tqdm
 from drafters.sampling import Sampling
 from eval import engine
 from eval.config import checked_spec
-from eval.run import load_target, reading, resolve_data, target_source
+from eval.run import load_target, reading, resolve_data, target_source, tokenize_prompts
 from traffic import checkpoint
-from traffic.records import Example, load_records, prompt_ids
+from traffic.records import Example, load_records
 from train.export import export
 from train.final_eval import final_eval, final_eval_traffic
 from train.precision import mixed_precision
@@ -198,19 +198,14 @@ class Recipe(ABC):
         windows the drafter trains on, `trainer.max_length`: it never trained at those positions, and heads keep
         less of their acceptance there (the report's τ by prompt length shows how much)."""
         e, window = self.cfg.evaluate, self.cfg.trainer.max_length
-        measured, past = Counter(), Counter()
-        longest = 0
-        for record in self.eval_traffic.records:
-            if e.prompts_per_category is not None and measured[record.category] >= e.prompts_per_category:
-                continue
-            measured[record.category] += 1
-            reach = len(prompt_ids(record, self.tokenizer)) + e.max_new_tokens
-            if reach > window:
-                past[record.category] += 1
-                longest = max(longest, reach)
+        prompts = tokenize_prompts(self.eval_traffic, self.tokenizer, device=torch.device("cpu"),
+                                   max_per_category=e.prompts_per_category, on_bad_record=self.cfg.data.on_bad_record)
+        reach = {c: [p.numel() + e.max_new_tokens for p in ps] for c, ps in prompts.items()}
+        past = {c: n for c, ns in reach.items() if (n := sum(m > window for m in ns))}
+        longest = max((n for ns in reach.values() for n in ns), default=0)
         if past:
-            msg = (f"{sum(past.values())} of the {sum(measured.values())} prompts the final evaluation serves ("
-                   + ", ".join(f"{c}: {n} of {measured[c]}" for c, n in sorted(past.items()))
+            msg = (f"{sum(past.values())} of the {sum(map(len, reach.values()))} prompts the final evaluation serves ("
+                   + ", ".join(f"{c}: {n} of {len(reach[c])}" for c, n in sorted(past.items()))
                    + f") reach past trainer.max_length={window} tokens with their {e.max_new_tokens} new ones (the "
                      f"longest to {longest}): the drafter never trains that far into a sequence, and its acceptance "
                      f"there is likely lower; trainer.max_length={longest} trains on windows that long")

@@ -18,8 +18,8 @@ def test_prompts_longer_than_the_training_window_are_warned_of(tiny_world, capsy
     tokenizer = AutoTokenizer.from_pretrained(tiny_world / "target")
     records = [_record(0, "chat", 3), _record(1, "rag", 200), _record(2, "rag", 300), _record(3, "rag", 400)]
     recipe = SimpleNamespace(
-        cfg=OmegaConf.create({"trainer": {"max_length": 64}, "evaluate": {"prompts_per_category": 2,
-                                                                           "max_new_tokens": 16}}),
+        cfg=OmegaConf.create({"trainer": {"max_length": 64}, "data": {"on_bad_record": "error"},
+                              "evaluate": {"prompts_per_category": 2, "max_new_tokens": 16}}),
         eval_traffic=SimpleNamespace(records=records), tokenizer=tokenizer)
     Recipe._warn_long_prompts(recipe)
     out = capsys.readouterr().out
