@@ -9,11 +9,12 @@
 # make test:    the test suite (what CI runs); builds llama.cpp first (make llama-cpp), which the engine
 #               tests run.
 # make llama-cpp: llama.cpp's llama-server from the llama-cpp-python sdist, built once into
-#               ~/.cache/draftsmith/llama.cpp/ (about 5 minutes on 2 cores, BENCHMARKS.md section 12; reused afterwards).
+#               ~/.cache/draftsmith/llama.cpp/ (about 5 minutes on 2 cores, docs/benchmarks/test-suite.md; reused afterwards).
 #               LLAMA_CPP_BACKEND=cuda make llama-cpp: with ggml's CUDA backend, for the machine's NVIDIA GPUs (needs
-#               nvcc; 293 s on 16 cores for an H200, BENCHMARKS.md section 16). On a CPU with Intel's AMX, ggml's AMX
+#               nvcc; 293 s on 16 cores for an H200, docs/benchmarks/gpu-h200.md). On a CPU with Intel's AMX, ggml's AMX
 #               kernels are left out (they crash llama-server on some such machines; LLAMA_CPP_AMX=on keeps them).
-# make bench:   the benchmarks behind BENCHMARKS.md sections 1, 3, 4 and 5 (about two hours; not run in CI).
+# make bench:   the toy-world benchmarks of docs/benchmarks/ loop, data-pipeline, distillation and toy-drafters
+#               (about two hours; not run in CI).
 # make lock:    rewrite constraints.txt from the installed environment (after a dependency change and a green
 #               `make test`).
 
@@ -74,7 +75,7 @@ DEMO := runs/demo/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 demo: install
 	@echo "make demo: train an EAGLE-3 head for the toy world's target on its company traffic, evaluate it against"
-	@echo "  the off-the-shelf draft, export it for vLLM (speculators) and SGLang. On 2 cores (BENCHMARKS.md sections 3, 6):"
+	@echo "  the off-the-shelf draft, export it for vLLM (speculators) and SGLang. On 2 cores (docs/benchmarks/demo.md):"
 	@echo "  the toy world, built on first use only: about 12 min (cached in ~/.cache/draftsmith);"
 	@echo "  the target's answers to the training prompts: about 45 s; 300 training steps: about 2 min;"
 	@echo "  the evaluation: about 20 s; the export: a few seconds."
@@ -96,7 +97,7 @@ demo-real: $(VENV)/.installed llama-cpp
 	@echo "make demo-real: SmolLM2-135M-Instruct (Q4_1 GGUF, fetched once into ~/.cache/draftsmith/models), real prompts"
 	@echo "  from $(DATA), answers by llama.cpp, an EAGLE-3 head trained on them, measured in draftsmith's loop and"
 	@echo "  in llama.cpp against an n-gram drafter, a self-draft and llama.cpp's own n-gram modes. On 2 cores from a fresh"
-	@echo "  clone (BENCHMARKS.md section 13.4): llama.cpp's build 5 min, the answers 8-10 min, the features 4 min, 400"
+	@echo "  clone (docs/benchmarks/demo-real.md): llama.cpp's build 5 min, the answers 8-10 min, the features 4 min, 400"
 	@echo "  training steps 6-8 min (bf16 where the CPU multiplies it), the evaluation in both loops 10-13 min: 34-41 min."
 	$(BIN)/python -c "from traffic import models; print(models.fetch('smollm2'))"
 	$(BIN)/python scripts/real_traffic.py $(DATA) runs/real_traffic

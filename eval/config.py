@@ -93,8 +93,8 @@ class HeadSpec(DrafterSpec):
 class NgramSpec(DrafterSpec):
     """`kind: ngram`: prompt lookup, the longest n-gram of the context that ends like it (drafters/ngram.py)."""
 
-    max_ngram: int = 3
-    min_ngram: int = 1
+    max_ngram: int = 3  # longest suffix looked up in the context
+    min_ngram: int = 1  # shortest suffix tried before drafting nothing
 
 
 @dataclass
@@ -164,7 +164,7 @@ class EngineConfig:
     # openai: which of `drafters` the server drafts with, and how many tokens a round (its rows get the deployment's
     # figures); null: the deployment's figures are rows of their own
     drafter: Optional[str] = None
-    k: Optional[int] = None
+    k: Optional[int] = None  # openai: the server's num_speculative_tokens
     api_key_env: str = "OPENAI_API_KEY"  # openai: the environment variable holding the key (never printed)
     timeout: float = 600.0  # openai: seconds per request
     retries: int = 2  # openai: tries after a failed request before the run stops with the server's error
@@ -176,9 +176,9 @@ class EngineConfig:
 class TrackingConfig:
     """Weights & Biases; offline when WANDB_API_KEY is not set."""
 
-    wandb: bool = False
-    project: str = "draftsmith"
-    entity: Optional[str] = None
+    wandb: bool = False  # log to Weights & Biases
+    project: str = "draftsmith"  # the W&B project
+    entity: Optional[str] = None  # the W&B team or user (null: the key's default)
 
 
 @dataclass
@@ -197,8 +197,8 @@ class EvalConfig(EvalPlan):
     engine: Optional[EngineConfig] = None
     # Or: c and beta measured in an engine that cannot run here, for a predicted per-category verdict there
     engine_costs: EngineCosts = field(default_factory=EngineCosts)
-    out_dir: str = "${hydra:runtime.output_dir}"
-    progress: bool = True
+    out_dir: str = "${hydra:runtime.output_dir}"  # where report.json, report.md and plots go
+    progress: bool = True  # progress bars
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 

@@ -1,5 +1,5 @@
 """The verdict in the engine a team deploys. Acceptance carries over between engines; cost does not
-(BENCHMARKS.md section 8): llama.cpp decodes the toy target several times faster than draftsmith's PyTorch loop,
+(docs/benchmarks/llama-cpp-toy.md): llama.cpp decodes the toy target several times faster than draftsmith's PyTorch loop,
 so one draft step costs it relatively more, and a drafter that pays in one engine can lose in another. One
 interface, `Engine`, for the three ways draftsmith knows an engine's costs:
 

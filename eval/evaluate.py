@@ -52,16 +52,16 @@ class EvalPlan:
     prompt's time is its share of every prefill, round and step it took part in.
     """
 
-    ks: list[int] = field(default_factory=lambda: [2, 4])
-    trees: list[str] = field(default_factory=list)
-    batch_sizes: list[int] = field(default_factory=lambda: [1])
-    temperatures: list[float] = field(default_factory=lambda: [0.0])
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    repeats: int = 3
-    warmup: int = 1
-    seed: int = 0
+    ks: list[int] = field(default_factory=lambda: [2, 4])  # draft lengths swept
+    trees: list[str] = field(default_factory=list)  # tree shapes beside the chains: d4t4n16, static:0,1,0.0
+    batch_sizes: list[int] = field(default_factory=lambda: [1])  # rows decoded at once (eval/batching.py)
+    temperatures: list[float] = field(default_factory=lambda: [0.0])  # 0 = greedy
+    top_k: int = 0  # sampled runs: keep the k likeliest (0 = all)
+    top_p: float = 1.0  # sampled runs: nucleus mass
+    max_new_tokens: int = 64  # tokens generated per prompt
+    repeats: int = 3  # timed passes over all prompts; medians over them
+    warmup: int = 1  # untimed prompts run first
+    seed: int = 0  # sampling and prompt selection
     pays_off_at: float = 1.05  # measured speed-up needed for the verdict "pays off"
 
     def __post_init__(self) -> None:

@@ -47,7 +47,7 @@ class Served:
 
 # The type of the drafters' GGUFs that llama.cpp serves: f16, as deployments serve a draft (SGLang and vLLM in
 # 16 bits). In float32 a one-layer head's draft step costs about twice as much against a Q4 target (c 0.2 of a
-# step on SmolLM2's Q4_1 file, BENCHMARKS.md section 13.5), which would charge a draft cost no deployment pays.
+# step on SmolLM2's Q4_1 file, docs/benchmarks/smollm2.md), which would charge a draft cost no deployment pays.
 # But ggml converts a matmul's activations to its weights' type, and some targets' hidden states outgrow f16
 # (Gemma-3-270M's reach 10^5 from its middle layers on): an f16 head reading them drafts from inf (0 of 178
 # guesses kept). Such drafters are served in bf16, whose range is float32's (`draft_dtype`).

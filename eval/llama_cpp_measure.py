@@ -20,7 +20,7 @@ same prompts, k and budget (greedy):
   with draftsmith's τ per category they predict the engine's speed-up, τ / (1 + n·c + β) (n = guesses
   per round), printed beside the one measured with real acceptance. (A bare forward of k+1 tokens, as
   llama-bench times it, leaves out about one target step per round that llama-server spends around it:
-  BENCHMARKS.md section 8.)
+  docs/benchmarks/llama-cpp-toy.md.)
 
 With `batch_sizes`, llama.cpp is measured at each batch size B too: llama-server with B slots, each
 category's prompts streamed through them as under constant load (`stream`: a client per slot sends the
@@ -141,8 +141,8 @@ def measure_llama_cpp(target_gguf: Path, served: list[Served], prompts: dict[str
 
     At batch 1 the configurations are measured side by side: the plain server and every speculative one up at
     once, each prompt sent to each in turn (the order rotating from prompt to prompt), so the speeds compared were
-    measured seconds apart, not minutes. (The machine's speed drifts over minutes: measured once at the start,
-    plain decoding read 0.97–1.06× of itself later in one run, BENCHMARKS.md section 13.7.)
+    measured seconds apart, not minutes. (A shared machine's speed drifts over minutes, so plain decoding measured
+    once at the start would misprice the rest: docs/benchmarks/smollm2.md, llama.cpp alone.)
 
     Returns the completions and, for speculative servers, the drafting counters of each request, by
     configuration and (repeat, category, prompt index), the RoundCosts of each configuration, and the

@@ -1,4 +1,4 @@
-"""The batch-size cliff against its goals (BENCHMARKS.md section 11), from a `python -m eval batch_sizes=[...]` report.
+"""The batch-size cliff against its goals (docs/benchmarks/batch-size.md), from a `python -m eval batch_sizes=[...]` report.
 
     python -m eval 'ks=[2,4,8]' 'batch_sizes=[1,2,4,8,16,32]' data.max_prompts_per_category=16 \
         out_dir=runs/bench/batch 'drafters=[{name: off_the_shelf, kind: draft_lm, path: toyworld://toy/draft},

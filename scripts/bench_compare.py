@@ -1,4 +1,4 @@
-"""How often eval/compare.py calls two equally fast drafters different (BENCHMARKS.md section 1).
+"""How often eval/compare.py calls two equally fast drafters different (docs/benchmarks/loop.md, the intervals' calibration).
 
     python scripts/bench_compare.py                    # 8, 20 and 48 prompts, 400 simulated measurements each
 

@@ -1,4 +1,4 @@
-"""Benchmark the data pipeline on the toy world (figures in BENCHMARKS.md).
+"""Benchmark the data pipeline on the toy world (figures in docs/benchmarks/data-pipeline.md).
 
     python scripts/bench_data.py                          # toy world
     python scripts/bench_data.py --preset tiny --records 16   # smoke run

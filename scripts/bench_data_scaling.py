@@ -1,5 +1,5 @@
 """How much traffic does a drafter need? One recipe trained on 1/n of the records for each n, scored on one
-held-out set (figures in BENCHMARKS.md).
+held-out set (figures in docs/benchmarks/data-scaling.md).
 
     python scripts/bench_data_scaling.py --data runs/prepared/synth5-answers/regenerated.jsonl --shares 1,2,4,8 \
         --steps 1000 --out runs/scaling --overrides experiment=smollm2_eagle regenerate.enabled=false

@@ -1,4 +1,4 @@
-"""`engine=openai` against `engine=llamacpp` on the same prompts (BENCHMARKS.md section 14): a deployment measured
+"""`engine=openai` against `engine=llamacpp` on the same prompts (docs/benchmarks/deployment.md): a deployment measured
 through its OpenAI-compatible API gives what llama.cpp's own measurement gives.
 
     python scripts/bench_deployment.py --target pypi://smollm2 --drafter 'self_draft:draft_lm::8' \

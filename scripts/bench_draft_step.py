@@ -1,4 +1,4 @@
-"""One drafting step of a draft LM: the Hugging Face forward against the lean decode path (BENCHMARKS.md).
+"""One drafting step of a draft LM: the Hugging Face forward against the lean decode path (docs/benchmarks/toy-drafters.md).
 
     python scripts/bench_draft_step.py                       # the toy world's off-the-shelf draft and target
     python scripts/bench_draft_step.py --draft DIR --target DIR --context 512

@@ -1,5 +1,5 @@
-"""llama.cpp's EAGLE-3 acceptance with one slot and with several: the minimal reproduction behind BENCHMARKS.md
-section 13. Unpatched, its acceptance fell when requests decoded together (its draft models' did not): the draft
+"""llama.cpp's EAGLE-3 acceptance with one slot and with several: the minimal reproduction behind
+docs/benchmarks/smollm2.md. Unpatched, its acceptance fell when requests decoded together (its draft models' did not): the draft
 context's top-k samplers shared one buffer (eval/llama_cpp_patches/eagle3-backend-sampler-outputs.patch).
 
     python scripts/bench_eagle3_slots.py --target pypi://smollm2 --head runs/demo-real/run2/export/gguf/eagle3.gguf \

@@ -1,4 +1,4 @@
-"""The engine verdict against its goals (BENCHMARKS.md section 8), from a `python -m eval engine=llamacpp` report.
+"""The engine verdict against its goals (docs/benchmarks/llama-cpp-toy.md), from a `python -m eval engine=llamacpp` report.
 
     python -m eval engine=llamacpp ks=[2,4,8] threads=2 out_dir=runs/bench/engine \
         'drafters=[{name: off_the_shelf, kind: draft_lm, path: toyworld://toy/draft},

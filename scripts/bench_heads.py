@@ -1,4 +1,4 @@
-"""Benchmark every drafter kind on the toy world with one training budget (figures in BENCHMARKS.md).
+"""Benchmark every drafter kind on the toy world with one training budget (figures in docs/benchmarks/toy-drafters.md).
 
     python scripts/bench_heads.py                                   # toy world: draft LM, eagle, eagle1, mtp, medusa
     python scripts/bench_heads.py --steps 6 --overrides experiment=smoke   # smoke run on the tiny world

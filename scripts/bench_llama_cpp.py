@@ -1,5 +1,5 @@
 """draftsmith's loop and llama.cpp side by side on the same exported drafters (docs/benchmark-log.md,
-"Section 7"; superseded by `python -m eval engine=llamacpp`, BENCHMARKS.md section 8).
+"Section 7"; superseded by `python -m eval engine=llamacpp`, docs/benchmarks/llama-cpp-toy.md).
 
     python scripts/bench_llama_cpp.py --eagle runs/train/eagle/<time> --draft runs/train/draft_lm/<time> \
         --prompts 16 --k 4 --new-tokens 64 --repeats 3 --out runs/bench/llama_cpp

@@ -1,4 +1,4 @@
-"""Benchmark the draft-LM objectives on the toy world with one training budget (figures in BENCHMARKS.md).
+"""Benchmark the draft-LM objectives on the toy world with one training budget (figures in docs/benchmarks/distillation.md).
 
     python scripts/bench_train.py                                     # toy world, every objective
     python scripts/bench_train.py --steps 6 --variants sft,tvd --overrides target=tiny   # smoke run

@@ -1,5 +1,5 @@
 """Read a trained EAGLE-3 head's exports with the engines' own classes and compare their draft logits with the
-head's, on the target's features of real prompts (BENCHMARKS.md section 13.3 runs it on Gemma-3-270M):
+head's, on the target's features of real prompts (docs/benchmarks/gemma3.md runs it on Gemma-3-270M):
 
     .venv/bin/python scripts/check_export.py runs/gemma/run4 --prompts runs/real_traffic2/eval.jsonl
 

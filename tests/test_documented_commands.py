@@ -1,9 +1,15 @@
-"""The traffic a user names is the traffic measured.
+"""Every command a user reads is run, or skipped here with its reason; the traffic a user names is the traffic
+measured.
 
-Every command in a `conf/` YAML header or in README.md that names a data file (`data.path=`,
-`data.eval_path=`) is run on the tiny world with that file made real, and what it writes (report.json,
-report.md, the console, prepare.json) must name the file with its record count. Every composition of the
-config groups with `data.path=F` alone measures F.
+The guides (README.md and docs/*.md) are instructions: each command in their shell blocks either runs here on the
+tiny world (the user's models and files replaced by the tiny world's, a few tokens) or matches a rule of SKIPPED
+that says why not (it needs a GPU, a server, minutes on a real model) and which test covers it instead; a command
+with neither fails. The pages under docs/benchmarks/ are records of measurements, each command beside the commit it
+measured, minutes to hours on real models: not run here.
+
+Every command in a `conf/` YAML header or a guide that names a data file (`data.path=`, `data.eval_path=`) must
+write reports (report.json, report.md, the console, prepare.json) that name the file with its record count. Every
+composition of the config groups with `data.path=F` alone measures F.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,17 +63,22 @@ def _complete(command: str) -> bool:
     return True
 
 
-def _readme_commands() -> list[str]:
-    """Commands in README.md's code blocks, continuation lines (a backslash, an open quote) joined."""
+# The pages a user follows; docs/benchmark-log.md, like docs/benchmarks/, records what was run.
+GUIDES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmark-log.md")]
+
+
+def _block_commands(page: Path) -> list[str]:
+    """Commands in a page's shell blocks, continuation lines (a backslash, an open quote) joined; comment lines
+    are not commands."""
     commands, block, current = [], False, ""
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in page.read_text().splitlines():
         if line.startswith("```"):
-            block = not block
+            block = not block and line.strip() in ("```bash", "```sh")
             if current:
                 commands.append(current.strip())
                 current = ""
             continue
-        if block:
+        if block and (current or not line.lstrip().startswith("#")):
             current += line.rstrip().rstrip("\\").strip() + " "
             if not line.rstrip().endswith("\\") and _complete(current):
                 commands.append(current.strip())
@@ -101,14 +114,14 @@ def test_no_documented_argument_spans_lines():
     with pytest.raises(OverrideParseException):
         parser.parse_overrides(["drafters=[{name: a, kind: ngram},\n    {name: b, kind: ngram}]"])
     assert _lines_inside_a_quote("```bash\npython -m eval 'drafters=[{a: 1},\n    {b: 2}]'\n```\n") == [2]
-    for name in ("README.md", "BENCHMARKS.md"):
-        assert _lines_inside_a_quote((ROOT / name).read_text()) == [], name
+    for page in [*GUIDES, ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs" / "benchmarks").glob("*.md"))]:
+        assert _lines_inside_a_quote(page.read_text()) == [], page.name
 
 
-def documented_commands() -> list[tuple[str, str, list[str]]]:
-    """(where, module, arguments) of every documented command that names a data file."""
+def documented_commands() -> list[tuple[str, str, list[str], str]]:
+    """(where, module, arguments, command) of every documented command that names a data file."""
     found = [(str(p.relative_to(ROOT)), c) for p in sorted(CONF.rglob("*.yaml")) for c in _header_commands(p)]
-    found += [("README.md", c) for c in _readme_commands()]
+    found += [(str(page.relative_to(ROOT)), c) for page in GUIDES for c in _block_commands(page)]
     out = []
     for where, command in found:
         match = COMMAND.search(command)
@@ -116,7 +129,7 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
             continue
         args = shlex.split(re.split(r"\s\(", match.group(2))[0], comments=True)  # not a remark in parentheses
         if any(a.split("=", 1)[0] in DATA_KEYS for a in args):
-            out.append((where, match.group(1), args))
+            out.append((where, match.group(1), args, command))
     return out
 
 
@@ -125,9 +138,9 @@ COMMANDS = documented_commands()
 
 def test_the_documented_data_commands_are_found():
     # The ones this file was written against; more are welcome, fewer means the parser lost some.
-    modules = {(where, module) for where, module, _ in COMMANDS}
+    modules = {(where, module) for where, module, _, _ in COMMANDS}
     assert {("conf/eval.yaml", "eval"), ("conf/train.yaml", "train"), ("conf/prepare.yaml", "train.prepare"),
-            ("conf/data/jsonl.yaml", "eval"), ("README.md", "eval"), ("README.md", "train.prepare")} <= modules
+            ("conf/data/jsonl.yaml", "eval"), ("README.md", "eval"), ("docs/data.md", "train.prepare")} <= modules
 
 
 def write_traffic(path: Path, n: int, tag: str) -> Path:
@@ -162,6 +175,10 @@ def _concrete(module: str, args: list[str], tmp_path: Path) -> tuple[list[str], 
             overrides.append("drafters=[{name: trained, kind: draft_lm, path: toyworld://tiny/draft}]")
         elif (key == "engine" and value == "openai") or key.startswith("engine."):
             continue  # the user's deployment is not here: tests/eval/test_deployment.py runs it on real llama-servers
+        elif key == "engine" and value == "llamacpp":
+            continue  # tests/eval/test_llama_cpp.py serves the tiny world in llama-server
+        elif key == "device":
+            continue  # a GPU the user has: this machine's device instead
         else:
             overrides.append(arg)
     overrides = ["target=tiny", *overrides, *SMALL[module], f"out_dir={tmp_path / 'out'}"]
@@ -193,8 +210,11 @@ def check_report_names(out: Path, console: str, measured: Path, records: int, he
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where,module,args", COMMANDS, ids=[f"{w}:{' '.join(a)}" for w, _, a in COMMANDS])
-def test_a_documented_command_measures_the_file_it_names(where, module, args, tiny_world, tmp_path, capsys):
+@pytest.mark.parametrize("where,module,args,command", COMMANDS, ids=[f"{w}:{' '.join(a)}" for w, _, a, _ in COMMANDS])
+def test_a_documented_command_measures_the_file_it_names(where, module, args, command, tiny_world, tmp_path, capsys):
+    reason = skip_reason(command)
+    if reason:
+        pytest.skip(reason)
     overrides, files = _concrete(module, args, tmp_path)
     run_module(module, overrides)
     console = capsys.readouterr().out
@@ -258,9 +278,6 @@ def test_the_built_in_world_measures_its_held_out_file():
 
 @pytest.mark.slow
 def test_invalid_json_in_a_named_file_is_an_error_naming_file_and_line(tiny_world, tmp_path):
-    import subprocess
-    import sys
-
     bad = write_traffic(tmp_path / "bad.jsonl", 5, "bad")
     lines = bad.read_text().splitlines()
     lines[2] = '{"id": "x", "messages": [}'
@@ -271,3 +288,88 @@ def test_invalid_json_in_a_named_file_is_an_error_naming_file_and_line(tiny_worl
     assert proc.returncode == 2, proc.stderr
     assert f"{bad}:3:" in proc.stderr and "invalid JSON" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "report.json").exists()
+
+
+# --- every command in the guides ----------------------------------------------------------------------------
+
+# (pattern, why this test does not run a command that matches it, and what runs it instead). First match wins.
+SKIPPED = [
+    (r"^make (demo|demo-real)\b", "minutes on 2 cores (the toy world built, or SmolLM2 fetched and answered): "
+                                  "docs/benchmarks/demo.md and demo-real.md time them from a fresh clone"),
+    (r"PIP_EXTRA_INDEX_URL=", "needs PyTorch's own index (download.pytorch.org), which CI cannot reach"),
+    (r"LLAMA_CPP_BACKEND=cuda", "needs nvcc and an NVIDIA GPU"),
+    (r"LLAMA_CPP_SOURCE=", "needs a copy of llama.cpp's source at the path it names"),
+    (r"^make (install|test|llama-cpp)$", "CI itself: `make test` runs `make install` and `make llama-cpp` first"),
+    (r"-m pytest\b", "the test suite itself"),
+    (r"accelerate launch --multi_gpu|experiment=llama3_8b_eagle|trainer=gpu",
+     "needs NVIDIA GPUs (and an 8B model): tests/train/test_gpu_recipe.py composes the GPU recipe and trains two "
+     "steps of it on a tiny model of its architecture; tests/train/test_distill.py launches --multi_gpu on CPUs"),
+    (r"^(vllm serve|python -m sglang|llama-server )", "an engine serving the user's model: the engines' own code "
+     "loads every export in tests/train/test_export.py, and llama-server serves them in tests/eval/test_llama_cpp.py"),
+    (r"scripts/synthesize_prompts\.py", "samples SmolLM2 through llama-server for minutes: "
+                                        "tests/scripts/test_synthesize_prompts.py runs it on the tiny world"),
+    (r"scripts/bench_data_scaling\.py", "trains the recipe on several shares of real answers for hours: "
+                                        "tests/scripts/test_bench_data_scaling.py runs it on the tiny world"),
+    (r"scripts/real_traffic\.py", "reads the benchmark files beside the clone: tests/scripts/test_real_traffic.py"),
+    (r"scripts/target_gguf\.py", "converts SmolLM2, fetched from PyPI: tests/scripts/test_target_gguf.py"),
+    (r"scripts/check_export\.py", "tests/scripts/test_check_export.py runs it on a trained tiny run"),
+]
+RUN = re.compile(r"python -m (eval|train\.prepare|train\.export|train)\b(.*)|python -c (.*)")
+
+
+def _names_a_data_file(command: str) -> bool:
+    """Run by test_a_documented_command_measures_the_file_it_names, which checks the file is what is measured."""
+    match = COMMAND.search(command)
+    return bool(match) and any(a.split("=", 1)[0] in DATA_KEYS
+                               for a in shlex.split(re.split(r"\s\(", match.group(2))[0], comments=True))
+
+
+GUIDE_COMMANDS = [(str(page.relative_to(ROOT)), c) for page in GUIDES for c in _block_commands(page)
+                  if not _names_a_data_file(c)]
+
+
+def skip_reason(command: str) -> str | None:
+    bare = " ".join(shlex.split(command, comments=True))  # without a trailing remark
+    return next((why for pattern, why in SKIPPED if re.search(pattern, bare)), None)
+
+
+def test_the_guides_commands_are_found():
+    assert any("python -m train.export" in c for _, c in GUIDE_COMMANDS)
+    assert any(w == "docs/your-model.md" and "--multi_gpu" in c for w, c in GUIDE_COMMANDS)
+    assert skip_reason("accelerate launch --multi_gpu -m train") and not skip_reason("python -m eval ks=[4]")
+    assert _block_commands(ROOT / "README.md")[0].startswith("make install")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,command", GUIDE_COMMANDS, ids=[f"{w}:{c[:90]}" for w, c in GUIDE_COMMANDS])
+def test_every_guide_command_runs_or_says_why(where, command, tiny_world, eagle_run, tmp_path):
+    reason = skip_reason(command)
+    if reason:
+        pytest.skip(reason)
+    match = RUN.search(command)
+    assert match, f"{where}: `{command}` is neither run by this test nor skipped with a reason (SKIPPED)"
+    if match.group(3):  # python -c: a check the user runs as it is
+        code = shlex.split(match.group(3))[0]
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        return
+    module, args = match.group(1), shlex.split(re.split(r"\s\(", match.group(2))[0], comments=True)
+    if module == "train.export":
+        overrides = [f"run={eagle_run}" if a.startswith("run=") else a for a in args]
+        if any(a.startswith("hub.repo_id=") for a in args):
+            overrides.append("hub.dry_run=true")  # no network here, and no token: the card and files, not the upload
+        written = run_export([*overrides, f"out_dir={tmp_path / 'export'}"])
+        formats = next((a.split("=", 1)[1].strip("[]").split(",") for a in args if a.startswith("formats=")), [])
+        assert set(formats) <= set(written), (formats, written)
+        return
+    overrides, _ = _concrete(module, args, tmp_path)
+    run_module(module, overrides)
+    assert (tmp_path / "out" / ("prepare.json" if module == "train.prepare" else "report.json")).exists()
+
+
+def run_export(overrides: list[str]) -> dict:
+    from train.export import run
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="export", overrides=overrides)
+    return run(cfg)

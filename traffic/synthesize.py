@@ -1,7 +1,7 @@
 """Requests the target itself would be asked: prompts synthesized through its own chat template.
 
 A drafter learns the target's answers to the requests it trains on, and keeps few guesses on kinds of request it
-rarely saw (BENCHMARKS.md section 13.8: SmolLM2's head trained on 128 chat and writing prompts). Where a team's
+rarely saw (docs/benchmarks/smollm2-training.md: SmolLM2's head trained on 128 chat and writing prompts). Where a team's
 logs hold too few of a kind, the target can write more: given its chat template up to the start of a user turn
 and nothing after it, an instruction-tuned model writes a user's request from the distribution it was tuned on
 (Magpie: Xu et al., 2024, "Alignment Data Synthesis from Scratch by Prompting Aligned LLMs with Nothing"). A

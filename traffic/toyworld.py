@@ -124,7 +124,7 @@ PRESETS = {
 # A world whose target knows its company: the default world's shapes, plus the company's wiki in the
 # target's text and traffic that asks for it, and the target trained 2,400 steps instead of 350 (about
 # 70 minutes on 2 cores; for benchmarks, not the default). A 400-step target did not learn the wiki: it
-# reproduced none of 24 held-out lookups; this one reproduces 22 (BENCHMARKS.md, section 5).
+# reproduced none of 24 held-out lookups; this one reproduces 22 (docs/benchmarks/toy-drafters.md, toy_wiki).
 PRESETS["toy_wiki"] = dataclasses.replace(
     PRESETS["toy"], target=dataclasses.replace(PRESETS["toy"].target, steps=2400),
     directory_size=96, codebase_size=96, wiki_repeats=32,

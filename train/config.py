@@ -26,13 +26,13 @@ class RegenerateConfig:
 
     enabled: bool = True  # false: keep the logged responses (when they came from this target)
     temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0
-    top_p: float = 1.0
+    top_k: int = 0  # sampled answers: keep the k likeliest (0 = all)
+    top_p: float = 1.0  # sampled answers: nucleus mass
     # Sized with trainer=cpu (max_length 384) for the toy world, whose code answers rarely end: 128 covers
     # the evaluation's 64 new tokens twice. For real traffic raise it with trainer.max_length (e.g. 1024).
     max_new_tokens: int = 128
     # What writes the answers: torch (the target in PyTorch) | llamacpp (llama-server on the target's GGUF: the
-    # file itself when target.name_or_path names one; the deployed quantization; 1.6x PyTorch on SmolLM2 Q4_1, 2 cores)
+    # file itself when target.name_or_path names one: the deployed quantization, faster than PyTorch on a CPU)
     engine: str = "torch"
     # Or an OpenAI-compatible server already serving the target (vLLM, SGLang, llama-server): its base URL.
     # API key from $OPENAI_API_KEY when the server wants one.
@@ -75,9 +75,9 @@ class LoraSettings:
 
     enabled: bool = False
     r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
-    target_modules: str = "all-linear"
+    alpha: int = 16  # LoRA scaling numerator (scale = alpha / r)
+    dropout: float = 0.0  # dropout on the LoRA branch
+    target_modules: str = "all-linear"  # peft's target_modules: every linear layer but the output head
 
 
 @dataclass
@@ -208,22 +208,22 @@ class TrainerConfig:
     """Optimisation, precision, checkpoints. batch_size is per process; the global batch is
     batch_size x processes x grad_accum."""
 
-    max_steps: int = 200
+    max_steps: int = 200  # optimizer steps; 0: evaluate the starting weights only
     batch_size: int = 8
-    grad_accum: int = 1
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-3  # peak learning rate (AdamW), after warm-up, cosine decay after
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    warmup_steps: int = 10  # linear warm-up from 0
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # gradient clipping
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's (beta1, beta2)
     max_length: int = 512  # training sequences are truncated to this many tokens
     # no | bf16 | fp16 (accelerate mixed precision) | auto: bf16 where the hardware multiplies it natively (a GPU
     # with bf16, a CPU with AVX512-BF16 or AMX), else no
     precision: str = "no"
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    eval_every: int = 50
+    checkpoint_every: int = 50  # steps between resumable checkpoints
+    keep_checkpoints: int = 2  # the newest N kept (best/ apart)
+    eval_every: int = 50  # steps between held-out scores (the best is kept in best/)
     eval_examples: int = 64  # held-out examples for the acceptance estimate
     # Which: last (the file's last eval_examples records) | per_category (taken in turn from each category's last
     # records, so every category the file has weighs alike in the choice of checkpoint and the held-out τ)
@@ -247,7 +247,7 @@ class FinalEvalConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # rows decoded at once (eval/batching.py)
     max_new_tokens: int = 64
     repeats: int = 3
-    prompts_per_category: int = 8
+    prompts_per_category: int = 8  # held-out prompts measured per category
     engine: Optional[str] = None  # llamacpp: also measure the drafters in llama.cpp (eval/engine.py)
     # More drafters measured beside the trained one (python -m eval's specs), after the off-the-shelf draft: the
     # baselines of a target without one (n-gram, a layer-skip self-draft, llama.cpp's own n-gram modes).

@@ -9,7 +9,7 @@ import torch
 
 def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), where bf16 matrix products run
-    several times faster than float32 (BENCHMARKS.md section 13.10); without them bf16 is emulated."""
+    faster than float32 (docs/benchmarks/smollm2-training.md, bf16 on a CPU); without them bf16 is emulated."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
