@@ -76,9 +76,9 @@ DEMO := runs/demo/$(shell date +%Y-%m-%d_%H-%M-%S)
 demo: install
 	@echo "make demo: train an EAGLE-3 head for the toy world's target on its company traffic, evaluate it against"
 	@echo "  the off-the-shelf draft, export it for vLLM (speculators) and SGLang. On 2 cores (docs/benchmarks/demo.md):"
-	@echo "  the toy world, built on first use only: about 12 min (cached in ~/.cache/draftsmith);"
-	@echo "  the target's answers to the training prompts: about 45 s; 300 training steps: about 2 min;"
-	@echo "  the evaluation: about 20 s; the export: a few seconds."
+	@echo "  the install, first time only: about 1.5 min; the toy world, built on first use only: about 9 min (cached"
+	@echo "  in ~/.cache/draftsmith); the target's answers to the training prompts: about 1.5 min; 300 training"
+	@echo "  steps: about 2.5 min; the evaluation and the export: under a minute. 15 min the first time, 3 min after."
 	$(BIN)/python -m train drafter=eagle data=company_logs hydra.run.dir=$(DEMO)
 	$(BIN)/python -m train.export run=$(DEMO) 'formats=[speculators,sglang]' out_dir=$(DEMO)/export
 	@echo ""

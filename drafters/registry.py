@@ -1,5 +1,5 @@
 """The head kinds, and building, saving and loading a head of any of them: the registry above the kinds
-(drafters/eagle.py, eagle1.py, mtp.py, medusa.py), which import what they share from drafters/heads.py and
+(drafters/eagle.py, eagle1.py, mtp.py, medusa.py, dflash.py), which import what they share from drafters/heads.py and
 never this module.
 
 Saved heads are a directory: `config.json` (a Llama config of the head's one layer, plus `draftsmith_kind`,
@@ -18,11 +18,12 @@ from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 from transformers import LlamaConfig
 
-from drafters import eagle, eagle1, medusa, mtp
+from drafters import dflash, eagle, eagle1, medusa, mtp
 from drafters.heads import ENGINE_EAGLE1, ENGINE_EAGLE3, check_layers, head_config
 
 # Each kind's head class (its module's HEAD): what `draftsmith_kind` in a saved head's config.json names.
-KINDS: dict[str, type[nn.Module]] = {"eagle": eagle.HEAD, "eagle1": eagle1.HEAD, "mtp": mtp.HEAD, "medusa": medusa.HEAD}
+KINDS: dict[str, type[nn.Module]] = {"eagle": eagle.HEAD, "eagle1": eagle1.HEAD, "mtp": mtp.HEAD, "medusa": medusa.HEAD,
+                                     "dflash": dflash.HEAD}
 
 
 def head_class(kind: str) -> type[nn.Module]:

@@ -16,10 +16,11 @@ from transformers import AutoModelForCausalLM
 
 from drafters.heads import ENGINE_EAGLE3
 from eval import llama_cpp
-from eval.engine_formats import GGUF_OUTTYPE, draft_lm_gguf, eagle3_gguf, llama_cpp_cannot_serve, target_directory
+from eval.engine_formats import (GGUF_OUTTYPE, dflash_gguf, draft_lm_gguf, eagle3_gguf, llama_cpp_cannot_serve,
+                                 target_directory)
 from traffic import models
 
-SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3"}
+SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3", "dflash": "draft-dflash"}
 
 
 @dataclass
@@ -106,10 +107,13 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
                                          target_dir=target_directory(target_name_or_path))
     elif config.get("draftsmith_kind") == "eagle":
         gguf = eagle3_gguf(head, target, target_name_or_path, out, dtype)
+    elif config.get("draftsmith_kind") == "dflash":
+        return Served(name, dflash_gguf(head, target, target_name_or_path, out, dtype), SPEC_TYPES["dflash"],
+                      dtype=dtype, p_min=p_min)
     else:
         what = config.get("draftsmith_kind") or "/".join(config.get("architectures") or ["unknown"])
-        return Served(name, note=f"a {what} head has no llama.cpp format (llama.cpp serves draft models and "
-                                 "EAGLE-3 heads)")
+        return Served(name, note=f"a {what} head has no llama.cpp format (llama.cpp serves draft models, "
+                                 "EAGLE-3 heads and DFlash drafters)")
     return Served(name, gguf, SPEC_TYPES["eagle3"], dtype=dtype, p_min=p_min)
 
 

@@ -97,6 +97,15 @@ def eagle1_run(tiny_world, shared_dir):
 
 
 @pytest.fixture(scope="session")
+def dflash_run(tiny_world, shared_dir):
+    """A DFlash drafter on tiny_deep trained for greedy serving at k = 4 (block_size 5): what the `dflash` and
+    `gguf` exports ship."""
+    return trained(shared_dir, "dflash", "drafter=dflash", "trainer.max_steps=150", "trainer.eval_every=30",
+                   "trainer.checkpoint_every=30", "trainer.lr=5e-3", "drafter.label_temperature=0",
+                   "trainer.select_by=top1", "drafter.block_size=5")
+
+
+@pytest.fixture(scope="session")
 def draft_run(tiny_world, shared_dir):
     """A draft LM distilled by SFT from tiny_deep's off-the-shelf draft on the target's answers."""
     return trained(shared_dir, "draft_lm", "drafter=draft_lm", "drafter.loss=sft", "trainer.max_steps=60",

@@ -189,13 +189,28 @@ class MedusaConfig(HeadConfig):
 
 
 # Each kind's schema: conf/drafter/<kind>.yaml composes `<kind>_schema` from the ConfigStore (register()).
+@dataclass
+class DFlashConfig(HeadConfig):
+    """`drafter=dflash`: DFlash, a block of guesses in one forward from several layers' features (drafters/dflash.py).
+    Its defaults and objective are SpecForge's DFlash recipe, the loss decay speculators'."""
+
+    kind: str = "dflash"
+    num_layers: int = 1  # decoder layers of the drafter (SpecForge's default; z-lab's Qwen3-8B drafter has 5)
+    block_size: int = 5  # the anchor and block_size - 1 masked positions: serve at k = block_size - 1
+    # the token the masked positions carry (its row of the target's embedding); null: the tokenizer's mask token,
+    # else the first embedding row no token uses, else pad, end-of-sequence, unknown (SpecForge's order)
+    mask_token_id: Optional[int] = None
+    loss_decay_gamma: Optional[float] = 4.0  # block position j's loss weighs exp(-(j-1)/gamma); null: all alike
+    max_anchors: int = 256  # blocks trained per sequence, drawn from its answer's positions (SpecForge: 512)
+
+
 KINDS: dict[str, type[DrafterConfig]] = {"draft_lm": DraftLMConfig, "eagle": EagleConfig, "eagle1": Eagle1Config,
-                                         "mtp": MtpConfig, "medusa": MedusaConfig}
+                                         "mtp": MtpConfig, "medusa": MedusaConfig, "dflash": DFlashConfig}
 
 
 # The module whose run(cfg) trains each kind (train/__main__.py dispatches on it).
 RECIPES: dict[str, str] = {"draft_lm": "train.distill", "eagle": "train.eagle3", "eagle1": "train.heads",
-                           "mtp": "train.heads", "medusa": "train.heads"}
+                           "mtp": "train.heads", "medusa": "train.heads", "dflash": "train.dflash"}
 
 
 def drafter_keys(kind: str) -> list[str]:

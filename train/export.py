@@ -36,19 +36,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM
 
-from eval.engine_formats import (ExportRefused, draft_lm_gguf, eagle3_tensors, llama_cpp_cannot_serve, sglang_writer,
-                                 speculators_writer, target_directory, vllm_eagle1, write_dir, write_gguf)
+from eval.engine_formats import (ExportRefused, dflash_tensors, dflash_writer, draft_lm_gguf, eagle3_tensors,
+                                 llama_cpp_cannot_serve, sglang_writer, speculators_writer, target_directory,
+                                 vllm_eagle1, write_dir, write_gguf)
 from eval.run import dtype_of, load_target, target_source
 from train.config import ExportSettings, register
 from train.hub import HubSettings, listing, model_card, stage, upload
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("hf", "sglang", "speculators", "vllm", "gguf")
+FORMATS = ("hf", "sglang", "speculators", "vllm", "dflash", "gguf")
 # The formats each drafter kind can be written in. MTP and Medusa heads have none: asking for one is an
 # error, never a directory an engine would misread (NO_FORMAT says why).
 KIND_FORMATS = {"draft_lm": ("hf", "gguf"), "eagle": ("sglang", "speculators", "gguf"), "eagle1": ("vllm",),
-                "mtp": (), "medusa": ()}
+                "dflash": ("dflash", "gguf"), "mtp": (), "medusa": ()}
 NO_FORMAT = {
     "mtp": "the engines' MTP formats are one module of the target's own architecture that the engine chains "
            "k times (speculators' `mtp`, vLLM's per-family MTP models), not draftsmith's k separate modules",
@@ -63,7 +64,7 @@ class TrainedRun:
     """What export needs from a `python -m train` run directory."""
 
     path: Path
-    kind: str  # draft_lm | eagle | eagle1 | mtp | medusa
+    kind: str  # draft_lm | eagle | eagle1 | mtp | medusa | dflash
     target: str  # the target's hub id, directory or toyworld:// name
     config: dict  # the run's composed config (train_config.yaml)
 
@@ -140,6 +141,17 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
     if run.kind == "eagle1":
         write_vllm = vllm_eagle1(run.best, target, target_dir, best=best, force=settings.force, dtype=dtype)
         written["vllm"] = write_dir(out / "vllm", write_vllm)
+        return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
+    if run.kind == "dflash":
+        tensors, head_config = dflash_tensors(run.best, target, best=best, force=settings.force, dtype=dtype)
+        exported = write_dir(out / "dflash", dflash_writer(tensors, head_config, target.config, target_dir,
+                                                           str(dtype).removeprefix("torch.")))
+        if "dflash" in formats:
+            written["dflash"] = exported
+        if "gguf" in formats:
+            written["gguf"] = write_gguf(exported, out / "gguf" / "dflash.gguf", settings.dtype, target_dir=target_dir)
+        if "dflash" not in formats:
+            shutil.rmtree(exported)
         return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
     tensors, head_config = eagle3_tensors(run.best, target, best=best, force=settings.force, dtype=dtype)
     if "gguf" in formats and (why := llama_cpp_cannot_serve(head_config)):  # before anything is written

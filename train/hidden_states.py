@@ -35,7 +35,9 @@ def default_layers(kind: str, num_layers: int) -> list[int]:
 
     eagle1, medusa, mtp: the last hidden state [n]. eagle3 (alias eagle): a low, a middle and a high layer,
     [2, n//2, n-3] as EAGLE-3 and vLLM choose; on targets too shallow for three distinct layers there,
-    [1, n//2, n-1], and on 2- or 3-layer test targets [0, n//2, n].
+    [1, n//2, n-1], and on 2- or 3-layer test targets [0, n//2, n]. dflash: up to five layers evenly spaced from
+    2 to n-2 (decoder layers 1 .. n-3, SpecForge's choice; on targets under 6 layers 1 to n-1),
+    never n.
     """
     if kind in ("eagle1", "medusa", "mtp"):
         return [num_layers]
@@ -48,7 +50,14 @@ def default_layers(kind: str, num_layers: int) -> list[int]:
         if len(set(layers)) < 3:
             raise ValueError(f"a target with {num_layers} layers is too shallow for three distinct EAGLE-3 layers")
         return layers
-    raise ValueError(f"unknown head kind {kind!r}; known: eagle1, eagle3, mtp, medusa")
+    if kind == "dflash":  # evenly spaced outputs of decoder layers 1 .. n-3 (SpecForge's build_target_layer_ids),
+        # never the last: transformers hands it over final-normed, which no engine gives a drafter
+        if num_layers < 2:
+            raise ValueError(f"a target with {num_layers} layer has no layer before its last for DFlash to read")
+        low, high = (2, num_layers - 2) if num_layers >= 6 else (1, num_layers - 1)  # shallow (test) targets: all
+        count = min(5, high - low + 1)
+        return sorted({round(low + i * (high - low) / max(count - 1, 1)) for i in range(count)})
+    raise ValueError(f"unknown head kind {kind!r}; known: eagle1, eagle3, mtp, medusa, dflash")
 
 
 @torch.no_grad()

@@ -22,12 +22,13 @@ from pathlib import Path
 from drafters.tree import TreeShape
 from eval.costs import sglang_settings
 
-ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf", "eagle1": "vllm"}
+ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf", "eagle1": "vllm", "dflash": "dflash"}
 # Per kind: vLLM's speculative method, SGLang's algorithm, the GGUF file, llama-server's spec type (None:
 # the engine does not serve this kind from draftsmith's export).
 SERVING = {"eagle": ("eagle3", "EAGLE3", "eagle3.gguf", "draft-eagle3"),
            "draft_lm": ("draft_model", "STANDALONE", "draft.gguf", "draft-simple"),
-           "eagle1": ("eagle", None, None, None)}
+           "eagle1": ("eagle", None, None, None),
+           "dflash": ("dflash", None, "dflash.gguf", "draft-dflash")}
 
 
 @dataclass
@@ -110,8 +111,9 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     report_file = run.path / "report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else None
     d, t, r = cfg["drafter"], cfg["trainer"], cfg["regenerate"]
-    tags = ["speculative-decoding", "draftsmith", {"eagle": "eagle3", "eagle1": "eagle", "draft_lm": "draft-model"}[kind]]
-    library = {"eagle": "sglang", "eagle1": "vllm", "draft_lm": "transformers"}[kind]
+    tags = ["speculative-decoding", "draftsmith",
+            {"eagle": "eagle3", "eagle1": "eagle", "draft_lm": "draft-model", "dflash": "dflash"}[kind]]
+    library = {"eagle": "sglang", "eagle1": "vllm", "draft_lm": "transformers", "dflash": "vllm"}[kind]
     meta = ["---", f"base_model: {target}", f"library_name: {library}", "tags:", *(f"- {tag}" for tag in tags)]
     if license:
         meta.append(f"license: {license}")
@@ -123,7 +125,11 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
             "eagle1": f"An EAGLE-1 draft head for `{target}`: one decoder layer extrapolating the target's last "
                       "(normed) hidden state from it and the next token's embedding, drafting through the target's "
                       "own embedding and output head.",
-            "draft_lm": f"A standalone draft model for `{target}`, sharing its tokenizer."}[kind]
+            "draft_lm": f"A standalone draft model for `{target}`, sharing its tokenizer.",
+            "dflash": f"A DFlash drafter for `{target}`: {d.get('num_layers')} decoder layer(s) reading the target's "
+                      f"hidden states at layers {layers} (inputs of those layers) that draft a block of "
+                      f"{d.get('block_size', 1) - 1} tokens in one forward, through the target's embedding and "
+                      "output head."}[kind]
     out = [*meta, "", f"# {repo_id}", "", what, "", "Trained and measured with draftsmith on the team's own traffic.", ""]
 
     trained = (report or {}).get("settings", {}).get("trained_on")
@@ -149,6 +155,10 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
             recipe.append(["draft vocabulary: held-out assistant tokens covered", out_cov])
     elif kind == "eagle1":
         recipe += [["token loss weight (beside the feature regression)", d["token_loss_weight"]]]
+    elif kind == "dflash":
+        recipe += [["label temperature", d["label_temperature"]], ["block size (serve at k = block size - 1)",
+                                                                   d["block_size"]],
+                   ["loss decay over the block (gamma)", d["loss_decay_gamma"]]]
     else:
         recipe += [["objective", d["loss"]], ["started from", d["init_from"] or (f"the target's first {d['init_layers']} layers"
                                                        if d.get("init_layers") else cfg["target"]["off_the_shelf_draft"])]]

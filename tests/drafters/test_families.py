@@ -23,6 +23,7 @@ SETTINGS = {
     "eagle1": dict(token_loss_weight=0.1),
     "mtp": dict(depth=3, module_decay=0.8),
     "medusa": dict(num_heads=3, num_layers=1, head_decay=0.8),
+    "dflash": dict(num_layers=1, block_size=4, mask_token_id=1, loss_decay_gamma=4.0, max_anchors=16),
 }
 KINDS = sorted(SETTINGS)
 NAMES = sorted(FAMILIES)

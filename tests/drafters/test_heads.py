@@ -1,4 +1,4 @@
-"""Feature-reading heads (EAGLE-3, EAGLE-1, MTP, Medusa): losses, masks, lossless drafting, and that
+"""Feature-reading heads (EAGLE-3, EAGLE-1, MTP, Medusa, DFlash): losses, masks, lossless drafting, and that
 drafting in the loop is the computation the head was trained on."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ SETTINGS = {
     "eagle1": dict(token_loss_weight=0.1),
     "mtp": dict(depth=4, module_decay=0.8),
     "medusa": dict(num_heads=4, num_layers=1, head_decay=0.8),
+    "dflash": dict(num_layers=2, block_size=5, loss_decay_gamma=4.0, max_anchors=8),  # mask: the last id
 }
 KINDS = sorted(SETTINGS)
 
@@ -40,6 +41,8 @@ def target():
 def make_head(kind, target, seed=0, **overrides):
     torch.manual_seed(seed)
     layers = default_layers(kind, target.config.num_hidden_layers)
+    if kind == "dflash":  # the target's last token id carries the masked positions
+        overrides = {"mask_token_id": target.config.vocab_size - 1, **overrides}
     head = build_head(kind, target, layers, **{**SETTINGS[kind], **overrides})
     with torch.no_grad():  # random heads are near-uniform; sharpen them so ties and near-ties are rare
         for p in head.parameters():
@@ -87,8 +90,9 @@ def test_loss_ignores_padding_and_non_assistant_tokens(target, kind):
     feats, ids, attn, loss_mask, probs = batch(target, head.config.feature_layers)
     loss, stats = head(feats, ids, attn, loss_mask, probs)
     # Step s predicts token (position + s + 2 for EAGLE, + s + 1 for the others): the count is the
-    # number of assistant tokens it can reach.
-    shift = 2 if kind.startswith("eagle") else 1
+    # number of assistant tokens it can reach. DFlash's block position s + 1 after an anchor that is itself an
+    # answer token (the first answer token's block, at 6, guesses 7 first) reaches one fewer.
+    shift = {"dflash": 7}.get(kind, 2 if kind.startswith("eagle") else 1)
     for s, st in enumerate(stats):
         assert int(st["count"]) == int(loss_mask[:, shift + s:].sum()), (kind, s)
     # Changing what sits in the padding must not change the loss.
@@ -414,7 +418,7 @@ def test_sampled_trees_with_a_planted_wrong_residual_are_caught(small_target, mo
     assert chi2_pvalue(counts, exact) < 1e-6
 
 
-@pytest.mark.parametrize("kind", ["mtp", "medusa"])
+@pytest.mark.parametrize("kind", ["mtp", "medusa", "dflash"])
 def test_a_drafter_without_trees_is_a_clear_error(target, prompts, kind):
     with pytest.raises(ValueError, match="drafts chains only: a tree \\(d3t2n5\\)"):
         speculative_generate(target, make_head(kind, target).drafter(kind), prompts[2], k=0,
@@ -509,6 +513,11 @@ def _reference_guesses(head, kind, ids, feats, guesses):
             return [int(s[0, m - 1].argmax()) for s in head.unroll(padded[:, : seq.shape[1]], seq, attn)[:n]]
         if kind == "medusa":
             return head.logits(feats[m - 1], n=n).argmax(-1).tolist()
+        if kind == "dflash":  # the block [last, mask x n] over the whole context at once, no cache
+            context = head.context_kv(head.context(feats[None]), torch.arange(m)[None])
+            block = torch.tensor([[ids[-1]] + [head.config.mask_token_id] * n])
+            out = head.blocks(context, block, torch.arange(m, m + n + 1)[None], None)
+            return head.shared.logits(out[0, 1:]).argmax(-1).tolist()
         if kind == "eagle1":  # recompute from scratch, no cache, one draft at a time
             from drafters.kv_cache import KVCache
 

@@ -116,6 +116,23 @@ def test_the_exported_eagle3_head_runs_in_llama_cpp_as_in_draftsmith(world, run,
     assert abs(theirs / ours - 1) <= TAU_TOLERANCE, (ours, theirs)
 
 
+def test_the_exported_dflash_drafter_runs_in_llama_cpp_as_in_draftsmith(world, dflash_run):
+    """llama.cpp's own converter reads the `dflash` export with the target's directory, and llama-server's
+    draft-dflash drafts a block in one forward as draftsmith's loop does: lossless, and the same τ."""
+    written = export(dflash_run, world["out"] / "dflash", ExportSettings(formats=["dflash", "gguf"]))
+    config = json.loads((written["dflash"] / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == K + 1
+    stats = []
+    completions = serve(world, written["gguf"], "draft-dflash", stats)
+    assert [c.tokens for c in completions] == world["plain"]  # lossless in the engine
+    proposed, accepted = sum(c.draft_n for c in completions), sum(c.draft_n_accepted for c in completions)
+    assert accepted / proposed > 10 / world["target"].config.vocab_size  # far above chance
+    drafter = build_drafter({"name": "dflash", "kind": "head", "path": str(dflash_run / "best")},
+                            target=world["target"], tokenizer=world["tok"])
+    ours, theirs = draftsmith_tau(world, drafter), llama_tau(stats[0])
+    assert abs(theirs / ours - 1) <= TAU_TOLERANCE, (ours, theirs)
+
+
 @pytest.mark.parametrize("form", ["sglang", "speculators"])
 def test_a_head_in_an_engines_format_is_served_as_it_is(world, eagle_run, form):
     """An EAGLE-3 head given to `python -m eval` in SGLang's or speculators' layout (a peer trainer's export, say)

@@ -442,3 +442,24 @@ def test_a_norm_output_head_is_not_sent_to_llama_cpp(eagle31_run, tmp_path):
     served = llama_cpp_drafter({"name": "h", "kind": "head", "path": str(eagle31_run / "best")}, target, TARGET,
                                tmp_path / "engine")
     assert served.gguf is None and "norm_output" in served.note
+
+
+def test_a_dflash_drafter_exports_in_the_layout_vllm_and_llama_cpp_read(dflash_run, tmp_path):
+    """z-lab's DFlashDraftModel layout: a Qwen3 config of the drafter's layers with block_size and dflash_config,
+    target_layer_ids as 0-based layer outputs (draftsmith's feature layers less one), weights without a `model.`
+    prefix (vLLM adds it) and without the target's embedding or output head (both engines share the target's)."""
+    written = export(dflash_run, tmp_path / "out", ExportSettings(formats=["dflash"]))
+    head = json.loads((dflash_run / "best" / "config.json").read_text())
+    config = json.loads((written["dflash"] / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": head["mask_token_id"],
+                                       "target_layer_ids": [i - 1 for i in head["feature_layers"]]}
+    assert config["block_size"] == head["block_size"] and config["num_hidden_layers"] == head["num_layers"]
+    assert "rope_theta" in config and config["layer_types"] == ["full_attention"] * head["num_layers"]
+    weights = load_file(str(written["dflash"] / "model.safetensors"))
+    saved = load_file(str(dflash_run / "best" / "model.safetensors"))
+    assert set(weights) == set(saved) and all(torch.equal(weights[k], saved[k]) for k in saved)
+    assert not any(k.startswith(("model.", "embed_tokens", "lm_head")) for k in weights)
+    assert (written["dflash"] / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match="cannot be written as"):
+        formats_for("dflash", ["sglang"])

@@ -128,6 +128,17 @@ def test_an_eagle1_card_serves_it_with_vllm_only(eagle1_run, hub, tmp_path):
     assert json.loads((written["hub"] / "config.json").read_text())["architectures"] == ["EagleLlamaForCausalLM"]
 
 
+def test_a_dflash_card_serves_it_with_vllm_and_llama_cpp(dflash_run, hub, tmp_path):
+    written = export(dflash_run, tmp_path / "out", ExportSettings(formats=["dflash", "gguf"], num_speculative_tokens=4,
+                                                                  hub=HubSettings(repo_id="acme/dflash", dry_run=True)))
+    card = (written["hub"] / "README.md").read_text()
+    assert "- dflash\n" in card and "A DFlash drafter" in card and "a block of 4 tokens in one forward" in card
+    assert '"method": "dflash", "model": "acme/dflash", "num_speculative_tokens": 4' in card
+    assert "--spec-type draft-dflash --spec-draft-n-max 4" in card and "sglang" not in card
+    config = json.loads((written["hub"] / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and (written["hub"] / "gguf" / "dflash.gguf").exists()
+
+
 def test_the_card_gives_sglang_the_tree_the_evaluation_favours(evaluated_run, hub, tmp_path):
     """A final evaluation whose fastest shape over all traffic was a tree (here written into the report): the card
     adds SGLang's command with that tree's settings, and says on what ground it was chosen."""
