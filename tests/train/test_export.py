@@ -11,12 +11,14 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
 import eval.__main__ as eval_entry
+from drafters.registry import load_head
 from helpers import train_tiny_deep
 from eval import config as eval_config
 from eval.engine_formats import EAGLE3_OWN, ExportRefused, target_directory
 from eval.run import load_target
 from train import config as train_config
 from train.export import ExportSettings, export, formats_for
+from train.hidden_states import capture
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 eval_config.register()  # compose_cfg composes conf/eval.yaml and conf/export.yaml
@@ -362,8 +364,8 @@ def _eagle1_inputs(eagle1_run, tmp_path):
     return inputs, hidden[0], logits
 
 
-def _vllm(export_dir: Path, inputs: Path, out: Path) -> tuple[str, dict]:
-    """tests/train/vllm_worker.py on the export: the architecture vLLM resolved and its outputs."""
+def _vllm(export_dir: Path, inputs: Path, out: Path, worker: str = "vllm_worker.py") -> tuple[str, dict]:
+    """tests/train/vllm_worker.py (or `worker`) on the export: the architecture vLLM resolved and its outputs."""
     import os
     import subprocess
     import sys
@@ -371,7 +373,7 @@ def _vllm(export_dir: Path, inputs: Path, out: Path) -> tuple[str, dict]:
     # An empty vLLM cache: vLLM inspects the architectures in a child process, as on a machine that never
     # ran it (a cache left by an earlier run would skip that child and hide a failure in it).
     env = {**os.environ, "VLLM_CACHE_ROOT": str(out.parent / "vllm-cache")}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_worker.py")), str(VENV / "vllm"),
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name(worker)), str(VENV / "vllm"),
                            str(target_directory(TARGET)), str(export_dir), str(inputs), str(out)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -463,3 +465,32 @@ def test_a_dflash_drafter_exports_in_the_layout_vllm_and_llama_cpp_read(dflash_r
     assert (written["dflash"] / "tokenizer.json").exists()
     with pytest.raises(ValueError, match="cannot be written as"):
         formats_for("dflash", ["sglang"])
+
+
+def test_vllm_loads_the_dflash_export_and_computes_the_drafters_block(dflash_run, tmp_path):
+    """vLLM 0.33's config, registry, loader and DFlash model on the export (tests/train/vllm_dflash_worker.py says
+    what of it runs here): the block's logits are draftsmith's drafter's on the same context and block, within
+    1e-4 (fp32; vLLM fuses the context's k/v projections of every layer into one matrix), so vLLM drafts the same
+    tokens."""
+    if not (VENV / "vllm" / ".installed").exists():
+        pytest.skip(f"vllm is not installed in {VENV / 'vllm'}: run `make install`")
+    written = export(dflash_run, tmp_path / "out", ExportSettings(formats=["dflash"]))
+    target, _ = load_target(TARGET, device=torch.device("cpu"))
+    head = load_head(dflash_run / "best", target)
+    ids = torch.randint(3, target.config.vocab_size, (1, 14), generator=torch.Generator().manual_seed(0))
+    features = capture(target, ids, torch.ones_like(ids), list(head.config.feature_layers))[0, :-1].flatten(1)
+    m, n = features.shape[0], head.config.block_size - 1
+    block = torch.tensor([int(ids[0, -1])] + [head.config.mask_token_id] * n)
+    with torch.no_grad():
+        context = head.context_kv(head.context(features[None]), torch.arange(m)[None])
+        ours = head.shared.logits(head.blocks(context, block[None], torch.arange(m, m + n + 1)[None], None)[0])
+    inputs = tmp_path / "inputs.safetensors"
+    save_file({"features": features.contiguous(), "block": block}, str(inputs))
+    architecture, theirs = _vllm(written["dflash"], inputs, tmp_path / "vllm.safetensors", "vllm_dflash_worker.py")
+    assert architecture == "DFlashDraftModel"
+    torch.testing.assert_close(theirs["logits"][1:], ours[1:], rtol=1e-4, atol=1e-4)
+    assert theirs["logits"][1:].argmax(-1).tolist() == ours[1:].argmax(-1).tolist()
+    # The check has teeth: the same weights under another RoPE base give other logits.
+    _edit_json(written["dflash"] / "config.json", lambda c: c.__setitem__("rope_theta", 500.0))
+    _, other = _vllm(written["dflash"], inputs, tmp_path / "other.safetensors", "vllm_dflash_worker.py")
+    assert not torch.allclose(other["logits"][1:], ours[1:], rtol=1e-3, atol=1e-3)
