@@ -40,7 +40,7 @@ from drafters.base import Proposal
 from drafters.head_losses import label_cross_entropy, label_stats, soft_cross_entropy, step_stats
 from drafters.heads import FeatureBatch, FeatureDrafter
 from drafters.kv_cache import KVCache, RaggedRows
-from drafters.layers import RMSNorm, Rotary, SharedTarget, norm
+from drafters.layers import RMSNorm, Rotary, SharedTarget, norm, rope
 from drafters.sampling import Sampling, draw
 
 
@@ -77,9 +77,9 @@ class DFlashAttention(nn.Module):
         return x.view(*x.shape[:2], heads, self.head_dim).transpose(1, 2)  # (B, heads, T, hd)
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, d) at positions whose RoPE is cos/sin (B|1, T, hd) -> rotated keys and values (B, kv, T, hd)."""
-        k = norm(self._split(self.k_proj(x), self.kv_heads), self.k_norm)
-        k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+        """x (B, T, d) at positions whose RoPE is cos/sin (`Rotary.decode_rows`) -> rotated keys and values
+        (B, kv, T, hd)."""
+        k = rope(norm(self._split(self.k_proj(x), self.kv_heads), self.k_norm), cos, sin)
         return k, self._split(self.v_proj(x), self.kv_heads)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -88,8 +88,7 @@ class DFlashAttention(nn.Module):
         (every key). `context`: this layer's (keys, values) (B, kv, C, hd), followed by the block's; or, drafting, its
         cache of them, into which the block's go after each row's context (the rows are not advanced: the next
         write overwrites them)."""
-        q = norm(self._split(self.q_proj(x), self.heads), self.q_norm)
-        q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+        q = rope(norm(self._split(self.q_proj(x), self.heads), self.q_norm), cos, sin)
         k, v = self.keys_values(x, cos, sin)
         if isinstance(context, KVCache):
             keys, values = context.append(k, v)
@@ -97,11 +96,6 @@ class DFlashAttention(nn.Module):
             keys, values = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 class DFlashLayer(nn.Module):
@@ -121,9 +115,7 @@ class DFlashLayer(nn.Module):
 
 class DFlash(nn.Module):
     """The drafter. config: drafters.heads.head_config(..., num_layers, block_size, mask_token_id,
-    loss_decay_gamma, max_anchors)."""
-
-    CONFIG_DEFAULTS = {"num_layers": 1, "block_size": 5, "loss_decay_gamma": 4.0, "max_anchors": 256}
+    loss_decay_gamma, max_anchors), their defaults train/config.py `DFlashConfig`'s."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -164,24 +156,21 @@ class DFlash(nn.Module):
         """The target's features (B, T, L*d_target) fused into the context every layer attends to (B, T, d)."""
         return norm(self.fc(features), self.hidden_norm)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, T, hd) of `positions` (B, T)."""
-        return self.rotary.rope(x, positions)
-
-    def blocks(self, context: list, ids: torch.Tensor, positions: torch.Tensor,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        """The layers over block tokens ids (B, q) at `positions` (B, q), layer i attending to `context[i]` (its
-        context's keys and values, or its cache of them: `DFlashAttention.forward`) and the block under `mask`;
-        the final-normed states (B, q, d)."""
+    def blocks(self, context: list, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+               end: int | None = None) -> torch.Tensor:
+        """The layers over block tokens ids (B, q) at `positions` (B, q), all below `end` (None: their largest + 1),
+        layer i attending to `context[i]` (its context's keys and values, or its cache of them:
+        `DFlashAttention.forward`) and the block under `mask`; the final-normed states (B, q, d)."""
         x = self.shared.embed_tokens(ids, self.fc.weight.dtype)
-        cos, sin = self._rope(x, positions)
+        cos, sin = self.rotary.decode_rows(x, positions, int(positions.max()) + 1 if end is None else end)
         for layer, kv in zip(self.layers, context):
             x = layer(x, cos, sin, kv, mask)
         return norm(x, self.norm)
 
-    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's keys and values of the context ctx (B, C, d) at `positions` (B, C)."""
-        cos, sin = self._rope(ctx, positions)
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor,
+                   end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's keys and values of the context ctx (B, C, d) at `positions` (B, C), all below `end`."""
+        cos, sin = self.rotary.decode_rows(ctx, positions, int(positions.max()) + 1 if end is None else end)
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, features, input_ids, attention_mask, loss_mask, target_probs):
@@ -200,7 +189,7 @@ class DFlash(nn.Module):
         A = anchors.shape[1]
         ctx = self.context(features)
         positions = torch.arange(T, device=device).expand(B, T)
-        context = self.context_kv(ctx, positions)
+        context = self.context_kv(ctx, positions, T)
         offsets = torch.arange(Bs, device=device)
         block_pos = (anchors[:, :, None] + offsets).view(B, A * Bs)
         ids = torch.full((B, A, Bs), self.config.mask_token_id, dtype=torch.long, device=device)
@@ -209,7 +198,7 @@ class DFlash(nn.Module):
         sees_context = (torch.arange(T, device=device) < anchors[:, :, None]) & attention_mask.bool()[:, None, :]
         own_block = torch.eye(A, dtype=torch.bool, device=device).repeat_interleave(Bs, 0).repeat_interleave(Bs, 1)
         mask = torch.cat([sees_context.repeat_interleave(Bs, 1), own_block.expand(B, -1, -1)], dim=2)[:, None]
-        out = self.blocks(context, ids.view(B, A * Bs), block_pos, mask).view(B, A, Bs, -1)
+        out = self.blocks(context, ids.view(B, A * Bs), block_pos, mask, T + Bs).view(B, A, Bs, -1)
         labels = not target_probs.is_floating_point()
         loss, stats = 0.0, []
         for j in range(1, Bs):
@@ -284,7 +273,8 @@ class DFlashBatch(FeatureBatch):
         width = self.pending[0].shape[1]
         hidden = torch.stack([torch.cat([p, p.new_zeros(q - p.shape[0], width)]) for p in self.pending])
         ctx = self.head.context(hidden)
-        for cache, (k, v) in zip(self.caches, self.head.context_kv(ctx, self.rows.positions(q))):
+        context = self.head.context_kv(ctx, self.rows.positions(q), self.rows.end(q))
+        for cache, (k, v) in zip(self.caches, context):
             cache.append(k, v)
         self.rows.advance(counts)
         self.pending = [p[:0] for p in self.pending]
@@ -295,10 +285,11 @@ class DFlashBatch(FeatureBatch):
         B, n = len(self.ids), min(k, self.head.steps)
         ids = torch.full((B, n + 1), self.head.config.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, 0] = torch.tensor([row[-1] for row in self.ids], device=self.device)
-        positions = self.rows.positions(n + 1)
+        positions, end = self.rows.positions(n + 1), self.rows.end(n + 1)
         # Each row's block sees its context and its whole block: keys before its own length + n + 1.
-        mask = (torch.arange(self.rows.end(n + 1), device=self.device) < positions[:, -1:] + 1)[:, None, None]
-        logits = self.head.shared.logits(self.head.blocks(self.caches, ids, positions, mask)[:, 1:])  # (B, n, V)
+        mask = (torch.arange(end, device=self.device) < positions[:, -1:] + 1)[:, None, None]
+        out = self.head.blocks(self.caches, ids, positions, mask, end)
+        logits = self.head.shared.logits(out[:, 1:])  # (B, n, V)
         tokens, probs = draw(logits, sampling, generator)
         cut = cut_at_stop(self.stop, logits, tokens, probs)
         proposals = [Proposal(tokens[b, :c], None if probs is None else probs[b, :c]) for b, c in enumerate(cut)]

@@ -22,16 +22,9 @@ INPUTS (safetensors): `features` (m, L*d), the target's states at the feature la
 
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_worker import _share_vllm_dir  # noqa: E402
-
-
-def main(vllm_dir: str, target_dir: str, export_dir: str, inputs: str, out: str) -> None:
-    with tempfile.TemporaryDirectory() as scratch:
-        _share_vllm_dir(vllm_dir, scratch)
-        _run(target_dir, export_dir, inputs, out)
+from vllm_worker import main, vllm_models  # noqa: E402
 
 
 def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
@@ -39,43 +32,18 @@ def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
     import torch.nn.functional as F
     from safetensors.torch import load_file, save_file
 
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    vllm.platforms.current_platform = CpuPlatform()
-    torch.accelerator.empty_cache = lambda: None
-    from vllm import _custom_ops as ops
-    from vllm.config import (CompilationConfig, DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig,
-                             VllmConfig, set_current_vllm_config)
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.model_loader import get_model
-    from vllm.v1.spec_decode.dflash import DFlashProposer
-
     def rms_norm(out_, x, weight, eps):  # the compiled kernel's definition; a 2-d weight: one row per layer (dim 0)
         w = weight if weight.dim() == 1 else weight.view(weight.shape[0], *[1] * (x.dim() - 2), weight.shape[1])
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         out_.copy_((normed * w.float()).to(out_.dtype))
 
     def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, *rest):
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
         q, k = RotaryEmbedding.forward_static(positions, query, key, head_size, head_size, cos_sin_cache, is_neox)
         query.copy_(q.view_as(query))
         if key is not None:
             key.copy_(k.view_as(key))
-
-    ops.rms_norm, ops.rotary_embedding = rms_norm, rotary_embedding
-
-    model_config = ModelConfig(model=target_dir, dtype="float32", max_model_len=256, enforce_eager=True,
-                               skip_tokenizer_init=True)
-    parallel = ParallelConfig()
-    x = load_file(inputs)
-    features, block = x["features"], x["block"]
-    spec = SpeculativeConfig(model=export_dir, method="dflash", num_speculative_tokens=len(block) - 1,
-                             target_model_config=model_config, target_parallel_config=parallel)
-    architecture = spec.draft_model_config.hf_config.architectures[0]
-    config = VllmConfig(model_config=model_config, speculative_config=spec, parallel_config=parallel,
-                        device_config=DeviceConfig(device="cpu"),
-                        compilation_config=CompilationConfig(custom_ops=["none"]))
 
     class Context:
         """The cache update precompute calls, holding the layer's context keys and values."""
@@ -103,17 +71,13 @@ def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
             o = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)[0]
             return o.transpose(0, 1).reshape(T, self.heads * self.head_dim)
 
-    with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method="tcp://127.0.0.1:0")
-        initialize_model_parallel(1, 1)
-        target = get_model(vllm_config=config)
-        draft = get_model(vllm_config=config, model_config=spec.draft_model_config)
-        proposer = DFlashProposer.__new__(DFlashProposer)  # only its sharing of the target's weights is used
-        proposer.model, proposer.vllm_config = draft, config
-        proposer.use_local_argmax_reduction = spec.use_local_argmax_reduction
-        proposer._maybe_share_embeddings(target)
-        proposer._maybe_share_lm_head(target)
+    x = load_file(inputs)
+    features, block = x["features"], x["block"]
+    with vllm_models(target_dir, export_dir, "dflash", len(block) - 1,
+                     "vllm.v1.spec_decode.dflash.DFlashProposer") as (architecture, target, draft):
+        from vllm import _custom_ops as ops  # after vllm_models has set the CPU platform
+
+        ops.rms_norm, ops.rotary_embedding = rms_norm, rotary_embedding
         for layer in draft.model.layers:
             context = Context()
             layer.self_attn.attn.impl = context  # what precompute_and_store_context_kv writes through
@@ -130,4 +94,4 @@ def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(*sys.argv[1:], run=_run)

@@ -22,6 +22,7 @@ INPUTS (safetensors): `ids` (T,) and `features` (T, d), the target's final-norme
 `architecture`, printed.
 """
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -37,16 +38,22 @@ def _share_vllm_dir(vllm_dir: str, scratch: str) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [scratch, os.environ.get("PYTHONPATH")]))
 
 
-def main(vllm_dir: str, target_dir: str, export_dir: str, inputs: str, out: str) -> None:
+def main(vllm_dir: str, target_dir: str, export_dir: str, inputs: str, out: str, run=None) -> None:
+    """`run` (this module's `_run` by default) with vLLM importable behind the venv's packages."""
     with tempfile.TemporaryDirectory() as scratch:
         _share_vllm_dir(vllm_dir, scratch)
-        _run(target_dir, export_dir, inputs, out)
+        (run or _run)(target_dir, export_dir, inputs, out)
 
 
-def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
+@contextlib.contextmanager
+def vllm_models(target_dir: str, export_dir: str, method: str, k: int, proposer: str):
+    """vLLM on its CPU platform (custom ops native, no accelerator cache to free), one process group, and the target
+    and the draft built by vLLM's config, registry and loader for `"method": method`; the draft shares the target's
+    embedding and output head as vLLM's `proposer` class does (the export carries neither). Yields (architecture
+    vLLM resolved, target, draft) inside vLLM's current config."""
+    import importlib
+
     import torch
-    import torch.nn.functional as F
-    from safetensors.torch import load_file, save_file
 
     import vllm.platforms
     from vllm.platforms.cpu import CpuPlatform
@@ -58,17 +65,35 @@ def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
                              VllmConfig, set_current_vllm_config)
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model
-    from vllm.v1.spec_decode.eagle import EagleProposer
 
     model_config = ModelConfig(model=target_dir, dtype="float32", max_model_len=256, enforce_eager=True,
                                skip_tokenizer_init=True)
     parallel = ParallelConfig()
-    spec = SpeculativeConfig(model=export_dir, method="eagle", num_speculative_tokens=3,
+    spec = SpeculativeConfig(model=export_dir, method=method, num_speculative_tokens=k,
                              target_model_config=model_config, target_parallel_config=parallel)
-    architecture = spec.draft_model_config.hf_config.architectures[0]
     config = VllmConfig(model_config=model_config, speculative_config=spec, parallel_config=parallel,
                         device_config=DeviceConfig(device="cpu"),
                         compilation_config=CompilationConfig(custom_ops=["none"]))
+    module, name = proposer.rsplit(".", 1)
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method="tcp://127.0.0.1:0")
+        initialize_model_parallel(1, 1)
+        target = get_model(vllm_config=config)
+        draft = get_model(vllm_config=config, model_config=spec.draft_model_config)
+        cls = getattr(importlib.import_module(module), name)
+        sharing = cls.__new__(cls)  # only its sharing of the target's weights is used
+        sharing.model, sharing.vllm_config = draft, config
+        sharing.use_local_argmax_reduction = spec.use_local_argmax_reduction
+        sharing._maybe_share_embeddings(target)
+        sharing._maybe_share_lm_head(target)
+        yield spec.draft_model_config.hf_config.architectures[0], target, draft
+
+
+def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
+    import torch
+    import torch.nn.functional as F
+    from safetensors.torch import load_file, save_file
 
     class CausalSDPA(torch.nn.Module):
         """The attention kernel on vLLM's q, k, v (one sequence, all positions)."""
@@ -84,17 +109,8 @@ def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0]
             return o.transpose(0, 1).reshape(T, self.heads * self.head_dim)
 
-    with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method="tcp://127.0.0.1:0")
-        initialize_model_parallel(1, 1)
-        target = get_model(vllm_config=config)
-        draft = get_model(vllm_config=config, model_config=spec.draft_model_config)
-        proposer = EagleProposer.__new__(EagleProposer)  # only its sharing of the target's weights is used
-        proposer.model, proposer.vllm_config = draft, config
-        proposer.use_local_argmax_reduction = spec.use_local_argmax_reduction
-        proposer._maybe_share_embeddings(target)
-        proposer._maybe_share_lm_head(target)
+    with vllm_models(target_dir, export_dir, "eagle", 3, "vllm.v1.spec_decode.eagle.EagleProposer") as (
+            architecture, target, draft):
         for layer in draft.model.layers:
             layer.self_attn.attn = CausalSDPA(layer.self_attn.attn)
         x = load_file(inputs)
