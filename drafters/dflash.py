@@ -38,7 +38,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from drafters.base import Proposal
 from drafters.head_losses import label_cross_entropy, label_stats, soft_cross_entropy, step_stats
-from drafters.heads import FeatureBatch, FeatureDrafter
+from drafters.heads import FeatureBatch, FeatureDrafter, cut_at_stop
 from drafters.kv_cache import KVCache, RaggedRows
 from drafters.layers import RMSNorm, Rotary, SharedTarget, norm, rope
 from drafters.sampling import Sampling, draw
@@ -241,15 +241,6 @@ class DFlash(nn.Module):
 
     def batch_drafter(self, name: str = "dflash", stop_below: float = 0.0, stop_rule: str = "propose") -> "DFlashBatch":
         return DFlashBatch(self, name, stop_below, stop_rule)
-
-
-def cut_at_stop(stop, logits: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor | None) -> list[int]:
-    """How many of each row's guesses (B, n) to propose under a confidence stop: through the first unsure one, or
-    up to it when the stop drops it; all of them without a stop."""
-    if not stop:
-        return [tokens.shape[1]] * tokens.shape[0]
-    unsure = stop.rows_unsure(logits, probs, tokens)
-    return [next((i + (not stop.drops) for i, u in enumerate(row) if u), len(row)) for row in unsure]
 
 
 class DFlashBatch(FeatureBatch):

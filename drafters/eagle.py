@@ -405,9 +405,11 @@ def _pick(logits, sampling, generator, target_ids, vocab_size):
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
 
 
-def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None) -> Eagle3:
+def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None, cls: type = Eagle3,
+                       kind: str = "eagle", settings: dict | None = None) -> Eagle3:
     """An EAGLE-3 head from an engine-format export (SGLang's LlamaForCausalLMEagle3 or speculators'
-    Eagle3Speculator, as eval/engine_formats.py writes them), attached to `target`.
+    Eagle3Speculator, as eval/engine_formats.py writes them), attached to `target`. `cls`, `kind` and `settings`:
+    a head built on EAGLE-3's (P-EAGLE, drafters/peagle.py), its kind and its own settings.
 
     An export carries the output head the head drafts through as its `lm_head`: the target's rows of the draft
     vocabulary (the head then shares the target's, as draftsmith heads do by default), or an output head of its
@@ -441,11 +443,11 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
     own = not torch.equal(lm_head, shared.to(lm_head.dtype))
     if not own:
         state.pop("lm_head.weight")
-    config = head_config(target.config, "eagle", list(layers), intermediate_size=layer["intermediate_size"],
+    config = head_config(target.config, kind, list(layers), intermediate_size=layer["intermediate_size"],
                          draft_vocab_size=draft_vocab if draft_vocab < target.config.vocab_size else None,
                          ttt_steps=1, ttt_decay=1.0, own_lm_head=own,
-                         **{flag: bool(raw.get(flag, False)) for flag in NORM_FLAGS})
-    head = Eagle3(config)
+                         **{flag: bool(raw.get(flag, False)) for flag in NORM_FLAGS}, **(settings or {}))
+    head = cls(config)
     embed = state.pop("embed_tokens.weight", None)  # speculators stores the target's; SGLang's format has none
     if embed is not None and not torch.equal(embed, target.get_input_embeddings().weight.detach().to(embed)):
         raise ValueError(f"{path}: embed_tokens is not the target's embedding; draftsmith drafts with the target's")

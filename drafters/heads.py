@@ -31,6 +31,7 @@ from drafters.tree import Tree, entry_mask
 # config.json architectures of EAGLE-3 and EAGLE-1 checkpoints in the engines' formats, which load_head reads too.
 ENGINE_EAGLE3 = ("LlamaForCausalLMEagle3", "Eagle3Speculator")
 ENGINE_EAGLE1 = ("EagleLlamaForCausalLM",)
+ENGINE_PEAGLE = ("PEagleSpeculator",)  # speculators' P-EAGLE (drafters/peagle.py)
 
 
 def features_of(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
@@ -87,6 +88,15 @@ def geometry(target_config, intermediate_size: int | None = None) -> dict:
         hidden_act="silu",
         max_position_embeddings=first("max_position_embeddings", default=2048),
     )
+
+
+def cut_at_stop(stop, logits: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor | None) -> list[int]:
+    """How many of each row's guesses (B, n) to propose under a confidence stop: through the first unsure one, or
+    up to it when the stop drops it; all of them without a stop."""
+    if not stop:
+        return [tokens.shape[1]] * tokens.shape[0]
+    unsure = stop.rows_unsure(logits, probs, tokens)
+    return [next((i + (not stop.drops) for i, u in enumerate(row) if u), len(row)) for row in unsure]
 
 
 class FeatureDrafter:

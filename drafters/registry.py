@@ -1,11 +1,11 @@
 """The head kinds, and building, saving and loading a head of any of them: the registry above the kinds
-(drafters/eagle.py, eagle1.py, mtp.py, medusa.py, dflash.py), which import what they share from drafters/heads.py and
+(drafters/eagle.py, eagle1.py, mtp.py, medusa.py, dflash.py, peagle.py), which import what they share from drafters/heads.py and
 never this module.
 
 Saved heads are a directory: `config.json` (a Llama config of the head's one layer, plus `draftsmith_kind`,
 `feature_layers`, `target_hidden_size`, `draft_vocab_size` and the kind's own settings) and
 `model.safetensors` (the head's own weights only: the target's embedding and output head are shared at load
-time, never stored). `load_head` also reads the EAGLE-3 and EAGLE-1 exports the engines load.
+time, never stored). `load_head` also reads the EAGLE-3, P-EAGLE and EAGLE-1 exports the engines load.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 from transformers import LlamaConfig
 
-from drafters import dflash, eagle, eagle1, medusa, mtp
-from drafters.heads import ENGINE_EAGLE1, ENGINE_EAGLE3, check_layers, head_config
+from drafters import dflash, eagle, eagle1, medusa, mtp, peagle
+from drafters.heads import ENGINE_EAGLE1, ENGINE_EAGLE3, ENGINE_PEAGLE, check_layers, head_config
 
 # Each kind's head class (its module's HEAD): what `draftsmith_kind` in a saved head's config.json names.
 KINDS: dict[str, type[nn.Module]] = {"eagle": eagle.HEAD, "eagle1": eagle1.HEAD, "mtp": mtp.HEAD, "medusa": medusa.HEAD,
-                                     "dflash": dflash.HEAD}
+                                     "dflash": dflash.HEAD, "peagle": peagle.HEAD}
 
 
 def head_class(kind: str) -> type[nn.Module]:
@@ -59,6 +59,8 @@ def load_head(path: str | Path, target, dtype: torch.dtype | None = None) -> nn.
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a saved head: no config.json")
     raw = json.loads((path / "config.json").read_text())
+    if set(raw.get("architectures") or []) & set(ENGINE_PEAGLE):  # before EAGLE-3's: it is one, plus mask_hidden
+        return peagle.load_engine_peagle(path, raw, target, dtype)
     if set(raw.get("architectures") or []) & set(ENGINE_EAGLE3):  # an EAGLE-3 export (eval/engine_formats.py)
         return eagle.load_engine_eagle3(path, raw, target, dtype)
     if set(raw.get("architectures") or []) & set(ENGINE_EAGLE1):

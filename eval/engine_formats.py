@@ -13,7 +13,10 @@ eval engine=llamacpp` (eval/engine.py) serves a trained EAGLE-3 head in llama.cp
   Face's `output_hidden_states`, which is draftsmith's), with an explicit `norm_before_residual`, so
   vLLM's native `Eagle3LlamaForCausalLM` and llama.cpp's converter read the same directory.
 - `speculators` (EAGLE-3): the speculators library's `Eagle3Speculator` format, which `vllm serve <dir>`
-  detects: `layers.0.*` weights, the target's `embed_tokens`, and a `speculators_config` naming the verifier.
+  detects: `layers.0.*` weights, the target's `embed_tokens`, and a `speculators_config` naming the verifier. A
+  P-EAGLE head (drafters/peagle.py) is written as its `PEagleSpeculator` (`speculators_model_type: "peagle"`, the
+  `mask_token_id`, `mask_hidden` (1, 1, L*d) in the weights), which vLLM serves as `eagle3` with
+  `parallel_drafting`.
 - `vllm` (EAGLE-1): vLLM's `EagleLlamaForCausalLM` (`"method": "eagle"`, the EAGLE authors' layout):
   `fc` (2d -> d, embedding first), `layers.0.*` without an input norm, no embedding or output head (vLLM
   shares the target's), a Llama config of the one layer with the target's vocabulary and RoPE. Neither
@@ -210,16 +213,27 @@ def _rope(head_config: dict) -> dict:
 
 
 def eagle3_tensors(head_dir: Path, target, *, best: dict | None, force: bool = False,
-                   dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+                   dtype: torch.dtype | None = None, k: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """The head's weights for an engine, guarded, and its config.json: the head's own weights plus
     `lm_head`: its own output head where it trained one (`drafter.own_lm_head`), else the target's output-head
     rows of the draft vocabulary (the head drafts through exactly those rows, so the engine's separate lm_head
-    computes the same logits)."""
+    computes the same logits). A P-EAGLE head's `mask_hidden` too, and its depths checked against k, the draft
+    length the export records."""
     head_config = json.loads((head_dir / "config.json").read_text())
     state = load_file(str(head_dir / "model.safetensors"))
     target_ids = check_eagle3(state, head_config, target.config, eos_token_id=target.config.eos_token_id,
                               best=best, force=force, where=str(head_dir))
     tensors = {name: state[name] for name in EAGLE3_OWN}
+    if head_config.get("draftsmith_kind") == "peagle":  # P-EAGLE's stand-in for the features at depth >= 1
+        fused = len(head_config["feature_layers"]) * head_config["target_hidden_size"]
+        if tuple(state.get("mask_hidden", torch.empty(0)).shape) != (1, 1, fused):
+            raise ExportRefused(f"{head_dir}: mask_hidden is missing or not (1, 1, {fused}); vLLM refuses a P-EAGLE "
+                                "head without it (and speculators would fill it at random)")
+        if k is not None and k > head_config["num_depths"]:
+            raise ExportRefused(f"{head_dir}: num_speculative_tokens={k} is more than the {head_config['num_depths']} "
+                                "depths the P-EAGLE head was trained on: an engine would draft the rest from depths "
+                                "it never learned")
+        tensors["mask_hidden"] = state["mask_hidden"]
     if "input_norm.weight" in state:  # EAGLE-3.1's norm over the fused features (norm_before_fc)
         tensors["input_norm.weight"] = state["input_norm.weight"]
     if "lm_head.weight" in state:  # its own, trained with the rest
@@ -278,9 +292,12 @@ def speculators_config(head_config: dict, target_config, verifier: str, dtype: s
         "bos_token_id", "eos_token_id", "pad_token_id")}
     transformer.update({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
                         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False})
+    peagle = head_config.get("draftsmith_kind") == "peagle"
+    if peagle:  # vLLM's Llama EAGLE-3 sizes mask_hidden by this, else by 3 (llama_eagle3.py)
+        transformer["num_aux_hidden_states"] = len(layer["eagle_aux_hidden_state_layer_ids"])
     return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "architectures": ["PEagleSpeculator" if peagle else "Eagle3Speculator"],
+        "speculators_model_type": "peagle" if peagle else "eagle3",
         "speculators_version": "0.9.0",
         "torch_dtype": dtype,
         # Explicit: absent, transformers' default ties lm_head to the embedding it loads from the verifier.
@@ -293,11 +310,15 @@ def speculators_config(head_config: dict, target_config, verifier: str, dtype: s
         "fc_norm": False,
         "eagle_aux_hidden_state_layer_ids": layer["eagle_aux_hidden_state_layer_ids"],
         "transformer_layer_config": transformer,
+        # P-EAGLE: the token its mask entries carry (vLLM's pard_token); speculators records the depths trained as
+        # the draft length, which a serving command's num_speculative_tokens may lower.
+        **({"mask_token_id": head_config["mask_token_id"]} if peagle else {}),
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": "peagle" if peagle else "eagle3",
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
-                                  "accept_tolerance": 0.0}],
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": head_config["num_depths"] if peagle else k,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": verifier, "architectures": list(target_config.architectures or [])},
         },
     }

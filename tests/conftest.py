@@ -106,6 +106,16 @@ def dflash_run(tiny_world, shared_dir):
 
 
 @pytest.fixture(scope="session")
+def peagle_run(tiny_world, shared_dir):
+    """A P-EAGLE head on tiny_deep trained for greedy serving on 4 depths, with a reduced draft vocabulary and
+    EAGLE-3.1's input norms (speculators' P-EAGLE defaults): what the `speculators` export ships."""
+    return trained(shared_dir, "peagle", "drafter=peagle", "trainer.max_steps=60", "trainer.eval_every=30",
+                   "trainer.checkpoint_every=30", "trainer.lr=5e-3", "drafter.label_temperature=0",
+                   "trainer.select_by=top1", "drafter.draft_vocab_size=120", "drafter.num_depths=4",
+                   "drafter.norm_before_fc=true", "drafter.norm_before_residual=true")
+
+
+@pytest.fixture(scope="session")
 def draft_run(tiny_world, shared_dir):
     """A draft LM distilled by SFT from tiny_deep's off-the-shelf draft on the target's answers."""
     return trained(shared_dir, "draft_lm", "drafter=draft_lm", "drafter.loss=sft", "trainer.max_steps=60",

@@ -129,13 +129,11 @@ class HeadConfig(DrafterConfig):
 
 
 @dataclass
-class EagleConfig(HeadConfig):
-    """`drafter=eagle`: EAGLE-3, fused low/middle/high target features, one decoder layer, training-time test
-    (drafters/eagle.py). Layers default to [2, n//2, n-3] (vLLM's convention)."""
+class Eagle3Layout(HeadConfig):
+    """What an EAGLE-3 head's layer has, whichever way it drafts (`drafter=eagle` and `drafter=peagle`): fused
+    low/middle/high target features, one decoder layer, a draft vocabulary. Layers default to [2, n//2, n-3] (vLLM's
+    convention)."""
 
-    kind: str = "eagle"
-    ttt_steps: int = 4  # the head unrolled on its own outputs for this many draft steps: as deep as it drafts (k=4)
-    ttt_decay: float = 0.8  # loss weight of step s: ttt_decay ** s
     # true: an output head of its own over the draft vocabulary, started from the target's rows and trained with the
     # rest (EAGLE-3's reference recipe); false: draft through the target's output head, frozen
     own_lm_head: bool = False
@@ -157,6 +155,30 @@ class EagleConfig(HeadConfig):
     norm_before_fc: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+
+
+@dataclass
+class EagleConfig(Eagle3Layout):
+    """`drafter=eagle`: EAGLE-3, drafting on its own outputs, trained by training-time test (drafters/eagle.py)."""
+
+    kind: str = "eagle"
+    ttt_steps: int = 4  # the head unrolled on its own outputs for this many draft steps: as deep as it drafts (k=4)
+    ttt_decay: float = 0.8  # loss weight of step s: ttt_decay ** s
+
+
+@dataclass
+class PEagleConfig(Eagle3Layout):
+    """`drafter=peagle`: P-EAGLE, EAGLE-3's layer drafting k guesses in one forward from mask entries, trained on
+    every depth at once (drafters/peagle.py). Its defaults are speculators' P-EAGLE recipe."""
+
+    kind: str = "peagle"
+    num_depths: int = 8  # depths trained, and the most guesses one forward drafts (k up to this)
+    # the token the mask entries carry (its row of the target's embedding); null: the tokenizer's mask token, else
+    # the first embedding row no token uses, else pad, end-of-sequence, unknown (as for DFlash)
+    mask_token_id: Optional[int] = None
+    cod_ratio: float = 0.7  # conditional drop: depth d keeps max(cod_ratio ** d, cod_min_ratio) of the anchors
+    cod_min_ratio: float = 0.2
+    max_anchors: int = 512  # anchors per sequence the deeper depths are drawn from (all of them stay at depth 0)
 
 
 @dataclass
@@ -205,12 +227,14 @@ class DFlashConfig(HeadConfig):
 
 
 KINDS: dict[str, type[DrafterConfig]] = {"draft_lm": DraftLMConfig, "eagle": EagleConfig, "eagle1": Eagle1Config,
-                                         "mtp": MtpConfig, "medusa": MedusaConfig, "dflash": DFlashConfig}
+                                         "mtp": MtpConfig, "medusa": MedusaConfig, "dflash": DFlashConfig,
+                                         "peagle": PEagleConfig}
 
 
 # The module whose run(cfg) trains each kind (train/__main__.py dispatches on it).
 RECIPES: dict[str, str] = {"draft_lm": "train.distill", "eagle": "train.eagle3", "eagle1": "train.heads",
-                           "mtp": "train.heads", "medusa": "train.heads", "dflash": "train.dflash"}
+                           "mtp": "train.heads", "medusa": "train.heads", "dflash": "train.dflash",
+                           "peagle": "train.peagle"}
 
 
 def drafter_keys(kind: str) -> list[str]:

@@ -84,8 +84,13 @@ class Eagle3Recipe(HeadRecipe):
         return self.layers + [self.target.config.num_hidden_layers]
 
     def _head_settings(self) -> dict:
-        """The head's settings, its draft vocabulary sized from the run's settings (and the traffic's counts
-        where `drafter.draft_vocab_coverage` sizes it, kept for `_prepare_head`)."""
+        d = self.cfg.drafter
+        return {**self._layout_settings(), "ttt_steps": d.ttt_steps, "ttt_decay": d.ttt_decay}
+
+    def _layout_settings(self) -> dict:
+        """The layer's settings every EAGLE-3 head has (train/config.py `Eagle3Layout`), its draft vocabulary sized
+        from the run's settings (and the traffic's counts where `drafter.draft_vocab_coverage` sizes it, kept for
+        `_prepare_head`)."""
         d, target = self.cfg.drafter, self.target
         size = draft_vocab_size(d, target.config.vocab_size)
         self.counts = None
@@ -95,7 +100,7 @@ class Eagle3Recipe(HeadRecipe):
             log.info("draft vocabulary sized by coverage %s of the training tokens: %d of %d",
                      d.draft_vocab_coverage, size, target.config.vocab_size)
             size = None if size == target.config.vocab_size else size
-        return {"ttt_steps": d.ttt_steps, "ttt_decay": d.ttt_decay, "draft_vocab_size": size,
+        return {"draft_vocab_size": size,
                 "intermediate_size": d.intermediate_size, "own_lm_head": d.own_lm_head,
                 "norm_before_fc": d.norm_before_fc, "norm_before_residual": d.norm_before_residual,
                 "norm_output": d.norm_output}

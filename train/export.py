@@ -49,7 +49,7 @@ FORMATS = ("hf", "sglang", "speculators", "vllm", "dflash", "gguf")
 # The formats each drafter kind can be written in. MTP and Medusa heads have none: asking for one is an
 # error, never a directory an engine would misread (NO_FORMAT says why).
 KIND_FORMATS = {"draft_lm": ("hf", "gguf"), "eagle": ("sglang", "speculators", "gguf"), "eagle1": ("vllm",),
-                "dflash": ("dflash", "gguf"), "mtp": (), "medusa": ()}
+                "dflash": ("dflash", "gguf"), "peagle": ("speculators",), "mtp": (), "medusa": ()}
 NO_FORMAT = {
     "mtp": "the engines' MTP formats are one module of the target's own architecture that the engine chains "
            "k times (speculators' `mtp`, vLLM's per-family MTP models), not draftsmith's k separate modules",
@@ -64,7 +64,7 @@ class TrainedRun:
     """What export needs from a `python -m train` run directory."""
 
     path: Path
-    kind: str  # draft_lm | eagle | eagle1 | mtp | medusa | dflash
+    kind: str  # draft_lm | eagle | eagle1 | mtp | medusa | dflash | peagle
     target: str  # the target's hub id, directory or toyworld:// name
     config: dict  # the run's composed config (train_config.yaml)
 
@@ -153,7 +153,8 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
         if "dflash" not in formats:
             shutil.rmtree(exported)
         return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
-    tensors, head_config = eagle3_tensors(run.best, target, best=best, force=settings.force, dtype=dtype)
+    tensors, head_config = eagle3_tensors(run.best, target, best=best, force=settings.force, dtype=dtype,
+                                          k=settings.num_speculative_tokens if run.kind == "peagle" else None)
     if "gguf" in formats and (why := llama_cpp_cannot_serve(head_config)):  # before anything is written
         raise ExportRefused(f"{run.best}: {why}")
     dtype_name = str(dtype).removeprefix("torch.")
@@ -163,6 +164,9 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
     write_sglang = sglang_writer(tensors, head_config, target.config, target_dir, dtype_name)
     write_speculators = speculators_writer(tensors, head_config, target, verifier, target_dir, dtype_name,
                                            settings.num_speculative_tokens)
+    if run.kind == "peagle":  # speculators' format alone: the one vLLM reads P-EAGLE from
+        written["speculators"] = write_dir(out / "speculators", write_speculators)
+        return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
     sglang = write_dir(out / "sglang", write_sglang)
     if "sglang" in formats:
         written["sglang"] = sglang

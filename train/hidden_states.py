@@ -33,7 +33,7 @@ from train.shards import ExampleShards, write_example_shards
 def default_layers(kind: str, num_layers: int) -> list[int]:
     """The feature layers a head reads by default (indices in the convention of the module docstring).
 
-    eagle1, medusa, mtp: the last hidden state [n]. eagle3 (alias eagle): a low, a middle and a high layer,
+    eagle1, medusa, mtp: the last hidden state [n]. eagle3 (alias eagle) and peagle: a low, a middle and a high layer,
     [2, n//2, n-3] as EAGLE-3 and vLLM choose; on targets too shallow for three distinct layers there,
     [1, n//2, n-1], and on 2- or 3-layer test targets [0, n//2, n]. dflash: up to five layers evenly spaced from
     2 to n-2 (decoder layers 1 .. n-3, SpecForge's choice; on targets under 6 layers 1 to n-1),
@@ -41,7 +41,7 @@ def default_layers(kind: str, num_layers: int) -> list[int]:
     """
     if kind in ("eagle1", "medusa", "mtp"):
         return [num_layers]
-    if kind in ("eagle3", "eagle"):
+    if kind in ("eagle3", "eagle", "peagle"):
         layers = [2, num_layers // 2, num_layers - 3]
         if len(set(layers)) < 3 or min(layers) < 1:
             layers = [1, num_layers // 2, num_layers - 1]
@@ -57,7 +57,7 @@ def default_layers(kind: str, num_layers: int) -> list[int]:
         low, high = (2, num_layers - 2) if num_layers >= 6 else (1, num_layers - 1)  # shallow (test) targets: all
         count = min(5, high - low + 1)
         return sorted({round(low + i * (high - low) / max(count - 1, 1)) for i in range(count)})
-    raise ValueError(f"unknown head kind {kind!r}; known: eagle1, eagle3, mtp, medusa, dflash")
+    raise ValueError(f"unknown head kind {kind!r}; known: eagle1, eagle3, peagle, mtp, medusa, dflash")
 
 
 @torch.no_grad()

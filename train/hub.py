@@ -22,13 +22,17 @@ from pathlib import Path
 from drafters.tree import TreeShape
 from eval.costs import sglang_settings
 
-ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf", "eagle1": "vllm", "dflash": "dflash"}
+ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf", "eagle1": "vllm", "dflash": "dflash", "peagle": "speculators"}
 # Per kind: vLLM's speculative method, SGLang's algorithm, the GGUF file, llama-server's spec type (None:
 # the engine does not serve this kind from draftsmith's export).
 SERVING = {"eagle": ("eagle3", "EAGLE3", "eagle3.gguf", "draft-eagle3"),
            "draft_lm": ("draft_model", "STANDALONE", "draft.gguf", "draft-simple"),
            "eagle1": ("eagle", None, None, None),
-           "dflash": ("dflash", None, "dflash.gguf", "draft-dflash")}
+           "dflash": ("dflash", None, "dflash.gguf", "draft-dflash"),
+           "peagle": ("eagle3", None, None, None)}
+# vLLM's speculative-config keys beyond the method: P-EAGLE is its eagle3 drafting in one forward, which a local
+# target must ask for (vLLM turns `peagle` into it only for a verifier it fetches from the Hub).
+VLLM_EXTRA = {"peagle": ', "parallel_drafting": true'}
 
 
 @dataclass
@@ -112,8 +116,8 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     report = json.loads(report_file.read_text()) if report_file.exists() else None
     d, t, r = cfg["drafter"], cfg["trainer"], cfg["regenerate"]
     tags = ["speculative-decoding", "draftsmith",
-            {"eagle": "eagle3", "eagle1": "eagle", "draft_lm": "draft-model", "dflash": "dflash"}[kind]]
-    library = {"eagle": "sglang", "eagle1": "vllm", "draft_lm": "transformers", "dflash": "vllm"}[kind]
+            {"eagle": "eagle3", "eagle1": "eagle", "draft_lm": "draft-model", "dflash": "dflash", "peagle": "p-eagle"}[kind]]
+    library = {"eagle": "sglang", "eagle1": "vllm", "draft_lm": "transformers", "dflash": "vllm", "peagle": "vllm"}[kind]
     meta = ["---", f"base_model: {target}", f"library_name: {library}", "tags:", *(f"- {tag}" for tag in tags)]
     if license:
         meta.append(f"license: {license}")
@@ -129,7 +133,11 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
             "dflash": f"A DFlash drafter for `{target}`: {d.get('num_layers')} decoder layer(s) reading the target's "
                       f"hidden states at layers {layers} (inputs of those layers) that draft a block of "
                       f"{d.get('block_size', 1) - 1} tokens in one forward, through the target's embedding and "
-                      "output head."}[kind]
+                      "output head.",
+            "peagle": f"A P-EAGLE draft head for `{target}`: EAGLE-3's decoder layer reading the target's hidden states "
+                      f"at layers {layers} (inputs of those layers), drafting up to {d.get('num_depths')} tokens in one "
+                      "forward from mask entries (the mask token and a learned `mask_hidden`), through the target's "
+                      "output head restricted to its draft vocabulary."}[kind]
     out = [*meta, "", f"# {repo_id}", "", what, "", "Trained and measured with draftsmith on the team's own traffic.", ""]
 
     trained = (report or {}).get("settings", {}).get("trained_on")
@@ -153,6 +161,10 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
         if best.get("vocabulary_coverage"):
             out_cov = ", ".join(f"{c} {v:.3f}" for c, v in sorted(best["vocabulary_coverage"].items()))
             recipe.append(["draft vocabulary: held-out assistant tokens covered", out_cov])
+    elif kind == "peagle":
+        recipe += [["label temperature", d["label_temperature"]], ["depths trained (k up to)", d["num_depths"]],
+                   ["conditional drop: depth d keeps", f"max({d['cod_ratio']}^d, {d['cod_min_ratio']}) of the anchors"],
+                   ["output head", "its own, trained" if d.get("own_lm_head") else "the target's, frozen"]]
     elif kind == "eagle1":
         recipe += [["token loss weight (beside the feature regression)", d["token_loss_weight"]]]
     elif kind == "dflash":
@@ -183,7 +195,8 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     vllm, sglang, gguf, spec_type = SERVING[kind]
     out += ["", "## Serving", "", "```bash",
             f"vllm serve {target} --speculative-config "
-            f"'{{\"method\": \"{vllm}\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}}}'"]
+            f"'{{\"method\": \"{vllm}\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}"
+            f"{VLLM_EXTRA.get(kind, '')}}}'"]
     if sglang:
         out.append(f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} "
                    f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "

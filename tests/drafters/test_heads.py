@@ -1,4 +1,4 @@
-"""Feature-reading heads (EAGLE-3, EAGLE-1, MTP, Medusa, DFlash): losses, masks, lossless drafting, and that
+"""Feature-reading heads (EAGLE-3, EAGLE-1, MTP, Medusa, DFlash, P-EAGLE): losses, masks, lossless drafting, and that
 drafting in the loop is the computation the head was trained on."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ SETTINGS = {
     "mtp": dict(depth=4, module_decay=0.8),
     "medusa": dict(num_heads=4, num_layers=1, head_decay=0.8),
     "dflash": dict(num_layers=2, block_size=5, loss_decay_gamma=4.0, max_anchors=8),  # mask: the last id
+    "peagle": dict(num_depths=4, cod_ratio=0.7, cod_min_ratio=0.2, max_anchors=512),  # mask: the last id
 }
 KINDS = sorted(SETTINGS)
 
@@ -41,7 +42,7 @@ def target():
 def make_head(kind, target, seed=0, **overrides):
     torch.manual_seed(seed)
     layers = default_layers(kind, target.config.num_hidden_layers)
-    if kind == "dflash":  # the target's last token id carries the masked positions
+    if kind in ("dflash", "peagle"):  # the target's last token id carries the masked positions
         overrides = {"mask_token_id": target.config.vocab_size - 1, **overrides}
     head = build_head(kind, target, layers, **{**SETTINGS[kind], **overrides})
     with torch.no_grad():  # random heads are near-uniform; sharpen them so ties and near-ties are rare
@@ -74,10 +75,12 @@ def test_one_step_lowers_the_loss(target, kind):
     args = batch(target, head.config.feature_layers)
     opt = torch.optim.SGD([p for p in head.parameters() if p.requires_grad], lr=0.05)
     frozen = [p.clone() for p in target.parameters()]
+    torch.manual_seed(1)  # the same draw both times where training samples (DFlash's anchors, P-EAGLE's depths)
     before, stats = head(*args)
     assert torch.isfinite(before) and all(s["count"] > 0 for s in stats)
     before.backward()
     opt.step()
+    torch.manual_seed(1)
     after, _ = head(*args)
     assert after < before
     # The target's embedding and output head are shared with the head, not trained through it.
@@ -92,7 +95,7 @@ def test_loss_ignores_padding_and_non_assistant_tokens(target, kind):
     # Step s predicts token (position + s + 2 for EAGLE, + s + 1 for the others): the count is the
     # number of assistant tokens it can reach. DFlash's block position s + 1 after an anchor that is itself an
     # answer token (the first answer token's block, at 6, guesses 7 first) reaches one fewer.
-    shift = {"dflash": 7}.get(kind, 2 if kind.startswith("eagle") else 1)
+    shift = {"dflash": 7, "peagle": 2}.get(kind, 2 if kind.startswith("eagle") else 1)
     for s, st in enumerate(stats):
         assert int(st["count"]) == int(loss_mask[:, shift + s:].sum()), (kind, s)
     # Changing what sits in the padding must not change the loss.
@@ -166,6 +169,63 @@ def test_eagle_loss_reads_the_output_head_only_at_assistant_tokens_and_labels_eq
     torch.testing.assert_close(sparse_loss, want_loss)
     for got, want in zip(sparse_stats, want_stats, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def _peagle_reads(head, loss_mask, attn):
+    """Where P-EAGLE's loss reads: entry j's depth-0 token j + 2 (drafters/peagle.py `forward`)."""
+    B, T = loss_mask.shape
+    pad = lambda t: torch.cat([t, t.new_zeros((B, head.depths + 1))], dim=1)  # noqa: E731
+    return pad(loss_mask)[:, 2: 1 + T + head.depths].bool() & pad(attn)[:, 2: 1 + T + head.depths].bool()
+
+
+def test_peagle_trains_each_drawn_entry_as_the_held_out_evaluation_computes_it(target):
+    """Training's one forward over the drawn entries under the depth-aware mask gives every entry the state the
+    evaluation's depth-by-depth computation (and so drafting) gives it: with nothing dropped, row for row."""
+    head = make_head("peagle", target, cod_ratio=1.0, cod_min_ratio=1.0)
+    feats, ids, attn, loss_mask, _ = batch(target, head.config.feature_layers)
+    E = ids.shape[1] - 1
+    with torch.no_grad():
+        anchors, depth, used, drawn = head._sampled(feats, ids, attn, _peagle_reads(head, loss_mask, attn))
+        _, _, _, every = head._every_anchor(feats, ids, attn)
+    checked = 0
+    for b, j in used.nonzero().tolist():
+        a, d = int(anchors[b, j]), int(depth[b, j])
+        if attn[b, min(a + d + 1, ids.shape[1] - 1)]:  # past a padded row's end nothing is read
+            torch.testing.assert_close(drawn[b, j], every[b, d * E + a], rtol=1e-5, atol=1e-5)
+            checked += int(d > 0)
+    assert checked > 50  # deeper entries among them
+
+
+def test_peagle_conditional_drop_keeps_whole_chains_of_the_recipes_sizes(target):
+    """Depth d keeps int((n - d) * max(0.7^d, 0.2)) of the n anchors the loss reads (speculators' sizes), each
+    drawn among depth d-1's, every one of them reading its own depth-d token; depth 0 keeps every entry."""
+    head = make_head("peagle", target, num_depths=6, max_anchors=512).train()
+    E = 80
+    reads = torch.zeros(E + head.depths, dtype=torch.bool)
+    reads[10:70] = True
+    reads[40:44] = False  # a gap: chains running into it end there
+    torch.manual_seed(0)
+    anchors, depths = head._draw(reads, E)
+    assert anchors[depths == 0].tolist() == list(range(E))
+    n, previous = int(reads[:E].sum()), set(reads[:E].nonzero()[:, 0].tolist())
+    for d in range(1, head.depths):
+        kept = anchors[depths == d].tolist()
+        assert len(kept) == min(len([a for a in previous if reads[a + d]]), int((n - d) * max(0.7 ** d, 0.2)))
+        assert set(kept) <= previous and all(reads[a + d] for a in kept)
+        previous = set(kept)
+
+
+def test_peagle_depth_zero_is_eagle3s_first_step(target):
+    """Depth 0 is EAGLE-3's first draft step on the same weights: the engines' EAGLE-3 code reads the layer."""
+    peagle = make_head("peagle", target)
+    eagle = make_head("eagle", target)
+    state = {k: v for k, v in peagle.state_dict().items() if k != "mask_hidden"}
+    eagle.load_state_dict(state)
+    feats, ids, attn, _, _ = batch(target, peagle.config.feature_layers)
+    with torch.no_grad():
+        _, _, _, states = peagle._every_anchor(feats, ids, attn)
+        first = next(eagle.unroll_states(feats, ids, attn))
+    torch.testing.assert_close(states[:, : ids.shape[1] - 1], first)
 
 
 # --- in the loop -------------------------------------------------------------------------------------
@@ -418,7 +478,7 @@ def test_sampled_trees_with_a_planted_wrong_residual_are_caught(small_target, mo
     assert chi2_pvalue(counts, exact) < 1e-6
 
 
-@pytest.mark.parametrize("kind", ["mtp", "medusa", "dflash"])
+@pytest.mark.parametrize("kind", ["mtp", "medusa", "dflash", "peagle"])
 def test_a_drafter_without_trees_is_a_clear_error(target, prompts, kind):
     with pytest.raises(ValueError, match="drafts chains only: a tree \\(d3t2n5\\)"):
         speculative_generate(target, make_head(kind, target).drafter(kind), prompts[2], k=0,
@@ -513,6 +573,11 @@ def _reference_guesses(head, kind, ids, feats, guesses):
             return [int(s[0, m - 1].argmax()) for s in head.unroll(padded[:, : seq.shape[1]], seq, attn)[:n]]
         if kind == "medusa":
             return head.logits(feats[m - 1], n=n).argmax(-1).tolist()
+        if kind == "peagle":  # the held-out evaluation's computation: every anchor at every depth, anchor m-1
+            E = seq.shape[1] - 1
+            _, _, _, states = head._every_anchor(padded[:, : seq.shape[1]], seq, attn)
+            drafts = head.draft_logits(states[0, [d * E + m - 1 for d in range(n)]]).argmax(-1)
+            return (head.target_ids()[drafts] if head.reduced else drafts).tolist()
         if kind == "dflash":  # the block [last, mask x n] over the whole context at once, no cache
             context = head.context_kv(head.context(feats[None]), torch.arange(m)[None])
             block = torch.tensor([[ids[-1]] + [head.config.mask_token_id] * n])

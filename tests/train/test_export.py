@@ -12,10 +12,12 @@ from safetensors.torch import load_file, save_file
 
 import eval.__main__ as eval_entry
 from drafters.registry import load_head
+from drafters.sampling import Sampling
 from helpers import train_tiny_deep
 from eval import config as eval_config
 from eval.engine_formats import EAGLE3_OWN, ExportRefused, target_directory
 from eval.run import load_target
+from eval.speculative import speculative_generate
 from train import config as train_config
 from train.export import ExportSettings, export, formats_for
 from train.hidden_states import capture
@@ -494,3 +496,80 @@ def test_vllm_loads_the_dflash_export_and_computes_the_drafters_block(dflash_run
     _edit_json(written["dflash"] / "config.json", lambda c: c.__setitem__("rope_theta", 500.0))
     _, other = _vllm(written["dflash"], inputs, tmp_path / "other.safetensors", "vllm_dflash_worker.py")
     assert not torch.allclose(other["logits"][1:], ours[1:], rtol=1e-3, atol=1e-3)
+
+
+def _peagle_inputs(head, target, k):
+    """The target's features for a prompt and draftsmith's k parallel drafting slots' logits there (the last real
+    entry and k - 1 mask entries, one forward), over the full vocabulary (-inf outside the draft vocabulary, as
+    vLLM scatters them)."""
+    from drafters.kv_cache import KVCache
+
+    ids = torch.randint(3, target.config.vocab_size, (14,), generator=torch.Generator().manual_seed(0))
+    features = capture(target, ids[None], torch.ones_like(ids[None]), list(head.config.feature_layers))[0].flatten(1)
+    T = len(ids)
+    with torch.no_grad():
+        hidden = torch.cat([head.fuse(features[:-1]), head.mask_state().expand(k - 1, -1)])[None]
+        tokens = torch.cat([ids[1:], torch.full((k - 1,), head.config.mask_token_id)])
+        out = head.step(hidden, tokens, 0, KVCache())[0, T - 2:]
+        draft = head.draft_logits(out)
+    ours = torch.full((k, target.config.vocab_size), float("-inf"))
+    ours[:, head.target_ids()] = draft
+    return ids, features, ours
+
+
+def test_a_peagle_head_exports_in_the_speculators_layout_and_loads_back(peagle_run, tmp_path):
+    """speculators' PEagleSpeculator: its model type and algorithm `peagle`, the mask token, the depths trained as the
+    draft length, `mask_hidden` beside EAGLE-3's weights, the aux-state count vLLM's Llama reads; a draft length past
+    the depths is refused; `python -m eval` reads the export back as the head it is and drafts the same tokens."""
+    written = export(peagle_run, tmp_path / "out", ExportSettings(formats=["auto"], num_speculative_tokens=4))
+    assert set(written) == {"speculators"}
+    head_config = json.loads((peagle_run / "best" / "config.json").read_text())
+    config = json.loads((written["speculators"] / "config.json").read_text())
+    assert config["architectures"] == ["PEagleSpeculator"] and config["speculators_model_type"] == "peagle"
+    assert config["speculators_config"]["algorithm"] == "peagle"
+    assert config["mask_token_id"] == head_config["mask_token_id"]
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == head_config["num_depths"] == 4
+    assert config["transformer_layer_config"]["num_aux_hidden_states"] == 3
+    assert config["norm_before_fc"] and config["norm_before_residual"] and not config["norm_output"]
+    weights = load_file(str(written["speculators"] / "model.safetensors"))
+    saved = load_file(str(peagle_run / "best" / "model.safetensors"))
+    assert torch.equal(weights["mask_hidden"], saved["mask_hidden"]) and weights["mask_hidden"].shape == (1, 1, 192)
+    with pytest.raises(ExportRefused, match="num_speculative_tokens=5 is more than the 4 depths"):
+        export(peagle_run, tmp_path / "more", ExportSettings(num_speculative_tokens=5))
+    with pytest.raises(ValueError, match="cannot be written as"):
+        formats_for("peagle", ["sglang"])
+    target, _ = load_target(TARGET, device=torch.device("cpu"))
+    ours, theirs = load_head(peagle_run / "best", target), load_head(written["speculators"], target)
+    assert type(theirs).__name__ == "PEagle" and theirs.config.mask_token_id == ours.config.mask_token_id
+    prompt = torch.tensor([1, 40, 7, 99, 3, 12, 5])
+    runs = [speculative_generate(target, head.drafter("p"), prompt, k=4, sampling=Sampling(), max_new_tokens=24)
+            for head in (ours, theirs)]
+    assert [r.proposed for r in runs[0].rounds] == [r.proposed for r in runs[1].rounds]
+    assert runs[0].tokens == runs[1].tokens and [r.accepted for r in runs[0].rounds] == [r.accepted for r in runs[1].rounds]
+
+
+def test_vllm_serves_the_peagle_export_as_parallel_eagle3_and_drafts_what_draftsmith_drafts(peagle_run, tmp_path):
+    """vLLM 0.33's config, registry, loader and Llama EAGLE-3 model with parallel drafting on the export
+    (tests/train/vllm_peagle_worker.py says what of it runs here): the mask token reaches the proposer as
+    `pard_token`, `mask_hidden` loads as trained, and the k drafting slots' logits are draftsmith's within 1e-4, so
+    vLLM drafts the same k tokens in its one forward."""
+    if not (VENV / "vllm" / ".installed").exists():
+        pytest.skip(f"vllm is not installed in {VENV / 'vllm'}: run `make install`")
+    written = export(peagle_run, tmp_path / "out", ExportSettings(formats=["speculators"], num_speculative_tokens=4))
+    target, _ = load_target(TARGET, device=torch.device("cpu"))
+    head = load_head(peagle_run / "best", target)
+    k = 4
+    ids, features, ours = _peagle_inputs(head, target, k)
+    inputs = tmp_path / "inputs.safetensors"
+    save_file({"ids": ids, "features": features.contiguous(), "k": torch.tensor([k])}, str(inputs))
+    architecture, theirs = _vllm(written["speculators"], inputs, tmp_path / "vllm.safetensors", "vllm_peagle_worker.py")
+    assert architecture == "PeagleLlamaForCausalLM"
+    assert int(theirs["pard_token"][0]) == head.config.mask_token_id
+    torch.testing.assert_close(theirs["mask_hidden"].view(-1), head.mask_hidden.detach().view(-1))
+    kept = head.target_ids()
+    torch.testing.assert_close(theirs["logits"][:, kept], ours[:, kept], rtol=1e-4, atol=1e-4)
+    assert theirs["logits"].argmax(-1).tolist() == ours.argmax(-1).tolist()
+    # The check has teeth: the same weights with the other residual convention give other logits.
+    _edit_json(written["speculators"] / "config.json", lambda c: c.__setitem__("norm_before_residual", False))
+    _, other = _vllm(written["speculators"], inputs, tmp_path / "other.safetensors", "vllm_peagle_worker.py")
+    assert not torch.allclose(other["logits"][:, kept], ours[:, kept], rtol=1e-3, atol=1e-3)

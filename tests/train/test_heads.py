@@ -19,10 +19,10 @@ from train.heads import greedy_rounds
 from train.hidden_states import capture, default_layers
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-KINDS = ["eagle", "eagle1", "mtp", "medusa", "dflash"]
+KINDS = ["eagle", "eagle1", "mtp", "medusa", "dflash", "peagle"]
 # Medusa's residual blocks start at zero (the head = the target's own output head) and the tiny
 # target's features say little about tokens further ahead: it needs a larger step to move in 12.
-LR = {"eagle": 5e-3, "eagle1": 5e-3, "mtp": 5e-3, "medusa": 3e-2, "dflash": 5e-3}
+LR = {"eagle": 5e-3, "eagle1": 5e-3, "mtp": 5e-3, "medusa": 3e-2, "dflash": 5e-3, "peagle": 5e-3}
 
 
 def make_cfg(*overrides):
@@ -433,7 +433,8 @@ def _self_trained_head(kind, target, settings):
 @pytest.mark.parametrize("kind, settings", [
     ("eagle", dict(ttt_steps=4, ttt_decay=0.8)), ("eagle1", dict(token_loss_weight=0.1)),
     ("mtp", dict(depth=3, module_decay=0.8)), ("medusa", dict(num_heads=4, num_layers=1, head_decay=0.8)),
-    ("dflash", dict(num_layers=2, block_size=5, mask_token_id=63, loss_decay_gamma=4.0, max_anchors=64))])
+    ("dflash", dict(num_layers=2, block_size=5, mask_token_id=63, loss_decay_gamma=4.0, max_anchors=64)),
+    ("peagle", dict(num_depths=4, mask_token_id=63, cod_ratio=0.7, cod_min_ratio=0.2, max_anchors=512))])
 def test_the_greedy_replay_keeps_what_the_loop_keeps(kind, settings):
     # The held-out τ the recipe selects by replays greedy drafting on teacher-forced answers: on the
     # target's own greedy answer it must give the loop's rounds and tokens exactly.

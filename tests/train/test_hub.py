@@ -139,6 +139,20 @@ def test_a_dflash_card_serves_it_with_vllm_and_llama_cpp(dflash_run, hub, tmp_pa
     assert config["architectures"] == ["DFlashDraftModel"] and (written["hub"] / "gguf" / "dflash.gguf").exists()
 
 
+def test_a_peagle_card_serves_it_with_vllms_parallel_drafting(peagle_run, hub, tmp_path):
+    """vLLM serves P-EAGLE as eagle3 with parallel_drafting (a local target must ask for it); SGLang and llama.cpp
+    have no P-EAGLE, so the card gives neither."""
+    written = export(peagle_run, tmp_path / "out", ExportSettings(num_speculative_tokens=4,
+                                                                  hub=HubSettings(repo_id="acme/peagle", dry_run=True)))
+    card = (written["hub"] / "README.md").read_text()
+    assert "- p-eagle\n" in card and "library_name: vllm" in card and "A P-EAGLE draft head" in card
+    assert ('"method": "eagle3", "model": "acme/peagle", "num_speculative_tokens": 4, "parallel_drafting": true'
+            in card)
+    assert "| depths trained (k up to) | 4 |" in card
+    assert "sglang" not in card and "llama-server" not in card
+    assert json.loads((written["hub"] / "config.json").read_text())["speculators_model_type"] == "peagle"
+
+
 def test_the_card_gives_sglang_the_tree_the_evaluation_favours(evaluated_run, hub, tmp_path):
     """A final evaluation whose fastest shape over all traffic was a tree (here written into the report): the card
     adds SGLang's command with that tree's settings, and says on what ground it was chosen."""

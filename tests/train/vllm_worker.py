@@ -46,11 +46,12 @@ def main(vllm_dir: str, target_dir: str, export_dir: str, inputs: str, out: str,
 
 
 @contextlib.contextmanager
-def vllm_models(target_dir: str, export_dir: str, method: str, k: int, proposer: str):
+def vllm_models(target_dir: str, export_dir: str, method: str, k: int, proposer: str, **speculative):
     """vLLM on its CPU platform (custom ops native, no accelerator cache to free), one process group, and the target
     and the draft built by vLLM's config, registry and loader for `"method": method`; the draft shares the target's
-    embedding and output head as vLLM's `proposer` class does (the export carries neither). Yields (architecture
-    vLLM resolved, target, draft) inside vLLM's current config."""
+    embedding and output head as vLLM's `proposer` class does (the export carries neither); `speculative`: more
+    `SpeculativeConfig` settings (`parallel_drafting`). Yields (architecture vLLM resolved, target, draft) inside
+    vLLM's current config."""
     import importlib
 
     import torch
@@ -70,7 +71,7 @@ def vllm_models(target_dir: str, export_dir: str, method: str, k: int, proposer:
                                skip_tokenizer_init=True)
     parallel = ParallelConfig()
     spec = SpeculativeConfig(model=export_dir, method=method, num_speculative_tokens=k,
-                             target_model_config=model_config, target_parallel_config=parallel)
+                             target_model_config=model_config, target_parallel_config=parallel, **speculative)
     config = VllmConfig(model_config=model_config, speculative_config=spec, parallel_config=parallel,
                         device_config=DeviceConfig(device="cpu"),
                         compilation_config=CompilationConfig(custom_ops=["none"]))

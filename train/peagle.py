@@ -1,0 +1,55 @@
+"""Recipe: train a P-EAGLE head (drafters/peagle.py) on the frozen target's features.
+
+    python -m train drafter=peagle                               # on the toy world's company traffic
+    python -m train drafter=peagle drafter.num_depths=4 drafter.draft_vocab_size=1024
+
+EAGLE-3's recipe as it is (train/eagle3.py: the draft vocabulary, an output head of its own, labels read only where
+the loss reads them). What is P-EAGLE's own: the mask token, resolved from the target's tokenizer where
+`drafter.mask_token_id` is not set (as for DFlash), and the depths and conditional drop it trains with.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omegaconf import DictConfig
+
+from drafters.dflash import mask_token_for
+from train.eagle3 import Eagle3Recipe
+from train.recipe import run as run_recipe
+
+log = logging.getLogger(__name__)
+
+
+class PEagleRecipe(Eagle3Recipe):
+    """One training run of a P-EAGLE head."""
+
+    def _validate(self) -> None:
+        super()._validate()
+        d = self.cfg.drafter
+        if d.num_depths < 1:
+            raise ValueError(f"drafter.num_depths must be >= 1 (the guesses one forward drafts), got {d.num_depths}")
+        if not 0 < d.cod_ratio <= 1 or not 0 <= d.cod_min_ratio <= 1:
+            raise ValueError(f"drafter.cod_ratio must be in (0, 1] and drafter.cod_min_ratio in [0, 1], got "
+                             f"{d.cod_ratio} and {d.cod_min_ratio}")
+        if d.max_anchors < 1:
+            raise ValueError(f"drafter.max_anchors must be >= 1, got {d.max_anchors}")
+        if d.norm_output:
+            raise ValueError("drafter.norm_output does not apply to P-EAGLE: it hands no state to a next draft step "
+                             "(one forward drafts every guess), and vLLM does not read it for P-EAGLE")
+
+    def _head_settings(self) -> dict:
+        d = self.cfg.drafter
+        settings = {key: value for key, value in self._layout_settings().items() if key != "norm_output"}
+        mask = d.mask_token_id
+        if mask is None:
+            mask = mask_token_for(self.tokenizer, self.target.config.vocab_size)
+            log.info("P-EAGLE's mask token: id %d (%r)", mask, self.tokenizer.convert_ids_to_tokens(mask)
+                     if mask < len(self.tokenizer) else "an unused embedding row")
+        return {**settings, "mask_token_id": mask, "num_depths": d.num_depths, "cod_ratio": d.cod_ratio,
+                "cod_min_ratio": d.cod_min_ratio, "max_anchors": d.max_anchors}
+
+
+def run(cfg: DictConfig) -> dict:
+    """setup, train, finish, cleanup: what `python -m train drafter=peagle` does."""
+    return run_recipe(cfg, PEagleRecipe)
