@@ -573,3 +573,52 @@ def test_vllm_serves_the_peagle_export_as_parallel_eagle3_and_drafts_what_drafts
     _edit_json(written["speculators"] / "config.json", lambda c: c.__setitem__("norm_before_residual", False))
     _, other = _vllm(written["speculators"], inputs, tmp_path / "other.safetensors", "vllm_peagle_worker.py")
     assert not torch.allclose(other["logits"][:, kept], ours[:, kept], rtol=1e-3, atol=1e-3)
+
+
+def test_speculators_loads_the_peagle_export_and_computes_every_depth_as_draftsmith(peagle_run, tmp_path, speculators,
+                                                                                   monkeypatch):
+    """speculators' own from_pretrained on the P-EAGLE export builds its PEagleDraftModel with the trained
+    `mask_hidden` (its loader would leave a missing one random, silently), and its training forward, with its
+    conditional drop set to keep every anchor at every depth, gives draftsmith's logits for every (anchor, depth):
+    the same mask entries, positions and depth-aware mask (within 1e-4, fp32)."""
+    import speculators.models.peagle.core as peagle_core
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+    from speculators.losses.utils import resolve_loss_config
+
+    written = export(peagle_run, tmp_path / "out", ExportSettings(formats=["speculators"], num_speculative_tokens=4))
+    target, _ = load_target(TARGET, device=torch.device("cpu"))
+    head = load_head(peagle_run / "best", target)
+    ids = torch.randint(3, target.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    features = capture(target, ids, torch.ones_like(ids), list(head.config.feature_layers)).flatten(2)
+    E, D = ids.shape[1] - 1, head.depths
+    with torch.no_grad():
+        _, _, _, states = head._every_anchor(features, ids, torch.ones_like(ids))
+    pairs = [(a, d) for d in range(D) for a in range(E - d)]  # speculators reads each chain's token inside the row
+    anchors, depths = torch.tensor([a for a, _ in pairs]), torch.tensor([d for _, d in pairs])
+    monkeypatch.setattr(peagle_core, "generate_cod_sample_indices", lambda **kwargs: (anchors, depths))
+
+    def speculators_logits(directory):
+        config = SpeculatorModelConfig.from_pretrained(directory)
+        config.transformer_layer_config._attn_implementation = "eager"  # its default, flex attention, wants a GPU
+        model = SpeculatorModel.from_pretrained(directory, config=config).eval()
+        assert type(model).__name__ == "PEagleDraftModel" and model.mask_token_id == head.config.mask_token_id
+        torch.testing.assert_close(model.mask_hidden.detach(), head.mask_hidden.detach())
+        logits = []
+        hook = model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output))
+        with torch.no_grad():  # speculators pairs hidden state t with token t+1: the caller shifts, as for EAGLE-3
+            model(hidden_states=features[:, :-1], input_ids=ids[:, 1:], document_ids=torch.zeros_like(ids[:, 1:]),
+                  loss_mask=torch.ones_like(ids[:, 1:]), num_depths=D,
+                  loss_config=resolve_loss_config("kl_div", "eager"),  # its fused losses want Triton
+                  verifier_last_hidden_states=torch.zeros(1, E, target.config.hidden_size))
+        hook.remove()
+        return logits[0][0].float()
+
+    ours = head.draft_logits(states[0, [d * E + a for a, d in pairs]])
+    theirs = speculators_logits(written["speculators"])
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+    # The check has teeth: another mask token gives other logits at every depth past the first.
+    _edit_json(written["speculators"] / "config.json", lambda c: c.__setitem__("mask_token_id", 5))
+    head.config.mask_token_id = 5  # (so the class check above still holds)
+    other = speculators_logits(written["speculators"])
+    deeper = depths > 0
+    assert not torch.allclose(other[deeper], ours[deeper], rtol=1e-3, atol=1e-3)
