@@ -203,3 +203,36 @@ class BatchDrafter(Protocol):
 
     def join(self, prompts: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         """New rows, started on `prompts` as `start` starts them, after the running rows (continuous batching)."""
+
+
+def cut_at_stop(stop, logits: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor | None) -> list[int]:
+    """How many of each row's guesses (B, n) to propose under a confidence stop: through the first unsure one, or
+    up to it when the stop drops it; all of them without a stop."""
+    if not stop:
+        return [tokens.shape[1]] * tokens.shape[0]
+    unsure = stop.rows_unsure(logits, probs, tokens)
+    return [next((i + (not stop.drops) for i, u in enumerate(row) if u), len(row)) for row in unsure]
+
+
+def draw_chains(reads: torch.Tensor, n_entries: int, depths: int, ratio: float, min_ratio: float, max_anchors: int,
+                keep_all: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's entries (anchors, depths): every entry 0..n_entries-1 at depth 0, then depth d's chains, drawn by
+    conditional drop among depth d-1's anchors a whose token reads[a + d] the loss reads (speculators' and PARD's
+    sizes: int((n - d) * max(ratio ** d, min_ratio)) of the n seeds, at most `max_anchors` of them). `keep_all`:
+    every chain (a held-out evaluation)."""
+    device = reads.device
+    seeds = reads[:n_entries].nonzero()[:, 0]
+    if seeds.numel() > max_anchors and not keep_all:
+        seeds = seeds[torch.randperm(seeds.numel(), device=device)[:max_anchors]].sort().values
+    anchors = [torch.arange(n_entries, device=device)]
+    levels = [torch.zeros(n_entries, dtype=torch.long, device=device)]
+    pool = seeds
+    for d in range(1, depths):
+        pool = pool[reads[pool + d]]
+        size = pool.numel() if keep_all else min(pool.numel(), int((seeds.numel() - d) * max(ratio ** d, min_ratio)))
+        if size <= 0:
+            break
+        pool = pool[torch.randperm(pool.numel(), device=device)[:size]].sort().values
+        anchors.append(pool)
+        levels.append(torch.full_like(pool, d))
+    return torch.cat(anchors), torch.cat(levels)

@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from drafters.base import Proposal
+from drafters.base import Proposal, cut_at_stop
 from drafters.head_losses import label_cross_entropy, label_stats, soft_cross_entropy, step_stats
-from drafters.heads import FeatureBatch, FeatureDrafter, cut_at_stop
+from drafters.heads import FeatureBatch, FeatureDrafter
 from drafters.kv_cache import KVCache, RaggedRows
 from drafters.layers import RMSNorm, Rotary, SharedTarget, norm, rope
 from drafters.sampling import Sampling, draw

@@ -90,15 +90,6 @@ def geometry(target_config, intermediate_size: int | None = None) -> dict:
     )
 
 
-def cut_at_stop(stop, logits: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor | None) -> list[int]:
-    """How many of each row's guesses (B, n) to propose under a confidence stop: through the first unsure one, or
-    up to it when the stop drops it; all of them without a stop."""
-    if not stop:
-        return [tokens.shape[1]] * tokens.shape[0]
-    unsure = stop.rows_unsure(logits, probs, tokens)
-    return [next((i + (not stop.drops) for i, u in enumerate(row) if u), len(row)) for row in unsure]
-
-
 class FeatureDrafter:
     """Drafter state shared by the heads: the committed ids and the features not yet read.
 

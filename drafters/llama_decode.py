@@ -118,8 +118,9 @@ class LeanLlama:
             cache.crop(keep)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: (T,) token ids at positions length..length+T-1. Returns the logits (V,) after the last.
+    def forward(self, ids: torch.Tensor, last: int = 1) -> torch.Tensor:
+        """ids: (T,) token ids at positions length..length+T-1. Returns the logits (V,) after the last, or with
+        `last` > 1 after each of the last `last` ids, (last, V) (a parallel draft: drafters/pard.py).
         Drafting never needs gradients: inference mode, whoever calls (the cache buffers are inference
         tensors)."""
         T, start = ids.shape[0], self.length
@@ -127,7 +128,8 @@ class LeanLlama:
         cos, sin = self.rotary.decode(x, start, T)
         # One query sees every cached key; several see the cache plus their own causal prefix.
         mask = None if T == 1 else causal_mask(T, start, x.device)
-        return self._layers(x, cos, sin, mask, last_only=True)[0, -1]
+        logits = self._layers(x, cos, sin, mask, keep=last)[0]
+        return logits[-1] if last == 1 else logits
 
     @torch.inference_mode()
     def forward_tree(self, ids: torch.Tensor, position: int, mask: torch.Tensor) -> torch.Tensor:
@@ -135,12 +137,12 @@ class LeanLlama:
         seeing the keys `mask` (q, length + q) allows. Returns the logits (q, V) after each."""
         x = F.embedding(ids[None], self.embed)
         cos, sin = self.rotary.decode(x, position, 1)
-        return self._layers(x, cos, sin, mask[None, None], last_only=False)[0]
+        return self._layers(x, cos, sin, mask[None, None], keep=0)[0]
 
-    def _layers(self, x: torch.Tensor, cos, sin, mask, last_only: bool) -> torch.Tensor:
-        """The decoder on x (1, T, d) on top of the cache, then the final norm and head: logits (1, T or 1, V).
-        `last_only`: only the last position's are needed, so the last layer's attention, o_proj and MLP run
-        for that position alone (every position's keys and values are cached)."""
+    def _layers(self, x: torch.Tensor, cos, sin, mask, keep: int) -> torch.Tensor:
+        """The decoder on x (1, T, d) on top of the cache, then the final norm and head: logits (1, T or keep, V).
+        `keep` > 0: only the last `keep` positions' are needed, so the last layer's attention, o_proj and MLP run
+        for those positions alone (every position's keys and values are cached); 0: every position's."""
         T = x.shape[1]
         H, Hkv = self.heads, self.kv_heads
         last = len(self.layers) - 1
@@ -149,8 +151,9 @@ class LeanLlama:
             qk = rope(qkv[:, : H + Hkv], cos, sin)
             keys, values = self.caches[i].append(qk[:, H:], qkv[:, H + Hkv:])
             q = qk[:, :H]
-            if last_only and i == last and T > 1:
-                q, mask, x, T = q[:, :, -1:], None, x[:, -1:], 1
+            if keep and i == last and T > keep:
+                q, x, T = q[:, :, -keep:], x[:, -keep:], keep
+                mask = None if keep == 1 else mask[..., -keep:, :]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.gqa)
             x = x + F.linear(out.transpose(1, 2).reshape(1, T, -1), *o_p)
             gate, up = gate_up(rms_norm(x, ln2, eps2)).chunk(2, dim=-1)
@@ -173,9 +176,11 @@ class LeanLlama:
         return [KVCache(rows) for _ in self.layers]
 
     @torch.inference_mode()
-    def forward_rows(self, sequences: list[list[int]], rows: RaggedRows, caches: list[KVCache]) -> torch.Tensor:
+    def forward_rows(self, sequences: list[list[int]], rows: RaggedRows, caches: list[KVCache],
+                     last: int = 1) -> torch.Tensor:
         """`forward` for a batch (`start_rows`): row b feeds `sequences[b]` at its own next positions.
-        Returns (B, V), the logits after each row's last entry; the rows advance by their entries."""
+        Returns (B, V), the logits after each row's last entry, or with `last` > 1 after each of its last `last`
+        entries, (B, last, V); the rows advance by their entries."""
         device = self.embed.device
         q = max(len(s) for s in sequences)
         counts = [len(s) for s in sequences]
@@ -185,23 +190,24 @@ class LeanLlama:
         end = rows.end(q)
         cos, sin = self.rotary.decode_rows(x, rows.positions(q), end)
         mask = rows.mask(q)  # (B, 1, q, end)
-        last_index = torch.tensor(counts, device=device) - 1
+        # Each row's last `last` real entries: the only outputs read.
+        kept = torch.tensor(counts, device=device)[:, None] - last + torch.arange(last, device=device)
         H, Hkv = self.heads, self.kv_heads
-        last = len(self.layers) - 1
+        final = len(self.layers) - 1
         for i, (ln1, eps1, qkv_p, o_p, ln2, eps2, gate_up, down) in enumerate(self.layers):
             qkv = qkv_p(rms_norm(x, ln1, eps1)).view(B, q, H + 2 * Hkv, self.head_dim).transpose(1, 2)
             qk = rope(qkv[:, : H + Hkv], cos, sin)
             keys, values = caches[i].append(qk[:, H:], qkv[:, H + Hkv:])
             qs, m, T = qk[:, :H], mask, q
-            if i == last:  # each row's last real entry alone (every entry's keys and values are cached)
-                pick = last_index[:, None, None, None]
-                qs = qs.gather(2, pick.expand(B, H, 1, self.head_dim))
-                m = mask.gather(2, pick.expand(B, 1, 1, mask.shape[-1]))
-                x = x.gather(1, last_index[:, None, None].expand(B, 1, x.shape[-1]))
-                T = 1
+            if i == final:  # those entries alone (every entry's keys and values are cached)
+                pick = kept[:, None, :, None]
+                qs = qs.gather(2, pick.expand(B, H, last, self.head_dim))
+                m = mask.gather(2, pick.expand(B, 1, last, mask.shape[-1]))
+                x = x.gather(1, kept[:, :, None].expand(B, last, x.shape[-1]))
+                T = last
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=m, enable_gqa=self.gqa)
             x = x + F.linear(out.transpose(1, 2).reshape(B, T, -1), *o_p)
             gate, up_ = gate_up(rms_norm(x, ln2, eps2)).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up_, *down)
         rows.advance(counts)
-        return F.linear(rms_norm(x[:, -1], self.norm, self.norm_eps), *self.head)
+        return F.linear(rms_norm(x[:, -1] if last == 1 else x, self.norm, self.norm_eps), *self.head)

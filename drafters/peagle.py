@@ -31,10 +31,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from drafters.base import Proposal
+from drafters.base import Proposal, cut_at_stop, draw_chains
 from drafters.eagle import Eagle3, Eagle3Batch, _pick, load_engine_eagle3
 from drafters.head_losses import label_cross_entropy, label_stats, soft_cross_entropy, step_stats
-from drafters.heads import FeatureDrafter, cut_at_stop
+from drafters.heads import FeatureDrafter
 from drafters.layers import causal_mask
 from drafters.sampling import Sampling
 
@@ -121,7 +121,8 @@ class PEagle(Eagle3):
         depth-aware mask: (anchors, depth, used) (B, N) and the layer's outputs (B, N, d)."""
         B, T = input_ids.shape
         E, device = T - 1, input_ids.device
-        picks = [self._draw(reads[b], E) for b in range(B)]
+        c = self.config
+        picks = [draw_chains(reads[b], E, self.depths, c.cod_ratio, c.cod_min_ratio, c.max_anchors) for b in range(B)]
         N = max(len(a) for a, _ in picks)
         anchors = torch.zeros(B, N, dtype=torch.long, device=device)
         depth = torch.zeros_like(anchors)
@@ -143,26 +144,6 @@ class PEagle(Eagle3):
         embeds = self.shared.embed_tokens(tokens, hidden.dtype)
         out, _ = self.midlayer(embeds, hidden, cos, sin, mask[:, None])
         return anchors, depth, used, self._out(out)
-
-    def _draw(self, reads: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row's (anchors, depths): all E entries at depth 0, then depth d's COD draw among depth d-1's kept
-        anchors whose depth-d token the loss reads (speculators' `generate_cod_sample_indices`)."""
-        device = reads.device
-        seeds = reads[:E].nonzero()[:, 0]
-        if seeds.numel() > self.config.max_anchors:
-            seeds = seeds[torch.randperm(seeds.numel(), device=device)[: self.config.max_anchors]].sort().values
-        anchors, depths = [torch.arange(E, device=device)], [torch.zeros(E, dtype=torch.long, device=device)]
-        pool = seeds
-        for d in range(1, self.depths):
-            pool = pool[reads[pool + d]]
-            size = min(pool.numel(), int((seeds.numel() - d) * max(self.config.cod_ratio ** d,
-                                                                   self.config.cod_min_ratio)))
-            if size <= 0:
-                break
-            pool = pool[torch.randperm(pool.numel(), device=device)[:size]].sort().values
-            anchors.append(pool)
-            depths.append(torch.full_like(pool, d))
-        return torch.cat(anchors), torch.cat(depths)
 
     def _every_anchor(self, features, input_ids, attention_mask):
         """Every anchor at every depth (evaluation): depth by depth as EAGLE-3's training-time test runs, the

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from drafters.base import STOP_RULES, ConfidenceStop, candidate_confidence
+from drafters.base import STOP_RULES, ConfidenceStop, candidate_confidence, draw_chains
 from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_coverage, vocabulary_size_for
 from drafters.registry import build_head, load_head, save_head
 from drafters.head_losses import ReadRows
@@ -196,16 +196,16 @@ def test_peagle_trains_each_drawn_entry_as_the_held_out_evaluation_computes_it(t
     assert checked > 50  # deeper entries among them
 
 
-def test_peagle_conditional_drop_keeps_whole_chains_of_the_recipes_sizes(target):
+def test_conditional_drop_keeps_whole_chains_of_the_recipes_sizes(target):
     """Depth d keeps int((n - d) * max(0.7^d, 0.2)) of the n anchors the loss reads (speculators' sizes), each
     drawn among depth d-1's, every one of them reading its own depth-d token; depth 0 keeps every entry."""
-    head = make_head("peagle", target, num_depths=6, max_anchors=512).train()
+    head = make_head("peagle", target, num_depths=6, max_anchors=512)
     E = 80
     reads = torch.zeros(E + head.depths, dtype=torch.bool)
     reads[10:70] = True
     reads[40:44] = False  # a gap: chains running into it end there
     torch.manual_seed(0)
-    anchors, depths = head._draw(reads, E)
+    anchors, depths = draw_chains(reads, E, head.depths, 0.7, 0.2, 512)
     assert anchors[depths == 0].tolist() == list(range(E))
     n, previous = int(reads[:E].sum()), set(reads[:E].nonzero()[:, 0].tolist())
     for d in range(1, head.depths):

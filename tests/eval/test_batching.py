@@ -3,10 +3,13 @@ prompt's plain greedy output at batch 1, and sampled rows follow the target's di
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from drafters.draft_lm import DraftLM
+from drafters.pard import PardLM
 from drafters.kv_cache import RaggedRows
 from drafters.ngram import NgramDrafter
 from drafters.sampling import Sampling
@@ -74,12 +77,28 @@ def test_plain_batched_decoding_equals_batch_1(target, prompts, batch):
     assert [g.tokens for g in out.rows] == [reference(target, p, 20) for p in chosen]
 
 
+def _pard(model, depths=4):
+    """`model` as a PARD draft (drafters/pard.py): its config names a mask token (the last id) and its depths."""
+    model = copy.deepcopy(model)
+    model.config.pard_token, model.config.pard_depths = model.config.vocab_size - 1, depths
+    return model
+
+
+def _single(draft):
+    pard = _pard(draft)
+    return {"draft_lm": lambda: DraftLM(draft), "draft_lm_hf_forward": lambda: DraftLM(draft, lean=False),
+            "pard": lambda: PardLM(pard), "pard_hf_forward": lambda: PardLM(pard, lean=False),
+            "ngram": lambda: NgramDrafter()}
+
+
 def _drafters(draft):
-    return {"draft_lm": lambda: DraftLM(draft).batched(), "draft_lm_hf_forward": lambda: DraftLM(draft, lean=False).batched(),
-            "ngram": lambda: NgramDrafter().batched()}
+    return {name: (lambda make=make: make().batched()) for name, make in _single(draft).items()}
 
 
-@pytest.mark.parametrize("which", ["draft_lm", "draft_lm_hf_forward", "ngram"])
+WHICH = ["draft_lm", "draft_lm_hf_forward", "pard", "pard_hf_forward", "ngram"]
+
+
+@pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("batch", [1, 2, 6])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_rows_equal_their_plain_output_at_batch_1(target, draft, prompts, which, batch, k):
@@ -92,16 +111,18 @@ def test_greedy_rows_equal_their_plain_output_at_batch_1(target, draft, prompts,
         assert len({tuple(r.accepted for r in g.rounds) for g in out.rows}) > 1
 
 
+@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("lean", [True, False])
-def test_each_row_drafts_round_by_round_as_the_draft_lm_alone(target, draft, prompts, lean):
-    """The batch's draft LM (ragged cache, per-row rollback, per-row confidence stop) proposes and keeps,
-    round by round, what it proposes and keeps drafting each prompt alone."""
+def test_each_row_drafts_round_by_round_as_the_draft_lm_alone(target, draft, prompts, lean, parallel):
+    """The batch's draft LM (ragged cache, per-row rollback, per-row confidence stop), and a PARD draft's, proposes
+    and keeps, round by round, what it proposes and keeps drafting each prompt alone."""
     from eval.speculative import speculative_generate
 
+    cls, model = (PardLM, _pard(draft)) if parallel else (DraftLM, draft)
     for stop, rule in ((0.0, "propose"), (0.6, "propose"), (0.6, "drop")):
-        out = speculative_generate_batch(target, DraftLM(draft, lean=lean, stop_below=stop, stop_rule=rule).batched(),
+        out = speculative_generate_batch(target, cls(model, lean=lean, stop_below=stop, stop_rule=rule).batched(),
                                          prompts, k=4, sampling=GREEDY, max_new_tokens=24)
-        alone = [speculative_generate(target, DraftLM(draft, lean=lean, stop_below=stop, stop_rule=rule), p, k=4,
+        alone = [speculative_generate(target, cls(model, lean=lean, stop_below=stop, stop_rule=rule), p, k=4,
                                       sampling=GREEDY, max_new_tokens=24) for p in prompts]
         assert [[(r.proposed, r.accepted) for r in g.rounds] for g in out.rows] == \
             [[(r.proposed, r.accepted) for r in a.rounds] for a in alone]
@@ -124,7 +145,7 @@ def test_rows_that_end_leave_the_batch_and_the_rest_go_on(target, draft, prompts
     assert plain.step_rows[0] == len(prompts) > plain.step_rows[-1] and plain.occupancy < 1
 
 
-@pytest.mark.parametrize("which", ["draft_lm", "draft_lm_hf_forward", "ngram"])
+@pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("slots", [1, 2, 4])
 def test_prompts_join_as_rows_finish_and_each_decodes_as_alone(target, draft, prompts, which, slots):
     """Continuous batching (`slots` rows at once): a prompt joins as a row finishes (an end token makes the
@@ -141,8 +162,7 @@ def test_prompts_join_as_rows_finish_and_each_decodes_as_alone(target, draft, pr
                                      max_new_tokens=30, eos_token_id=eos, slots=slots)
     assert [g.tokens for g in out.rows] == expected
     assert max(r.rows for r in out.rounds) == slots
-    single = {"draft_lm": lambda: DraftLM(draft), "draft_lm_hf_forward": lambda: DraftLM(draft, lean=False),
-              "ngram": lambda: NgramDrafter()}[which]
+    single = _single(draft)[which]
     alone = [speculative_generate(target, single(), p, k=3, sampling=GREEDY, max_new_tokens=30, eos_token_id=eos)
              for p in prompts]
     assert [[(r.proposed, r.accepted) for r in g.rounds] for g in out.rows] == \
@@ -228,11 +248,10 @@ def _pvalues(target, make, slots=None):
 
 
 @pytest.mark.parametrize("slots", [None, 3])
-@pytest.mark.parametrize("which", ["draft_lm", "draft_lm_hf_forward", "ngram"])
+@pytest.mark.parametrize("which", WHICH)
 def test_sampled_rows_follow_the_target_distribution(small_pair, which, slots):
     target, draft = small_pair
-    make = {"draft_lm": lambda: DraftLM(draft).batched(), "draft_lm_hf_forward": lambda: DraftLM(draft, lean=False).batched(),
-            "ngram": lambda: NgramDrafter(max_ngram=1).batched()}[which]
+    make = {**_drafters(draft), "ngram": lambda: NgramDrafter(max_ngram=1).batched()}[which]
     assert min(_pvalues(target, make, slots)) > 1e-3
 
 
