@@ -236,3 +236,17 @@ def draw_chains(reads: torch.Tensor, n_entries: int, depths: int, ratio: float, 
         anchors.append(pool)
         levels.append(torch.full_like(pool, d))
     return torch.cat(anchors), torch.cat(levels)
+
+
+def mask_token_for(tokenizer, vocab_size: int) -> int:
+    """The token a parallel drafter's masked positions carry (DFlash's block, P-EAGLE's and PARD's mask entries), as
+    SpecForge picks DFlash's: the tokenizer's mask token, else the
+    first row of the embedding matrix no token uses (a model's vocabulary is often padded past its tokenizer), else
+    the pad, end-of-sequence or unknown token. Its row of the target's (frozen) embedding is what the engines embed."""
+    candidates = [tokenizer.mask_token_id, len(tokenizer) if len(tokenizer) < vocab_size else None,
+                  tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id]
+    found = next((c for c in candidates if c is not None and 0 <= c < vocab_size), None)
+    if found is None:
+        raise ValueError("a parallel drafter needs a mask token: the tokenizer has none, no unused embedding row, and "
+                         "no pad, end-of-sequence or unknown token; set drafter.mask_token_id")
+    return int(found)

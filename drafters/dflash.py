@@ -44,19 +44,6 @@ from drafters.layers import RMSNorm, Rotary, SharedTarget, norm, rope
 from drafters.sampling import Sampling, draw
 
 
-def mask_token_for(tokenizer, vocab_size: int) -> int:
-    """The token the block's masked positions carry, as SpecForge picks it: the tokenizer's mask token, else the
-    first row of the embedding matrix no token uses (a model's vocabulary is often padded past its tokenizer), else
-    the pad, end-of-sequence or unknown token. Its row of the target's (frozen) embedding is what the engines embed."""
-    candidates = [tokenizer.mask_token_id, len(tokenizer) if len(tokenizer) < vocab_size else None,
-                  tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id]
-    found = next((c for c in candidates if c is not None and 0 <= c < vocab_size), None)
-    if found is None:
-        raise ValueError("DFlash needs a mask token: the tokenizer has none, no unused embedding row, and no pad, "
-                         "end-of-sequence or unknown token; set drafter.mask_token_id")
-    return int(found)
-
-
 class DFlashAttention(nn.Module):
     """Qwen3 attention (per-head RMSNorm on queries and keys, RoPE, grouped-query, no biases) whose keys and values
     are the context's, projected by this layer, followed by the block's."""

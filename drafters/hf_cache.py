@@ -148,6 +148,18 @@ def masks_for(model: PreTrainedModel, allowed: torch.Tensor, query_positions: to
     return _model_masks(model, limited, "tree drafting")
 
 
+def entry_masks(model: PreTrainedModel, allowed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | dict:
+    """A batch's explicit (B, N, N) bool masks over entries at `positions` (B, N) (PARD's training rows,
+    drafters/pard.py) in the form `model` reads, each sliding-window layer type also limited to keys within the
+    window."""
+    def limited(window: int | None) -> torch.Tensor:
+        if window is None:
+            return allowed[:, None]
+        return (allowed & (positions[:, :, None] - positions[:, None, :] < window))[:, None]
+
+    return _model_masks(model, limited, "PARD's training")
+
+
 def _model_masks(model: PreTrainedModel, allowed, what: str) -> torch.Tensor | dict[str, torch.Tensor]:
     """`allowed(window)` (bool, True where a query may attend) in the form `model` reads: bool for SDPA, additive
     for eager attention, one per attention type where its layers differ."""

@@ -21,8 +21,8 @@ entry of every depth alike: deeper depths weigh less only by being fewer. The he
 anchor at every depth (the training-time-test attention of drafters/layers.py, the same mask), so its per-depth
 acceptance and its greedy replay are the loop's.
 
-The mask token is a row of the target's embedding, which the head shares frozen (drafters/dflash.py
-`mask_token_for` picks it as for DFlash); `mask_hidden` (1, 1, L * d_target) is the head's own, trained. Trees: no
+The mask token is a row of the target's embedding, which the head shares frozen (drafters/base.py
+`mask_token_for` picks it, as for DFlash); `mask_hidden` (1, 1, L * d_target) is the head's own, trained. Trees: no
 (a round is one forward over one chain).
 """
 

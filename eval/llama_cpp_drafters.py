@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from drafters.heads import ENGINE_EAGLE3
+from drafters.pard import pard_settings
 from eval import llama_cpp
 from eval.engine_formats import (GGUF_OUTTYPE, dflash_gguf, draft_lm_gguf, eagle3_gguf, llama_cpp_cannot_serve,
                                  target_directory)
@@ -90,6 +91,11 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
     out = work / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.gguf"
     if kind == "draft_lm":
         directory = target_directory(spec["path"])
+        if pard_settings(AutoConfig.from_pretrained(directory)) is not None:
+            return Served(name, note="a PARD draft guesses k tokens in one forward from mask tokens, which llama.cpp "
+                                     "does not do (its draft-simple would run it one token at a time, another "
+                                     "drafter than the one measured); vLLM serves it (draft_model with "
+                                     "parallel_drafting)")
         dtype = draft_dtype(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval())
         return Served(name, draft_lm_gguf(directory, out, dtype, target_name_or_path), SPEC_TYPES["draft_lm"],
                       dtype=dtype, p_min=p_min)
@@ -112,6 +118,9 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
                       dtype=dtype, p_min=p_min)
     else:
         what = config.get("draftsmith_kind") or "/".join(config.get("architectures") or ["unknown"])
+        if what in ("peagle", "PEagleSpeculator"):
+            return Served(name, note="a P-EAGLE head drafts k tokens in one forward from mask entries, which llama.cpp's "
+                                     "EAGLE-3 graph does not do; vLLM serves it (eagle3 with parallel_drafting)")
         return Served(name, note=f"a {what} head has no llama.cpp format (llama.cpp serves draft models, "
                                  "EAGLE-3 heads and DFlash drafters)")
     return Served(name, gguf, SPEC_TYPES["eagle3"], dtype=dtype, p_min=p_min)

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from drafters.base import Drafter
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
+from drafters.pard import PardLM, pard_settings
 from drafters.registry import load_head
 from eval.config import SPECS
 from traffic import models, toyworld
@@ -94,9 +95,12 @@ def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remot
             raise ValueError(f"drafter {name!r} (kind draft_lm) needs a path: a hub id or a directory (a target "
                              "without an off-the-shelf draft leaves target.off_the_shelf_draft null: list the drafters "
                              "to measure instead, e.g. 'drafters=[{name: ngram, kind: ngram}]')")
-        return DraftLM.from_pretrained(models.resolve(spec["path"]), target=target, target_tokenizer=tokenizer,
-                                       name=name, trust_remote_code=trust_remote_code, lean=spec.get("lean", True),
-                                       stop_below=stop_below, stop_rule=stop_rule)
+        path = models.resolve(spec["path"])
+        # A PARD draft (its config names pard_token) drafts its k guesses in one forward; any other drafts in turn.
+        parallel = pard_settings(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)) is not None
+        return (PardLM if parallel else DraftLM).from_pretrained(
+            path, target=target, target_tokenizer=tokenizer, name=name, trust_remote_code=trust_remote_code,
+            lean=spec.get("lean", True), stop_below=stop_below, stop_rule=stop_rule)
     if kind == "head":
         if not spec.get("path"):
             raise ValueError(f"drafter {name!r} (kind head) needs a path: a directory saved by `python -m train`")

@@ -116,6 +116,13 @@ def peagle_run(tiny_world, shared_dir):
 
 
 @pytest.fixture(scope="session")
+def pard_run(tiny_world, shared_dir):
+    """A PARD draft on tiny_deep adapted from its off-the-shelf draft for 4 depths: what the `hf` export ships."""
+    return trained(shared_dir, "pard", "drafter=pard", "trainer.max_steps=40", "trainer.eval_every=20",
+                   "trainer.checkpoint_every=20", "trainer.lr=3e-3", "trainer.select_by=top1", "drafter.num_depths=4")
+
+
+@pytest.fixture(scope="session")
 def draft_run(tiny_world, shared_dir):
     """A draft LM distilled by SFT from tiny_deep's off-the-shelf draft on the target's answers."""
     return trained(shared_dir, "draft_lm", "drafter=draft_lm", "drafter.loss=sft", "trainer.max_steps=60",

@@ -117,6 +117,21 @@ class DraftLMConfig(DrafterConfig):
 
 
 @dataclass
+class PardConfig(DraftLMConfig):
+    """`drafter=pard`: PARD, the draft LM trained to guess k tokens in one forward from k - 1 appended mask tokens
+    (drafters/pard.py, train/pard.py): the draft LM recipe's objectives, on PARD's rows. Its defaults are PARD's."""
+
+    kind: str = "pard"
+    num_depths: int = 8  # depths trained (the bonus token's guess and num_depths - 1 masks): k up to this
+    # the token the masks carry (a row of the draft's embedding, trained with it); null: the tokenizer's mask token,
+    # else the first embedding row no token uses, else pad, end-of-sequence, unknown (as for DFlash)
+    mask_token_id: Optional[int] = None
+    cod_ratio: float = 0.7  # conditional drop: depth d keeps max(cod_ratio ** d, cod_min_ratio) of the anchors
+    cod_min_ratio: float = 0.2
+    max_anchors: int = 512  # anchors per sequence the deeper depths are drawn from (all of them stay at depth 0)
+
+
+@dataclass
 class HeadConfig(DrafterConfig):
     """What every head on the target's hidden states has (train/heads.py). init_from: a saved head of this kind
     and shape (a run's best/) to start from."""
@@ -228,13 +243,13 @@ class DFlashConfig(HeadConfig):
 
 KINDS: dict[str, type[DrafterConfig]] = {"draft_lm": DraftLMConfig, "eagle": EagleConfig, "eagle1": Eagle1Config,
                                          "mtp": MtpConfig, "medusa": MedusaConfig, "dflash": DFlashConfig,
-                                         "peagle": PEagleConfig}
+                                         "peagle": PEagleConfig, "pard": PardConfig}
 
 
 # The module whose run(cfg) trains each kind (train/__main__.py dispatches on it).
 RECIPES: dict[str, str] = {"draft_lm": "train.distill", "eagle": "train.eagle3", "eagle1": "train.heads",
                            "mtp": "train.heads", "medusa": "train.heads", "dflash": "train.dflash",
-                           "peagle": "train.peagle"}
+                           "peagle": "train.peagle", "pard": "train.pard"}
 
 
 def drafter_keys(kind: str) -> list[str]:

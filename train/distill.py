@@ -41,6 +41,8 @@ LOSSES = ("sft", *DIVERGENCES)
 class DraftLMRecipe(Recipe):
     """One training run of a standalone draft LM (see the module docstring)."""
 
+    KIND = "draft_lm"  # the drafter.kind it trains (PARD's recipe, train/pard.py, is this one on its own rows)
+
     def _check_sharding(self, kind) -> None:
         if kind == DistributedType.FSDP and self.cfg.drafter.lora.enabled:
             raise ValueError("drafter.lora with FSDP is not supported: merging LoRA into the weights on save needs "
@@ -78,8 +80,8 @@ class DraftLMRecipe(Recipe):
 
     def _setup_models(self) -> None:
         d = self.cfg.drafter
-        if d.kind != "draft_lm":
-            raise ValueError(f"this recipe trains drafter.kind=draft_lm, got {d.kind!r}")
+        if d.kind != self.KIND:
+            raise ValueError(f"this recipe trains drafter.kind={self.KIND}, got {d.kind!r}")
         # The model training starts from, and the baseline the final evaluation measures it against.
         if d.init_from:
             self.init_path, self.init_name = models.resolve(d.init_from), "off_the_shelf"
@@ -93,12 +95,16 @@ class DraftLMRecipe(Recipe):
                                                      trust_remote_code=self.cfg.target.trust_remote_code)
         check_same_vocabulary(self.tokenizer, None, self.target.get_output_embeddings().weight.shape[0],
                               model.get_output_embeddings().weight.shape[0], d.init_from)
+        self._prepare_model(model)
         if d.lora.enabled:
             from peft import LoraConfig, get_peft_model  # only with drafter.lora.enabled
 
             model = get_peft_model(model, LoraConfig(r=d.lora.r, lora_alpha=d.lora.alpha, lora_dropout=d.lora.dropout,
                                                      target_modules=d.lora.target_modules, task_type="CAUSAL_LM"))
         self.model = model.to(self.device)
+
+    def _prepare_model(self, model) -> None:
+        """A kind's own set-up of the model training starts from, before LoRA wraps it (PARD: its config's mask token)."""
 
     def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
         batch = super()._collate(indices)
@@ -202,7 +208,10 @@ class DraftLMRecipe(Recipe):
         from (the off-the-shelf draft, or the self-draft of `drafter.init_layers`), then `evaluate.drafters`, then
         the best trained one (reloaded from disk)."""
         return [{"name": self.init_name, "kind": "draft_lm", "path": str(self.init_path)}, *self._extra_specs(),
-                {"name": f"trained_{self.cfg.drafter.loss}", "kind": "draft_lm", "path": str(self.out / "best")}]
+                {"name": self._trained_name(), "kind": "draft_lm", "path": str(self.out / "best")}]
+
+    def _trained_name(self) -> str:
+        return f"trained_{self.cfg.drafter.loss}"
 
 
 def run(cfg: DictConfig) -> dict:

@@ -49,7 +49,8 @@ FORMATS = ("hf", "sglang", "speculators", "vllm", "dflash", "gguf")
 # The formats each drafter kind can be written in. MTP and Medusa heads have none: asking for one is an
 # error, never a directory an engine would misread (NO_FORMAT says why).
 KIND_FORMATS = {"draft_lm": ("hf", "gguf"), "eagle": ("sglang", "speculators", "gguf"), "eagle1": ("vllm",),
-                "dflash": ("dflash", "gguf"), "peagle": ("speculators",), "mtp": (), "medusa": ()}
+                "dflash": ("dflash", "gguf"), "peagle": ("speculators",), "pard": ("hf",), "mtp": (),
+                "medusa": ()}
 NO_FORMAT = {
     "mtp": "the engines' MTP formats are one module of the target's own architecture that the engine chains "
            "k times (speculators' `mtp`, vLLM's per-family MTP models), not draftsmith's k separate modules",
@@ -64,7 +65,7 @@ class TrainedRun:
     """What export needs from a `python -m train` run directory."""
 
     path: Path
-    kind: str  # draft_lm | eagle | eagle1 | mtp | medusa | dflash | peagle
+    kind: str  # draft_lm | eagle | eagle1 | mtp | medusa | dflash | peagle | pard
     target: str  # the target's hub id, directory or toyworld:// name
     config: dict  # the run's composed config (train_config.yaml)
 
@@ -117,7 +118,7 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
     target, tokenizer = load_target(run.target, device=torch.device("cpu"))
     target_dir = target_directory(run.target)
     written: dict[str, Path] = {}
-    if run.kind == "draft_lm":
+    if run.kind in ("draft_lm", "pard"):  # PARD's draft is a Hugging Face LM whose config names pard_token
         draft = AutoModelForCausalLM.from_pretrained(run.best, dtype=dtype)
         if draft.config.vocab_size != target.config.vocab_size:
             raise ExportRefused(f"{run.best}: the draft's vocabulary ({draft.config.vocab_size}) is not the "

@@ -22,17 +22,19 @@ from pathlib import Path
 from drafters.tree import TreeShape
 from eval.costs import sglang_settings
 
-ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf", "eagle1": "vllm", "dflash": "dflash", "peagle": "speculators"}
+ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf", "eagle1": "vllm", "dflash": "dflash", "peagle": "speculators",
+               "pard": "hf"}
 # Per kind: vLLM's speculative method, SGLang's algorithm, the GGUF file, llama-server's spec type (None:
 # the engine does not serve this kind from draftsmith's export).
 SERVING = {"eagle": ("eagle3", "EAGLE3", "eagle3.gguf", "draft-eagle3"),
            "draft_lm": ("draft_model", "STANDALONE", "draft.gguf", "draft-simple"),
            "eagle1": ("eagle", None, None, None),
            "dflash": ("dflash", None, "dflash.gguf", "draft-dflash"),
-           "peagle": ("eagle3", None, None, None)}
+           "peagle": ("eagle3", None, None, None),
+           "pard": ("draft_model", None, None, None)}
 # vLLM's speculative-config keys beyond the method: P-EAGLE is its eagle3 drafting in one forward, which a local
 # target must ask for (vLLM turns `peagle` into it only for a verifier it fetches from the Hub).
-VLLM_EXTRA = {"peagle": ', "parallel_drafting": true'}
+VLLM_EXTRA = {"peagle": ', "parallel_drafting": true', "pard": ', "parallel_drafting": true'}
 
 
 @dataclass
@@ -116,8 +118,10 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     report = json.loads(report_file.read_text()) if report_file.exists() else None
     d, t, r = cfg["drafter"], cfg["trainer"], cfg["regenerate"]
     tags = ["speculative-decoding", "draftsmith",
-            {"eagle": "eagle3", "eagle1": "eagle", "draft_lm": "draft-model", "dflash": "dflash", "peagle": "p-eagle"}[kind]]
-    library = {"eagle": "sglang", "eagle1": "vllm", "draft_lm": "transformers", "dflash": "vllm", "peagle": "vllm"}[kind]
+            {"eagle": "eagle3", "eagle1": "eagle", "draft_lm": "draft-model", "dflash": "dflash", "peagle": "p-eagle",
+             "pard": "pard"}[kind]]
+    library = {"eagle": "sglang", "eagle1": "vllm", "draft_lm": "transformers", "dflash": "vllm", "peagle": "vllm",
+               "pard": "transformers"}[kind]
     meta = ["---", f"base_model: {target}", f"library_name: {library}", "tags:", *(f"- {tag}" for tag in tags)]
     if license:
         meta.append(f"license: {license}")
@@ -137,7 +141,9 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
             "peagle": f"A P-EAGLE draft head for `{target}`: EAGLE-3's decoder layer reading the target's hidden states "
                       f"at layers {layers} (inputs of those layers), drafting up to {d.get('num_depths')} tokens in one "
                       "forward from mask entries (the mask token and a learned `mask_hidden`), through the target's "
-                      "output head restricted to its draft vocabulary."}[kind]
+                      "output head restricted to its draft vocabulary.",
+            "pard": f"A PARD draft model for `{target}`, sharing its tokenizer: it guesses up to {d.get('num_depths')} "
+                    "tokens in one forward from appended mask tokens (`pard_token` in its config)."}[kind]
     out = [*meta, "", f"# {repo_id}", "", what, "", "Trained and measured with draftsmith on the team's own traffic.", ""]
 
     trained = (report or {}).get("settings", {}).get("trained_on")
@@ -153,7 +159,7 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     out += ["", "## Recipe", ""]
     recipe = [["steps", t["max_steps"]], ["batch size", t["batch_size"]], ["learning rate", t["lr"]],
               ["checkpoint chosen by", t["select_by"]]]
-    if kind != "draft_lm" and d.get("init_from"):
+    if kind not in ("draft_lm", "pard") and d.get("init_from"):
         recipe.append(["started from the head", d["init_from"]])
     if kind == "eagle":
         recipe += [["label temperature", d["label_temperature"]], ["training-time test steps", d["ttt_steps"]],
@@ -172,6 +178,9 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
                                                                    d["block_size"]],
                    ["loss decay over the block (gamma)", d["loss_decay_gamma"]]]
     else:
+        if kind == "pard":
+            recipe += [["depths trained (k up to)", d["num_depths"]],
+                       ["conditional drop: depth d keeps", f"max({d['cod_ratio']}^d, {d['cod_min_ratio']}) of the anchors"]]
         recipe += [["objective", d["loss"]], ["started from", d["init_from"] or (f"the target's first {d['init_layers']} layers"
                                                        if d.get("init_layers") else cfg["target"]["off_the_shelf_draft"])]]
     out += _table(recipe, ["setting", "value"])

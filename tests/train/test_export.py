@@ -9,14 +9,16 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 import eval.__main__ as eval_entry
+from drafters.pard import PardLM
 from drafters.registry import load_head
 from drafters.sampling import Sampling
 from helpers import train_tiny_deep
 from eval import config as eval_config
 from eval.engine_formats import EAGLE3_OWN, ExportRefused, target_directory
-from eval.run import load_target
+from eval.run import build_drafter, load_target
 from eval.speculative import speculative_generate
 from train import config as train_config
 from train.export import ExportSettings, export, formats_for
@@ -622,3 +624,46 @@ def test_speculators_loads_the_peagle_export_and_computes_every_depth_as_draftsm
     other = speculators_logits(written["speculators"])
     deeper = depths > 0
     assert not torch.allclose(other[deeper], ours[deeper], rtol=1e-3, atol=1e-3)
+
+
+def test_a_pard_draft_exports_as_a_hugging_face_model_naming_its_mask_token(pard_run, tmp_path):
+    """PARD's `hf` export: the draft's own directory and the target's tokenizer, its config naming `pard_token` (and
+    no other mask id vLLM would read first) and the depths; `python -m eval` drafts with it in parallel."""
+    written = export(pard_run, tmp_path / "out", ExportSettings(formats=["auto"]))
+    assert set(written) == {"hf"}
+    config = json.loads((written["hf"] / "config.json").read_text())
+    assert config["pard_token"] == json.loads((pard_run / "best" / "config.json").read_text())["pard_token"]
+    assert config["pard_depths"] == 4 and config.get("mask_token_id") is None
+    with pytest.raises(ValueError, match="cannot be written as"):
+        formats_for("pard", ["gguf"])
+    cfg = compose_cfg("eval", "target=tiny_deep", f"drafters=[{{name: pard, kind: draft_lm, path: {written['hf']}}}]")
+    target, tokenizer = load_target(TARGET, device=torch.device("cpu"))
+    drafter = build_drafter(dict(cfg.drafters[0]), target=target, tokenizer=tokenizer)
+    assert type(drafter).__name__ == "PardLM" and drafter.depths == 4
+
+
+def test_vllm_serves_the_pard_export_as_a_parallel_draft_model_and_drafts_what_draftsmith_drafts(pard_run, tmp_path):
+    """vLLM 0.33's config, vocabulary check, registry, loader and the draft's own model with parallel drafting on the
+    export (tests/train/vllm_pard_worker.py says what of it runs here): its proposer takes `pard_token` as the mask,
+    and the k drafting slots' logits are draftsmith's PARD draft's within 1e-4, so vLLM drafts the same k tokens."""
+    if not (VENV / "vllm" / ".installed").exists():
+        pytest.skip(f"vllm is not installed in {VENV / 'vllm'}: run `make install`")
+    written = export(pard_run, tmp_path / "out", ExportSettings(formats=["hf"]))
+    target, _ = load_target(TARGET, device=torch.device("cpu"))
+    draft = PardLM(AutoModelForCausalLM.from_pretrained(written["hf"]), lean=False)
+    k = 4
+    ids = torch.randint(3, target.config.vocab_size, (12,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        tokens = torch.cat([ids, torch.full((k - 1,), draft.mask_token_id)])
+        ours = draft.model(input_ids=tokens[None]).logits[0, len(ids) - 1:]
+    draft.start(ids)
+    assert draft.propose(k, Sampling()).tokens.tolist() == ours.argmax(-1).tolist()  # the loop drafts exactly these
+    inputs = tmp_path / "inputs.safetensors"
+    save_file({"ids": ids, "k": torch.tensor([k])}, str(inputs))
+    architecture, theirs = _vllm(written["hf"], inputs, tmp_path / "vllm.safetensors", "vllm_pard_worker.py")
+    assert architecture == "LlamaForCausalLM" and int(theirs["mask_token"][0]) == draft.mask_token_id
+    torch.testing.assert_close(theirs["logits"], ours, rtol=1e-4, atol=1e-4)
+    # The check has teeth: vLLM reads a top-level mask_token_id before pard_token; another one drafts otherwise.
+    _edit_json(written["hf"] / "config.json", lambda c: c.__setitem__("mask_token_id", 5))
+    _, other = _vllm(written["hf"], inputs, tmp_path / "other.safetensors", "vllm_pard_worker.py")
+    assert int(other["mask_token"][0]) == 5 and not torch.allclose(other["logits"][1:], ours[1:], rtol=1e-3, atol=1e-3)

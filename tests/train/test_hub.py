@@ -153,6 +153,17 @@ def test_a_peagle_card_serves_it_with_vllms_parallel_drafting(peagle_run, hub, t
     assert json.loads((written["hub"] / "config.json").read_text())["speculators_model_type"] == "peagle"
 
 
+def test_a_pard_card_serves_it_with_vllms_parallel_draft_model(pard_run, hub, tmp_path):
+    written = export(pard_run, tmp_path / "out", ExportSettings(num_speculative_tokens=4,
+                                                                hub=HubSettings(repo_id="acme/pard", dry_run=True)))
+    card = (written["hub"] / "README.md").read_text()
+    assert "- pard\n" in card and "A PARD draft model" in card and "| depths trained (k up to) | 4 |" in card
+    assert ('"method": "draft_model", "model": "acme/pard", "num_speculative_tokens": 4, "parallel_drafting": true'
+            in card)
+    assert "sglang" not in card and "llama-server" not in card
+    assert json.loads((written["hub"] / "config.json").read_text())["pard_token"] is not None
+
+
 def test_the_card_gives_sglang_the_tree_the_evaluation_favours(evaluated_run, hub, tmp_path):
     """A final evaluation whose fastest shape over all traffic was a tree (here written into the report): the card
     adds SGLang's command with that tree's settings, and says on what ground it was chosen."""

@@ -81,7 +81,13 @@ def vllm_models(target_dir: str, export_dir: str, method: str, k: int, proposer:
                                      distributed_init_method="tcp://127.0.0.1:0")
         initialize_model_parallel(1, 1)
         target = get_model(vllm_config=config)
-        draft = get_model(vllm_config=config, model_config=spec.draft_model_config)
+        if method == "draft_model":  # a standalone draft: built from a config of its own, under a prefix of its own,
+            # as vLLM's DraftModelProposer builds it (`_create_draft_vllm_config`, `_get_model`)
+            from vllm.config.utils import replace
+
+            draft = get_model(vllm_config=replace(config, model_config=spec.draft_model_config), prefix="draft_model")
+        else:
+            draft = get_model(vllm_config=config, model_config=spec.draft_model_config)
         cls = getattr(importlib.import_module(module), name)
         sharing = cls.__new__(cls)  # only its sharing of the target's weights is used
         sharing.model, sharing.vllm_config = draft, config
