@@ -236,6 +236,8 @@ class DFlashBatch(FeatureBatch):
     first reads the features committed since the last one, then writes every row's block after its context, drafts,
     and leaves the block's entries to be overwritten."""
 
+    parallel = True  # its k guesses cost one forward (eval/metrics.py `cost_model` charges a round so)
+
     def start(self, prompts, features=None) -> None:
         super().start(prompts, features)
         self.rows = RaggedRows(len(prompts), self.device)
@@ -287,6 +289,8 @@ class DFlashBatch(FeatureBatch):
 
 class DFlashDrafter(FeatureDrafter):
     """DFlash at batch 1: the batch drafter's state for one row."""
+
+    parallel = True  # its k guesses cost one forward (eval/metrics.py `cost_model` charges a round so)
 
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
         self.batch = DFlashBatch(self.head, self.name, self.stop.below, self.stop.rule)

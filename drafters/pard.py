@@ -73,6 +73,8 @@ def parallel_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, lo
 class PardLM(DraftLM):
     """A PARD draft LM at batch 1: k guesses in one forward (module docstring)."""
 
+    parallel = True  # its k guesses cost one forward (eval/metrics.py `cost_model` charges a round so)
+
     def __init__(self, model, name: str = "pard", lean: bool = True, stop_below: float = 0.0,
                  stop_rule: str = "propose") -> None:
         super().__init__(model, name=name, lean=lean, stop_below=stop_below, stop_rule=stop_rule)
@@ -110,6 +112,8 @@ class PardLM(DraftLM):
 class PardBatch(DraftLMBatch):
     """A PARD draft for B rows: one forward a round, each row's unseen committed tokens and its k - 1 masks; the
     rows' caches are cropped back to their committed tokens after it."""
+
+    parallel = True  # its k guesses cost one forward (eval/metrics.py `cost_model` charges a round so)
 
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:

@@ -187,6 +187,8 @@ class PEagleBatch(Eagle3Batch):
     entries and its k - 1 mask entries after them in one call, drafts from the last real entry and the masks, and
     advances past the real entries only."""
 
+    parallel = True  # its k guesses cost one forward (eval/metrics.py `cost_model` charges a round so)
+
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
         head, B = self.head, len(self.ids)
@@ -216,6 +218,8 @@ class PEagleBatch(Eagle3Batch):
 
 class PEagleDrafter(FeatureDrafter):
     """P-EAGLE at batch 1: the batch drafter's state for one row."""
+
+    parallel = True  # its k guesses cost one forward (eval/metrics.py `cost_model` charges a round so)
 
     def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
         self.batch = PEagleBatch(self.head, self.name, self.stop.below, self.stop.rule)

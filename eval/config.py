@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import typing
+from dataclasses import MISSING as MISSING_FACTORY
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -61,7 +62,12 @@ class DrafterSpec:
 
     name: str = MISSING
     kind: str = MISSING
-    engine_c: Optional[float] = None  # c measured for this drafter in your engine (overrides engine_costs.c)
+    # c measured for this drafter in your engine (overrides engine_costs.c): one draft step over one target step; for
+    # a parallel drafter (DFlash, P-EAGLE, PARD) its one forward over a round's block
+    engine_c: Optional[float] = None
+    # a parallel drafter's c at given k ({k: c}, '+drafters.1.engine_cs={8: 0.3}'), where its forward's cost grows
+    # with the block; a k not listed takes engine_c
+    engine_cs: Dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,7 +125,9 @@ def _any_spec() -> type:
     for spec in SPECS.values():
         hints = typing.get_type_hints(spec)
         for f in fields(spec):
-            taken.setdefault(f.name, (f.name, hints[f.name], field(default=f.default)))
+            default = field(default=f.default) if f.default_factory is MISSING_FACTORY else \
+                field(default_factory=f.default_factory)
+            taken.setdefault(f.name, (f.name, hints[f.name], default))
     return make_dataclass("AnyDrafterSpec", list(taken.values()))
 
 

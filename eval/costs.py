@@ -50,8 +50,12 @@ class EngineCosts:
         return self.c is not None or self.beta is not None
 
 
-def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | None], pays_off_at: float) -> None:
-    """Rows gain the speed-up these costs predict from draftsmith's τ, and its verdict, marked predicted."""
+def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | None], pays_off_at: float,
+            drafter_cs: dict[str, dict[int, float]] | None = None) -> None:
+    """Rows gain the speed-up these costs predict from draftsmith's τ, and its verdict, marked predicted.
+    drafter_c: each drafter's own c (`engine_c`); drafter_cs: a parallel drafter's c per k (`engine_cs`), the cost of
+    its one forward over a round's block, which grows with the block as β grows with the verified width."""
+    drafter_cs = drafter_cs or {}
     if costs.beta is None:
         raise ValueError("engine_costs.beta is not set: a prediction needs β, the verification overhead measured "
                          "in your engine (one forward of k+1 positions over one decoding step, minus 1)")
@@ -62,19 +66,25 @@ def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | N
         base = base_drafter(r)
         c = drafter_c.get(base)
         c = costs.c if c is None else c
-        # A chain verifies k+1 positions and drafts its mean proposal; a tree verifies nodes+1 and drafts depth steps.
+        # A chain verifies k+1 positions and drafts its mean proposal; a tree verifies nodes+1 and drafts depth steps;
+        # a parallel drafter (DFlash, P-EAGLE, PARD) drafts one forward a round, whose cost its c is (at this k, its
+        # engine_cs' entry).
         width = tree.nodes + 1 if tree else r["k"] + 1
         beta = costs.beta_at(width)
+        parallel = bool(r.get("parallel"))
+        if parallel:
+            c = drafter_cs.get(base, {}).get(r["k"], c)
+        steps = 1 if parallel else tree.depth if tree else r["mean_proposed"]
         figures = dict.fromkeys(FIELDS)
         figures.update(engine=f"{costs.name} (predicted)", engine_cost_ratio=c, engine_verify_overhead=beta)
         if c is None:
             figures["engine_note"] = f"no c for drafter {base!r}: set engine_costs.c or its engine_c"
         else:
-            predicted = predicted_speedup(r["acceptance_length"], tree.depth if tree else r["mean_proposed"], c, beta)
+            predicted = predicted_speedup(r["acceptance_length"], steps, c, beta)
             figures.update(engine_predicted_speedup=predicted,
                            engine_verdict=("pays off" if predicted >= pays_off_at else "turn it off") + " (predicted)")
         figures.update(ceilings(r["k"], r["acceptance_length"], beta),
-                       engine_tau_to_pay=tau_to_pay(tree.depth if tree else r["mean_proposed"], c, beta, pays_off_at))
+                       engine_tau_to_pay=tau_to_pay(steps, c, beta, pays_off_at))
         r.update(figures)
     _engine_best_shape(rows)
 

@@ -68,7 +68,8 @@ class EnteredCosts(Engine):
                     alone=False) -> dict | None:
         if not self.costs.given:
             return None
-        predict(rows, self.costs, {s["name"]: s.get("engine_c") for s in specs}, plan.pays_off_at)
+        predict(rows, self.costs, {s["name"]: s.get("engine_c") for s in specs}, plan.pays_off_at,
+                {s["name"]: dict(s.get("engine_cs") or {}) for s in specs})
         return {"name": self.costs.name, "predicted": True, "c": self.costs.c, "beta": self.costs.beta,
                 "drafter_c": {s["name"]: s["engine_c"] for s in specs if s.get("engine_c") is not None}}
 

@@ -226,7 +226,8 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
                 timings = {d.name: _timings(spec[d.name, k], keys, plan.repeats) for d in at_k}
                 group = [_row(d.name, k, sampling, category, plain, spec[d.name, k], timings[d.name], plain_t,
                               compare(timings[d.name], plain_t, strata, seed=seed), lengths, batch,
-                              *((d.shape, d.base.name) if isinstance(d, TreeDrafter) else ())) for d in at_k]
+                              *((d.shape, d.base.name) if isinstance(d, TreeDrafter) else ()),
+                              parallel=getattr(d, "parallel", False)) for d in at_k]
                 # Against the first drafter (or, at a tree depth no chain is measured at, the first tree).
                 _compare_drafters(group, timings, strata, baseline=names[0] if names[0] in timings else at_k[0].name,
                                   seed=seed)
@@ -244,7 +245,7 @@ def _timings(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
 
 def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, spec_t: Timings,
          plain_t: Timings, vs_plain: Comparison, lengths: dict[tuple[str, int], int], batch: int = 1,
-         tree: TreeShape | StaticTree | None = None, base: str | None = None) -> dict:
+         tree: TreeShape | StaticTree | None = None, base: str | None = None, parallel: bool = False) -> dict:
     gens = spec.select(category)
     rounds = [r for g in gens for r in g.rounds]
     if not rounds:
@@ -260,7 +261,8 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
     costs = cost_model(rounds, [s for g in plain_gens for s in g.step_s], k, stats.acceptance_length,
                        steps=steps, spec_rounds=spec_rounds,
                        prefill_s=[g.prefill_s * batch for g in plain_gens if g.prefill_s is not None],
-                       spec_prefill_s=[g.prefill_s * batch for g in gens if g.prefill_s is not None])
+                       spec_prefill_s=[g.prefill_s * batch for g in gens if g.prefill_s is not None],
+                       parallel=parallel)
     lossless = None
     if sampling.greedy:
         # Greedy speculative decoding must reproduce plain greedy decoding token for token.
@@ -290,6 +292,9 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         "speedup": vs_plain.ratio,  # pooled sd / ar tokens/s, as eval/compare.py defines
         "speedup_ci": vs_plain.interval,
         "cost_ratio": costs.cost_ratio,
+        # Its k guesses in one drafter forward (DFlash, P-EAGLE, PARD): a round's drafting is that forward.
+        "parallel": parallel,
+        "draft_cost_per_round": costs.draft_round,  # a round's drafting in target steps, as the prediction charges
         "verify_overhead": costs.verify_overhead,
         "round_overhead": costs.round_overhead,  # β as this drafter's rounds verified: what the prediction charges
         "predicted_speedup": costs.predicted_speedup,

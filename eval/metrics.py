@@ -98,6 +98,7 @@ class CostModel:
         speculative rounds (tau, counted per generation rather than per round).
     predicted_speedup: the speed-up these costs predict (`predicted_speedup`), with the batch's acceptance
         length and the prefill where they are known, else with tau in the steady state.
+    draft_round: what a round's drafting costs as the prediction charges it.
     """
 
     cost_ratio: float
@@ -107,11 +108,12 @@ class CostModel:
     spec_prefill: float | None = None
     batch_acceptance_length: float | None = None
     round_overhead: float | None = None
+    draft_round: float | None = None  # a round's drafting, in target steps: mean proposal × c (parallel: n × c)
 
 
 def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, acceptance_length: float, *,
                steps: float | None = None, spec_rounds: float | None = None, prefill_s: Sequence[float] = (),
-               spec_prefill_s: Sequence[float] = ()) -> CostModel:
+               spec_prefill_s: Sequence[float] = (), parallel: bool = False) -> CostModel:
     """Estimate c and beta from the timed rounds and the timed plain-decoding steps of the same prompts.
 
     Medians throughout: a noisy machine adds outliers, not a shift. A drafter's full proposal is n =
@@ -126,29 +128,36 @@ def cost_model(rounds: Sequence[Round], target_step_s: Sequence[float], k: int, 
     speed-up: each generation pays its prefill once and `spec_rounds` full rounds. At B > 1 a generation's
     steps and rounds are shared with the other rows, 1/B of each (eval/batching.py), so the prefill is
     passed as the generation's share times B.
+
+    `parallel`: a drafter whose guesses cost one forward (DFlash, P-EAGLE, PARD). Its round costs that forward
+    whatever it proposes (a confidence stop cuts the proposal, not the forward), so c comes from every round's draft
+    time (c = that median / n, per drafted token like any drafter's) and the prediction charges each round n·c,
+    the forward, not its mean proposal times c.
     """
     if not target_step_s:
         raise ValueError("no timed target steps: cannot express costs in target steps")
     step = statistics.median(target_step_s)
     n = max((r.proposed for r in rounds), default=0) or k
     full = [r for r in rounds if r.proposed == n]
-    c = statistics.median(r.draft_s for r in (full or rounds)) / n / step
+    c = statistics.median(r.draft_s for r in (rounds if parallel else full or rounds)) / n / step
     if not full:
-        return CostModel(c, None, None)
+        return CostModel(c, None, None, draft_round=n * c)
     rest: dict[int, list[float]] = {}  # the rest of each round, by the guesses it verified
     for r in rounds:
         rest.setdefault(r.proposed, []).append(r.verify_s if r.round_s is None else r.round_s - r.draft_s)
     overhead = {m: statistics.median(times) / step - 1 for m, times in rest.items()}
     beta, charged = overhead[n], statistics.fmean(overhead[r.proposed] for r in rounds)
-    mean_proposed = statistics.fmean(r.proposed for r in rounds)
+    charged_steps = n if parallel else statistics.fmean(r.proposed for r in rounds)  # draft steps a round pays
     prefill = statistics.median(prefill_s) / step if prefill_s else None
     spec_prefill = statistics.median(spec_prefill_s) / step if spec_prefill_s else None
     if steps is None or not spec_rounds or prefill is None or spec_prefill is None:
-        return CostModel(c, beta, predicted_speedup(acceptance_length, mean_proposed, c, charged), round_overhead=charged)
+        return CostModel(c, beta, predicted_speedup(acceptance_length, charged_steps, c, charged),
+                         round_overhead=charged, draft_round=charged_steps * c)
     batch_tau = steps / spec_rounds
-    predicted = predicted_speedup(batch_tau, mean_proposed, c, charged, steps=steps, prefill=prefill,
+    predicted = predicted_speedup(batch_tau, charged_steps, c, charged, steps=steps, prefill=prefill,
                                   spec_prefill=spec_prefill)
-    return CostModel(c, beta, predicted, prefill, spec_prefill, batch_tau, round_overhead=charged)
+    return CostModel(c, beta, predicted, prefill, spec_prefill, batch_tau, round_overhead=charged,
+                     draft_round=charged_steps * c)
 
 
 def predicted_speedup(acceptance_length: float, proposed: float, c: float, beta: float, *,

@@ -28,6 +28,7 @@ SUMMARY_COLUMNS = [
     ("zero-acc", "zero_accept_rate"),
     ("full-hit", "full_hit_rate"),
     ("c", "cost_ratio"),
+    ("draft/round", "draft_cost_per_round"),  # a round's drafting in target steps (a parallel drafter: one forward)
     ("β", "verify_overhead"),
     ("pred ×", "predicted_speedup"),
     ("speed-up ×", "speedup"),

@@ -50,6 +50,17 @@ def test_predict_turns_tau_into_a_speedup_with_the_engines_costs():
     assert all(r["engine_speedup"] is None for r in rows)  # nothing was measured
 
 
+def test_predict_charges_a_parallel_drafter_one_forward_at_its_k():
+    """A parallel drafter's c is its one forward over the round's block (`engine_cs` per k, else `engine_c`): a round
+    pays it once, however many guesses it proposed."""
+    rows = [{**row("dflash", 3.0, 3.5, k=4), "parallel": True}, {**row("dflash", 3.4, 7.0, k=8), "parallel": True}]
+    predict(rows, EngineCosts(c=0.5, beta=0.1), {"dflash": 0.2}, 1.05, {"dflash": {8: 0.3}})
+    at4, at8 = rows
+    assert at4["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 0.2 + 0.1))
+    assert at8["engine_predicted_speedup"] == pytest.approx(3.4 / (1 + 0.3 + 0.1)) and at8["engine_cost_ratio"] == 0.3
+    assert at4["engine_tau_to_pay"] == pytest.approx(1.05 * (1 + 0.2 + 0.1))
+
+
 def test_predict_needs_beta_and_says_which_drafter_lacks_c():
     with pytest.raises(ValueError, match="engine_costs.beta"):
         predict([row("head", 3.0, 4.0)], EngineCosts(c=0.1), {}, 1.05)

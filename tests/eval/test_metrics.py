@@ -86,6 +86,18 @@ def test_cost_model_with_a_confidence_stop():
     assert acceptance_stats(stopped, k=4).mean_proposed == pytest.approx(11 / 4)
 
 
+def test_a_parallel_drafter_pays_its_whole_forward_every_round():
+    """A drafter whose k guesses are one forward (DFlash, P-EAGLE, PARD) pays that forward in every round, a short
+    proposal included: c comes from every round's draft time, and the prediction charges n·c a round."""
+    stopped = [Round(4, 3, 0.004, 0.013), Round(1, 0, 0.004, 0.011), Round(4, 4, 0.004, 0.013),
+               Round(2, 1, 0.004, 0.012)]
+    cm = cost_model(stopped, [0.01], k=4, acceptance_length=2.5, parallel=True)
+    assert cm.cost_ratio == pytest.approx(0.1) and cm.draft_round == pytest.approx(0.4)
+    assert cm.predicted_speedup == pytest.approx(2.5 / (1 + 0.4 + 0.225))
+    sequential = cost_model(stopped, [0.01], k=4, acceptance_length=2.5)  # charged 11/4 steps of 0.1
+    assert sequential.draft_round == pytest.approx(11 / 4 * 0.1)
+
+
 def test_cost_model_charges_the_whole_round_and_the_prefill():
     # Draft 4 ms, verify 12 ms, the whole round 18 ms: the 2 ms of rollback and bookkeeping belong to the
     # round, so beta = (18 - 4) / 10 - 1 = 0.4, not the verification's 0.2.
