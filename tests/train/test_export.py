@@ -667,3 +667,17 @@ def test_vllm_serves_the_pard_export_as_a_parallel_draft_model_and_drafts_what_d
     _edit_json(written["hf"] / "config.json", lambda c: c.__setitem__("mask_token_id", 5))
     _, other = _vllm(written["hf"], inputs, tmp_path / "other.safetensors", "vllm_pard_worker.py")
     assert int(other["mask_token"][0]) == 5 and not torch.allclose(other["logits"][1:], ours[1:], rtol=1e-3, atol=1e-3)
+
+
+def test_llama_cpp_rows_say_why_it_cannot_serve_p_eagle_or_pard(peagle_run, pard_run, tmp_path):
+    """llama.cpp drafts neither in one forward from mask entries: `python -m eval engine=llamacpp` converts neither
+    (its draft-simple would run a PARD draft one token at a time, another drafter) and the row says why."""
+    from eval.llama_cpp_drafters import llama_cpp_drafter
+
+    target, _ = load_target(TARGET, device=torch.device("cpu"))
+    peagle = llama_cpp_drafter({"name": "p", "kind": "head", "path": str(peagle_run / "best")}, target, TARGET,
+                               tmp_path / "engine")
+    pard = llama_cpp_drafter({"name": "q", "kind": "draft_lm", "path": str(pard_run / "best")}, target, TARGET,
+                             tmp_path / "engine")
+    assert peagle.gguf is None and "P-EAGLE" in peagle.note and "parallel_drafting" in peagle.note
+    assert pard.gguf is None and "PARD" in pard.note and not list((tmp_path / "engine").glob("*.gguf"))
