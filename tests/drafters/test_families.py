@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from drafters.draft_lm import DraftLM
+from drafters.pard import PardLM
 from drafters.registry import build_head, load_head, save_head
 from drafters.layers import SharedTarget
 from drafters.sampling import Sampling
@@ -102,14 +103,22 @@ def test_every_head_trains_reloads_and_drafts_losslessly_on_every_family(family,
             assert out.tokens == ref, (family, kind, prompt.tolist())
 
 
+def pard(model, depths=3):
+    """`model` as a PARD draft (drafters/pard.py): its config names a mask token and its depths."""
+    model.config.pard_token, model.config.pard_depths = 1, depths
+    return model
+
+
 @pytest.mark.parametrize("family", NAMES)
 def test_a_draft_lm_of_the_same_family_drafts_losslessly(family):
+    """A draft LM of the family, drafting in turn and as a PARD draft (k guesses in one forward from masks)."""
     target, draft = tiny(family, seed=0), tiny(family, seed=1)
     for prompt in ([5, 9, 3, 17], [40, 2, 11, 7, 30, 6]):
         prompt = torch.tensor(prompt)
         ref = autoregressive_generate(target, prompt, sampling=GREEDY, max_new_tokens=16).tokens
-        out = speculative_generate(target, DraftLM(draft), prompt, k=3, sampling=GREEDY, max_new_tokens=16)
-        assert out.tokens == ref, (family, prompt.tolist())
+        for drafter in (DraftLM(draft), PardLM(pard(tiny(family, seed=1)))):
+            out = speculative_generate(target, drafter, prompt, k=3, sampling=GREEDY, max_new_tokens=16)
+            assert out.tokens == ref, (family, drafter.name, prompt.tolist())
 
 
 @pytest.mark.parametrize("family", NAMES)
@@ -166,7 +175,8 @@ def test_sampled_output_follows_the_targets_distribution_on_every_family(family)
     prompt = torch.tensor([1, 3, 2])
     sampling = Sampling(temperature=1.0)
     exact = exact_joint(target, prompt, sampling, SMALL_V)
-    for drafter in (make_head("eagle", target).drafter("eagle"), DraftLM(tiny(family, vocab=SMALL_V, seed=11))):
+    for drafter in (make_head("eagle", target).drafter("eagle"), DraftLM(tiny(family, vocab=SMALL_V, seed=11)),
+                    PardLM(pard(tiny(family, vocab=SMALL_V, seed=11)))):
         torch.manual_seed(3)
         counts = empirical_joint(target, drafter, prompt, sampling, SMALL_V, 2, 1500)
         assert chi2_pvalue(counts, exact) > 1e-3, (family, drafter.name)

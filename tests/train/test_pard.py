@@ -40,6 +40,16 @@ def test_pard_trains_scores_every_depth_and_is_measured_drafting_in_parallel(tin
     assert summary is not None
 
 
+@pytest.mark.parametrize("objective", [["drafter.loss=sft"], ["drafter.target_logits=cached"],
+                                       ["drafter.lora.enabled=true", "drafter.init_from=null", "drafter.init_layers=2"]])
+def test_pard_trains_with_every_objective_and_start(tiny_world, tmp_path, objective):
+    """The draft LM recipe's choices carry over: the target's tokens (SFT), its cached top-k logits, LoRA on the
+    target's own first layers (merged on save); the saved draft names its mask token either way."""
+    train(make_cfg(tmp_path, "trainer.max_steps=4", "trainer.eval_every=4", "evaluate.enabled=false", *objective))
+    config = json.loads((tmp_path / "run" / "best" / "config.json").read_text())
+    assert config["pard_token"] is not None and config["pard_depths"] == 8
+
+
 @pytest.mark.parametrize("override, message", [
     ("drafter.num_depths=0", "drafter.num_depths must be >= 1"),
     ("drafter.cod_ratio=0", "drafter.cod_ratio must be in"),
