@@ -65,9 +65,6 @@ class DrafterSpec:
     # c measured for this drafter in your engine (overrides engine_costs.c): one draft step over one target step; for
     # a parallel drafter (DFlash, P-EAGLE, PARD) its one forward over a round's block
     engine_c: Optional[float] = None
-    # a parallel drafter's c at given k ({k: c}, '+drafters.1.engine_cs={8: 0.3}'), where its forward's cost grows
-    # with the block; a k not listed takes engine_c
-    engine_cs: Dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +72,9 @@ class DraftLMSpec(DrafterSpec):
     """`kind: draft_lm`: a causal LM at `path`, or with `layers` and no path the target's own first layers (a
     layer-skip self-draft)."""
 
+    # a parallel drafter's (DFlash, P-EAGLE, PARD) c at given k ({k: c}, '+drafters.1.engine_cs={8: 0.3}'), where its
+    # forward's cost grows with the block; a k not listed takes engine_c
+    engine_cs: Dict[int, float] = field(default_factory=dict)
     path: Optional[str] = None  # a hub id or a directory
     layers: Optional[int] = None  # without a path: the target's first `layers` layers, its head kept
     lean: bool = True  # Llama-family models draft on the lean decode path (false: Hugging Face's forward)
@@ -88,8 +88,9 @@ class DraftLMSpec(DrafterSpec):
 
 @dataclass
 class HeadSpec(DrafterSpec):
-    """`kind: head`: a trained EAGLE / MTP / Medusa head at `path`, as `python -m train` saves it."""
+    """`kind: head`: a trained EAGLE / MTP / Medusa / DFlash / P-EAGLE head at `path`, as `python -m train` saves it."""
 
+    engine_cs: Dict[int, float] = field(default_factory=dict)  # as DraftLMSpec's
     path: Optional[str] = None  # the run's best/ (or a checkpoint of it)
     stop_below: float = 0.0  # as DraftLMSpec's
     stop_rule: str = "propose"  # as DraftLMSpec's
@@ -143,7 +144,8 @@ def checked_spec(entry: Mapping) -> dict:
     if kind not in SPECS:
         raise ValueError(f"drafter {name!r}: unknown kind {kind!r}; known kinds: {list(SPECS)}")
     keys = [f.name for f in fields(SPECS[kind])]
-    defaults = {f.name: f.default for f in fields(AnyDrafterSpec)}
+    defaults = {f.name: f.default if f.default_factory is MISSING_FACTORY else f.default_factory()
+                for f in fields(AnyDrafterSpec)}
     unknown = [key for key, value in entry.items() if key not in keys and (key not in defaults or value != defaults[key])]
     if unknown:
         raise ValueError(f"drafter {name!r} (kind {kind}) has no key {', '.join(map(repr, unknown))}; "
