@@ -36,11 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from drafters.base import Proposal, cut_at_stop
+from drafters.base import Proposal
 from drafters.head_losses import label_cross_entropy, label_stats, soft_cross_entropy, step_stats
-from drafters.heads import FeatureBatch, FeatureDrafter
+from drafters.heads import BatchOfOne, FeatureBatch
 from drafters.kv_cache import KVCache, RaggedRows
 from drafters.layers import RMSNorm, Rotary, SharedTarget, norm, rope
+from drafters.parallel import cut_at_stop
 from drafters.sampling import Sampling, draw
 
 
@@ -287,20 +288,11 @@ class DFlashBatch(FeatureBatch):
         super().absorb(other)
 
 
-class DFlashDrafter(FeatureDrafter):
+class DFlashDrafter(BatchOfOne):
     """DFlash at batch 1: the batch drafter's state for one row."""
 
+    batch_class = DFlashBatch
     parallel = True  # its k guesses cost one forward (eval/metrics.py `cost_model` charges a round so)
-
-    def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
-        self.batch = DFlashBatch(self.head, self.name, self.stop.below, self.stop.rule)
-        self.batch.start([prompt_ids], None if features is None else [features])
-
-    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
-        return self.batch.propose(k, sampling, generator)[0]
-
-    def commit(self, n_accepted: int, next_token: int, features: torch.Tensor | None = None) -> None:
-        self.batch.commit([n_accepted], [next_token], None if features is None else [features])
 
 
 HEAD = DFlash

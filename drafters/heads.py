@@ -129,6 +129,23 @@ class FeatureDrafter:
         return features.flatten(1).to(self.dtype)
 
 
+class BatchOfOne(FeatureDrafter):
+    """A head's batch-1 drafter kept as its batch drafter's one row (`batch_class`: DFlash's, P-EAGLE's), where a
+    round is one forward whatever the batch."""
+
+    batch_class: type
+
+    def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
+        self.batch = self.batch_class(self.head, self.name, self.stop.below, self.stop.rule)
+        self.batch.start([prompt_ids], None if features is None else [features])
+
+    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
+        return self.batch.propose(k, sampling, generator)[0]
+
+    def commit(self, n_accepted: int, next_token: int, features: torch.Tensor | None = None) -> None:
+        self.batch.commit([n_accepted], [next_token], None if features is None else [features])
+
+
 class TreeDrafting:
     """Trees (drafters/tree.py: EAGLE-2's dynamic `TreeShape`, or a `StaticTree`) for a head that drafts on its own
     outputs (EAGLE-3, EAGLE-1), batch 1. The round starts as a chain's does: the head reads the features not yet read (`first`), and

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from drafters.base import Proposal, cut_at_stop, draw_chains
+from drafters.base import Proposal
 from drafters.draft_lm import DraftLM, DraftLMBatch
 from drafters.hf_cache import cache_keyword, forward_rows
+from drafters.parallel import chain_mask, cut_at_stop, draw_chains, pack_chains
 from drafters.sampling import Sampling, draw
 
 
@@ -53,19 +54,12 @@ def parallel_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, lo
     reads = (torch.cat([loss_mask, pad], 1)[:, 1: T + depths].bool()
              & torch.cat([attention_mask, pad.to(attention_mask.dtype)], 1)[:, 1: T + depths].bool())
     picks = [draw_chains(reads[b], T, depths, ratio, min_ratio, max_anchors, keep_all) for b in range(B)]
-    N = max(len(a) for a, _ in picks)
-    anchors = torch.zeros(B, N, dtype=torch.long, device=device)
-    depth = torch.zeros_like(anchors)
-    used = torch.zeros(B, N, dtype=torch.bool, device=device)
-    for b, (a, d) in enumerate(picks):
-        anchors[b, : len(a)], depth[b, : len(a)], used[b, : len(a)] = a, d, True
+    anchors, depth, used = pack_chains(picks, device)
     ids = torch.where(depth == 0, input_ids.gather(1, anchors), mask_token_id)
     # A depth-0 key is real where its token is; padding entries sit at anchor 0, depth 0, and see that one key.
     real = attention_mask.bool().clone()
     real[:, 0] = True
-    key_ok = used & ((depth > 0) | real.gather(1, anchors))
-    aq, ak, dq, dk = anchors[:, :, None], anchors[:, None, :], depth[:, :, None], depth[:, None, :]
-    allowed = (((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))) & key_ok[:, None, :]
+    allowed = chain_mask(anchors, depth, used & ((depth > 0) | real.gather(1, anchors)))
     return {"input_ids": ids, "position_ids": anchors + depth, "anchors": anchors, "depth": depth, "used": used,
             "allowed": allowed, "reads": used & reads.gather(1, (anchors + depth).clamp(max=T + depths - 2))}
 

@@ -21,7 +21,7 @@ entry of every depth alike: deeper depths weigh less only by being fewer. The he
 anchor at every depth (the training-time-test attention of drafters/layers.py, the same mask), so its per-depth
 acceptance and its greedy replay are the loop's.
 
-The mask token is a row of the target's embedding, which the head shares frozen (drafters/base.py
+The mask token is a row of the target's embedding, which the head shares frozen (drafters/parallel.py
 `mask_token_for` picks it, as for DFlash); `mask_hidden` (1, 1, L * d_target) is the head's own, trained. Trees: no
 (a round is one forward over one chain).
 """
@@ -31,11 +31,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from drafters.base import Proposal, cut_at_stop, draw_chains
+from drafters.base import Proposal
 from drafters.eagle import Eagle3, Eagle3Batch, _pick, load_engine_eagle3
 from drafters.head_losses import label_cross_entropy, label_stats, soft_cross_entropy, step_stats
-from drafters.heads import FeatureDrafter
+from drafters.heads import BatchOfOne
 from drafters.layers import causal_mask
+from drafters.parallel import chain_mask, cut_at_stop, draw_chains, pack_chains
 from drafters.sampling import Sampling
 
 
@@ -123,21 +124,13 @@ class PEagle(Eagle3):
         E, device = T - 1, input_ids.device
         c = self.config
         picks = [draw_chains(reads[b], E, self.depths, c.cod_ratio, c.cod_min_ratio, c.max_anchors) for b in range(B)]
-        N = max(len(a) for a, _ in picks)
-        anchors = torch.zeros(B, N, dtype=torch.long, device=device)
-        depth = torch.zeros_like(anchors)
-        used = torch.zeros(B, N, dtype=torch.bool, device=device)
-        for b, (a, d) in enumerate(picks):
-            anchors[b, : len(a)], depth[b, : len(a)], used[b, : len(a)] = a, d, True
+        anchors, depth, used = pack_chains(picks, device)
         hidden, tokens = self._inputs(features, input_ids, anchors, depth)
         # A depth-0 key is real where the token after its anchor is (entry 0 always, so no query lacks a key);
         # padding entries sit at anchor 0, depth 0, and see that one key.
         real = attention_mask[:, 1:].bool().clone()
         real[:, 0] = True
-        key_ok = used & ((depth > 0) | real.gather(1, anchors))
-        aq, ak = anchors[:, :, None], anchors[:, None, :]
-        dq, dk = depth[:, :, None], depth[:, None, :]
-        mask = (((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq))) & key_ok[:, None, :]
+        mask = chain_mask(anchors, depth, used & ((depth > 0) | real.gather(1, anchors)))
         cos, sin = self.rotary(hidden, 0, int((anchors + depth).max()) + 1)
         where = anchors + depth
         cos, sin = cos[0][where], sin[0][where]
@@ -191,7 +184,7 @@ class PEagleBatch(Eagle3Batch):
 
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
-        head, B = self.head, len(self.ids)
+        head = self.head
         n = min(k, head.depths)
         counts = [p.shape[0] for p in self.pending]
         Q = max(counts) + n - 1
@@ -216,20 +209,11 @@ class PEagleBatch(Eagle3Batch):
         return proposals
 
 
-class PEagleDrafter(FeatureDrafter):
+class PEagleDrafter(BatchOfOne):
     """P-EAGLE at batch 1: the batch drafter's state for one row."""
 
+    batch_class = PEagleBatch
     parallel = True  # its k guesses cost one forward (eval/metrics.py `cost_model` charges a round so)
-
-    def start(self, prompt_ids: torch.Tensor, features: torch.Tensor | None = None) -> None:
-        self.batch = PEagleBatch(self.head, self.name, self.stop.below, self.stop.rule)
-        self.batch.start([prompt_ids], None if features is None else [features])
-
-    def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> Proposal:
-        return self.batch.propose(k, sampling, generator)[0]
-
-    def commit(self, n_accepted: int, next_token: int, features: torch.Tensor | None = None) -> None:
-        self.batch.commit([n_accepted], [next_token], None if features is None else [features])
 
 
 def load_engine_peagle(path, raw: dict, target, dtype: torch.dtype | None = None) -> PEagle:

@@ -196,6 +196,18 @@ class PEagleConfig(Eagle3Layout):
     max_anchors: int = 512  # anchors per sequence the deeper depths are drawn from (all of them stay at depth 0)
 
 
+def check_chains(drafter) -> None:
+    """The depths and conditional drop P-EAGLE's and PARD's recipes train with (`num_depths`, `cod_ratio`,
+    `cod_min_ratio`, `max_anchors`), checked before any work."""
+    if drafter.num_depths < 1:
+        raise ValueError(f"drafter.num_depths must be >= 1 (the guesses one forward drafts), got {drafter.num_depths}")
+    if not 0 < drafter.cod_ratio <= 1 or not 0 <= drafter.cod_min_ratio <= 1:
+        raise ValueError(f"drafter.cod_ratio must be in (0, 1] and drafter.cod_min_ratio in [0, 1], got "
+                         f"{drafter.cod_ratio} and {drafter.cod_min_ratio}")
+    if drafter.max_anchors < 1:
+        raise ValueError(f"drafter.max_anchors must be >= 1, got {drafter.max_anchors}")
+
+
 @dataclass
 class Eagle1Config(HeadConfig):
     """`drafter=eagle1`: EAGLE-1, the last hidden state and the token embedding through fc, one decoder layer

@@ -14,7 +14,7 @@ import logging
 
 from omegaconf import DictConfig
 
-from drafters.base import mask_token_for
+from drafters.parallel import mask_token_for
 from train.heads import HeadRecipe
 from train.recipe import run as run_recipe
 

@@ -21,9 +21,10 @@ import logging
 import torch
 from omegaconf import DictConfig
 
-from drafters.base import mask_token_for
 from drafters.hf_cache import entry_masks
 from drafters.pard import parallel_sequences
+from drafters.parallel import mask_token_for
+from train.config import check_chains
 from train.distill import DraftLMRecipe
 from train.heads import tokens_per_round_estimate
 from train.losses import acceptance_estimate, divergence, divergence_topk, greedy_agreement, sft
@@ -41,13 +42,7 @@ class PardRecipe(DraftLMRecipe):
     def _validate(self) -> None:
         super()._validate()
         d = self.cfg.drafter
-        if d.num_depths < 1:
-            raise ValueError(f"drafter.num_depths must be >= 1 (the guesses one forward drafts), got {d.num_depths}")
-        if not 0 < d.cod_ratio <= 1 or not 0 <= d.cod_min_ratio <= 1:
-            raise ValueError(f"drafter.cod_ratio must be in (0, 1] and drafter.cod_min_ratio in [0, 1], got "
-                             f"{d.cod_ratio} and {d.cod_min_ratio}")
-        if d.max_anchors < 1:
-            raise ValueError(f"drafter.max_anchors must be >= 1, got {d.max_anchors}")
+        check_chains(d)
         if d.on_policy.ratio > 0:
             raise ValueError("drafter.on_policy does not apply to PARD: its rows are built from the traffic's answers")
 

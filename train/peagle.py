@@ -14,7 +14,8 @@ import logging
 
 from omegaconf import DictConfig
 
-from drafters.base import mask_token_for
+from drafters.parallel import mask_token_for
+from train.config import check_chains
 from train.eagle3 import Eagle3Recipe
 from train.recipe import run as run_recipe
 
@@ -27,13 +28,7 @@ class PEagleRecipe(Eagle3Recipe):
     def _validate(self) -> None:
         super()._validate()
         d = self.cfg.drafter
-        if d.num_depths < 1:
-            raise ValueError(f"drafter.num_depths must be >= 1 (the guesses one forward drafts), got {d.num_depths}")
-        if not 0 < d.cod_ratio <= 1 or not 0 <= d.cod_min_ratio <= 1:
-            raise ValueError(f"drafter.cod_ratio must be in (0, 1] and drafter.cod_min_ratio in [0, 1], got "
-                             f"{d.cod_ratio} and {d.cod_min_ratio}")
-        if d.max_anchors < 1:
-            raise ValueError(f"drafter.max_anchors must be >= 1, got {d.max_anchors}")
+        check_chains(d)
         if d.norm_output:
             raise ValueError("drafter.norm_output does not apply to P-EAGLE: it hands no state to a next draft step "
                              "(one forward drafts every guess), and vLLM does not read it for P-EAGLE")

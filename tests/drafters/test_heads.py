@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from drafters.base import STOP_RULES, ConfidenceStop, candidate_confidence, draw_chains
+from drafters.base import STOP_RULES, ConfidenceStop, candidate_confidence
+from drafters.parallel import draw_chains
 from drafters.eagle import check_vocab_maps, draft_vocabulary, vocabulary_coverage, vocabulary_size_for
 from drafters.registry import build_head, load_head, save_head
 from drafters.head_losses import ReadRows

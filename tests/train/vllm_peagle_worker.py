@@ -22,25 +22,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from vllm_worker import main, vllm_models  # noqa: E402
+from vllm_worker import causal_attention, main, vllm_models  # noqa: E402
 
 
 def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
     import torch
-    import torch.nn.functional as F
     from safetensors.torch import load_file, save_file
-
-    class CausalSDPA(torch.nn.Module):
-        def __init__(self, attn) -> None:
-            super().__init__()
-            self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_size
-
-        def forward(self, q, k, v, *args, **kwargs):
-            T = q.shape[0]
-            q, k, v = (x.view(T, h, self.head_dim).transpose(0, 1)[None]
-                       for x, h in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads)))
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0]
-            return o.transpose(0, 1).reshape(T, self.heads * self.head_dim)
 
     x = load_file(inputs)
     ids, features, k = x["ids"], x["features"], int(x["k"][0])
@@ -50,7 +37,7 @@ def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
 
         pard = get_current_vllm_config().speculative_config.draft_model_config.hf_config.pard_token
         for layer in draft.model.layers:
-            layer.self_attn.attn = CausalSDPA(layer.self_attn.attn)
+            layer.self_attn.attn = causal_attention(layer.self_attn.attn)
         T = len(ids)
         with torch.no_grad():
             real = draft.combine_hidden_states(features[:-1])

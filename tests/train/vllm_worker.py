@@ -97,15 +97,14 @@ def vllm_models(target_dir: str, export_dir: str, method: str, k: int, proposer:
         yield spec.draft_model_config.hf_config.architectures[0], target, draft
 
 
-def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
+def causal_attention(attn):
+    """The attention kernel on the q, k, v vLLM's layer `attn` computes for one sequence (every position, causal):
+    PyTorch's scaled-dot-product attention, in place of vLLM's, which needs a GPU or vLLM's CPU build."""
     import torch
     import torch.nn.functional as F
-    from safetensors.torch import load_file, save_file
 
     class CausalSDPA(torch.nn.Module):
-        """The attention kernel on vLLM's q, k, v (one sequence, all positions)."""
-
-        def __init__(self, attn) -> None:
+        def __init__(self) -> None:
             super().__init__()
             self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_size
 
@@ -116,10 +115,17 @@ def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0]
             return o.transpose(0, 1).reshape(T, self.heads * self.head_dim)
 
+    return CausalSDPA()
+
+
+def _run(target_dir: str, export_dir: str, inputs: str, out: str) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
     with vllm_models(target_dir, export_dir, "eagle", 3, "vllm.v1.spec_decode.eagle.EagleProposer") as (
             architecture, target, draft):
         for layer in draft.model.layers:
-            layer.self_attn.attn = CausalSDPA(layer.self_attn.attn)
+            layer.self_attn.attn = causal_attention(layer.self_attn.attn)
         x = load_file(inputs)
         ids, features = x["ids"], x["features"]
         with torch.no_grad():
