@@ -169,13 +169,14 @@ SMALL_V = 4  # 64 cells for three tokens: well above 5 expected counts each at 1
 
 @pytest.mark.parametrize("family", NAMES)
 def test_sampled_output_follows_the_targets_distribution_on_every_family(family):
-    """An EAGLE-3 head and a draft LM on a 4-token vocabulary: the joint of the first three tokens sampled
-    speculatively against the target's exact joint (chi-squared)."""
+    """An EAGLE-3 head, the parallel heads (DFlash, P-EAGLE), a draft LM and a PARD draft on a 4-token vocabulary: the
+    joint of the first three tokens sampled speculatively against the target's exact joint (chi-squared)."""
     target = tiny(family, vocab=SMALL_V, seed=10, sharpen=4.0)
     prompt = torch.tensor([1, 3, 2])
     sampling = Sampling(temperature=1.0)
     exact = exact_joint(target, prompt, sampling, SMALL_V)
-    for drafter in (make_head("eagle", target).drafter("eagle"), DraftLM(tiny(family, vocab=SMALL_V, seed=11)),
+    for drafter in (make_head("eagle", target).drafter("eagle"), make_head("dflash", target).drafter("dflash"),
+                    make_head("peagle", target).drafter("peagle"), DraftLM(tiny(family, vocab=SMALL_V, seed=11)),
                     PardLM(pard(tiny(family, vocab=SMALL_V, seed=11)))):
         torch.manual_seed(3)
         counts = empirical_joint(target, drafter, prompt, sampling, SMALL_V, 2, 1500)
