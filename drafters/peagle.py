@@ -182,16 +182,23 @@ class PEagleBatch(Eagle3Batch):
 
     parallel = True  # its k guesses cost one forward (eval/metrics.py `cost_model` charges a round so)
 
+    def start(self, prompts, features=None) -> None:
+        with torch.inference_mode():  # the head is fixed while it drafts: its mask entries' hidden, once
+            self.mask_state = self.head.mask_state()
+        super().start(prompts, features)
+
     @torch.inference_mode()
     def propose(self, k: int, sampling: Sampling, generator: torch.Generator | None = None) -> list[Proposal]:
         head = self.head
         n = min(k, head.depths)
         counts = [p.shape[0] for p in self.pending]
         Q = max(counts) + n - 1
-        mask_state = head.mask_state()
         # Row b: its counts[b] new entries (features e, token e + 1), then masks to the call's width; its depth-d
         # mask sits at counts[b] - 1 + d, d < n, and later ones are written past it and never read.
-        hidden = torch.stack([torch.cat([head.fuse(p), mask_state.expand(Q - len(p), -1)]) for p in self.pending])
+        width = self.pending[0].shape[1]
+        raw = torch.stack([torch.cat([p, p.new_zeros(Q - len(p), width)]) for p in self.pending])
+        real = torch.arange(Q, device=self.device) < torch.tensor(counts, device=self.device)[:, None]
+        hidden = torch.where(real[..., None], head.fuse(raw), self.mask_state)
         mask_id = head.config.mask_token_id
         tokens = torch.tensor([ids[len(ids) - c:] + [mask_id] * (Q - c) for ids, c in zip(self.ids, counts)],
                               device=self.device)
