@@ -9,6 +9,8 @@ engine allows and what a drafter must keep to pay there.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
@@ -120,7 +122,9 @@ def ceilings(k: int, tau: float | None, beta: float | None, verified: float | No
     1): `engine_ceiling` = (k+1)/(1+β), a perfect drafter's speed-up; `engine_tau_ceiling` = τ/(1+f·β), the
     speed-up the engine's measured τ allows, f the share of rounds that verify (1 but for a drafter that drafts
     nothing in some rounds). Below the first, the hardware limits (a quantization whose verification is
-    compute-bound, a CPU); between the measured speed-up and the second, the draft's cost."""
+    compute-bound, a CPU); between the measured speed-up and the second, the draft's cost. k is the guesses the
+    rounds β was measured on verified (`verified_width`), which a drafter with fewer steps than the k asked for
+    (a DFlash block, MTP modules, Medusa heads) keeps below it."""
     if beta is None:
         return {"engine_ceiling": None, "engine_tau_ceiling": None}
     f = 1.0 if verified is None else verified
@@ -128,6 +132,12 @@ def ceilings(k: int, tau: float | None, beta: float | None, verified: float | No
     # a perfect drafter's round: no ceiling from it (the same drafter without its stop gives one).
     return {"engine_ceiling": (k + 1) / (1 + beta) if f == 1.0 else None,
             "engine_tau_ceiling": tau / (1 + f * beta) if tau else None}
+
+
+def verified_width(k: int, drafted: float | None) -> int:
+    """The guesses a full round verified: k, or fewer where the drafter's rounds drafted fewer on average (a
+    DFlash drafter with a block of b drafts min(k, b - 1)); `drafted` is the mean draft per verified round."""
+    return k if drafted is None else max(1, min(k, math.ceil(drafted - 1e-9)))
 
 
 def tau_to_pay(proposed: float | None, c: float | None, beta: float | None, pays_off_at: float,

@@ -12,7 +12,7 @@ import torch
 
 from eval import llama_cpp
 from eval.compare import compare, verdict
-from eval.costs import FIELDS, ceilings, tau_to_pay
+from eval.costs import FIELDS, ceilings, tau_to_pay, verified_width
 from eval.evaluate import ALL
 from eval.llama_cpp_drafters import Converted, Served
 from eval.llama_cpp_measure import DraftStats, generation_timings, measure_llama_cpp
@@ -88,7 +88,10 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
             engine_lossless=lossless, engine_note=note,
             engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted,
             engine_tau_to_pay=tau_to_pay(proposed, c, beta, pays_off_at, verified),
-            **ceilings(k, tau_engine, beta, verified))
+            # β is what the rounds it verified cost: a perfect drafter's ceiling at that width (a DFlash block
+            # shorter than k verifies fewer than k+1 positions a round)
+            **ceilings(verified_width(k, chosen.drafted / chosen.verifications if chosen.verifications else None),
+                       tau_engine, beta, verified))
 
     greedy = [r for r in rows if r.get("batch_size", 1) == batch and r["temperature"] == 0 and not r.get("tree")]
     for r in rows:

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 import eval.__main__ as entry
 from eval import engine_formats, llama_cpp
-from eval.costs import EngineCosts, ceilings, predict
+from eval.costs import EngineCosts, ceilings, predict, verified_width
 from eval.endpoint import stream
 from eval.llama_cpp_drafters import Served, draft_dtype, llama_cpp_drafter
 from eval.llama_cpp_figures import CHAINS_ONLY, NOTHING_DRAFTED, PartingGaps, engine_figures, numerics_note
@@ -609,6 +609,15 @@ def test_rounds_without_a_draft_count_in_tau_and_pay_no_verification():
     assert predicted_speedup(2.0, 1.5, 0.1, 1.0, verified=0.5) == pytest.approx(2.0 / (1 + 0.15 + 0.5))
     assert ceilings(4, 2.0, 1.0, 0.5) == {"engine_ceiling": None, "engine_tau_ceiling": pytest.approx(2.0 / 1.5)}
     assert ceilings(4, 2.0, 1.0)["engine_tau_ceiling"] == pytest.approx(1.0)
+
+
+def test_the_ceiling_is_taken_at_the_width_the_rounds_verified():
+    """β is what the engine's rounds cost at the width they verified: a DFlash block of 3 served at k = 4 drafts 2 a
+    round, so a perfect drafter's ceiling from that β is 3/(1+β), not 5/(1+β); a drafter that drafts k in all but
+    a round cut short by the answer's end keeps k."""
+    assert verified_width(4, 2.0) == 2 and verified_width(4, 3.97) == 4 and verified_width(4, None) == 4
+    assert verified_width(4, 6.5) == 4  # several slots: llama.cpp counts one draft call per batch
+    assert ceilings(verified_width(4, 2.0), 1.8, 0.5)["engine_ceiling"] == pytest.approx(3 / 1.5)
 
 
 def test_a_draft_lm_gets_the_vocabulary_type_of_the_target_file_it_is_served_with(tmp_path):
