@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import torch
 
+# The conditional drop P-EAGLE and PARD train with by default (speculators' P-EAGLE recipe and PARD's): depth d keeps
+# max(COD_RATIO ** d, COD_MIN_RATIO) of the anchors, drawn from at most MAX_ANCHORS a sequence.
+COD_RATIO, COD_MIN_RATIO, MAX_ANCHORS = 0.7, 0.2, 512
+
+
 def mask_token_for(tokenizer, vocab_size: int) -> int:
     """The token a parallel drafter's masked positions carry (DFlash's block, P-EAGLE's and PARD's mask entries), as
     SpecForge picks DFlash's: the tokenizer's mask token, else the

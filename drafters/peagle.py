@@ -36,7 +36,8 @@ from drafters.eagle import Eagle3, Eagle3Batch, _pick, load_engine_eagle3
 from drafters.head_losses import label_cross_entropy, label_stats, soft_cross_entropy, step_stats
 from drafters.heads import BatchOfOne
 from drafters.layers import causal_mask
-from drafters.parallel import chain_mask, cut_at_stop, draw_chains, pack_chains
+from drafters.parallel import (COD_MIN_RATIO, COD_RATIO, MAX_ANCHORS, chain_mask, cut_at_stop, draw_chains,
+                               pack_chains)
 from drafters.sampling import Sampling
 
 
@@ -226,7 +227,8 @@ class PEagleDrafter(BatchOfOne):
 def load_engine_peagle(path, raw: dict, target, dtype: torch.dtype | None = None) -> PEagle:
     """A P-EAGLE head from its `speculators` export (eval/engine_formats.py), attached to `target`: EAGLE-3's
     loader, with the mask token from the config, the depths it drafts from its speculative_tokens, and
-    `mask_hidden` from the weights."""
+    `mask_hidden` from the weights. The export does not carry the conditional drop it was trained with: a head
+    trained further from it (`init_from`) takes the recipe's defaults."""
     mask = raw.get("mask_token_id")
     if mask is None:
         raise ValueError(f"{path}/config.json: no mask_token_id; a P-EAGLE export names the token its mask entries "
@@ -236,8 +238,8 @@ def load_engine_peagle(path, raw: dict, target, dtype: torch.dtype | None = None
     if not depths:
         raise ValueError(f"{path}/config.json: no speculators_config.proposal_methods[0].speculative_tokens")
     return load_engine_eagle3(path, raw, target, dtype, cls=PEagle, kind="peagle",
-                              settings={"mask_token_id": int(mask), "num_depths": int(depths), "cod_ratio": 0.7,
-                                        "cod_min_ratio": 0.2, "max_anchors": 512})
+                              settings={"mask_token_id": int(mask), "num_depths": int(depths), "cod_ratio": COD_RATIO,
+                                        "cod_min_ratio": COD_MIN_RATIO, "max_anchors": MAX_ANCHORS})
 
 
 HEAD = PEagle

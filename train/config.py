@@ -14,6 +14,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from drafters.parallel import COD_MIN_RATIO, COD_RATIO, MAX_ANCHORS
 from eval.config import AnyDrafterSpec, DataConfig, TargetConfig, TrackingConfig
 from train.hub import HubSettings
 
@@ -126,9 +127,9 @@ class PardConfig(DraftLMConfig):
     # the token the masks carry (a row of the draft's embedding, trained with it); null: the tokenizer's mask token,
     # else the first embedding row no token uses, else pad, end-of-sequence, unknown (as for DFlash)
     mask_token_id: Optional[int] = None
-    cod_ratio: float = 0.7  # conditional drop: depth d keeps max(cod_ratio ** d, cod_min_ratio) of the anchors
-    cod_min_ratio: float = 0.2
-    max_anchors: int = 512  # anchors per sequence the deeper depths are drawn from (all of them stay at depth 0)
+    cod_ratio: float = COD_RATIO  # conditional drop: depth d keeps max(cod_ratio ** d, cod_min_ratio) of the anchors
+    cod_min_ratio: float = COD_MIN_RATIO
+    max_anchors: int = MAX_ANCHORS  # anchors per sequence the deeper depths are drawn from (all stay at depth 0)
 
 
 @dataclass
@@ -191,9 +192,9 @@ class PEagleConfig(Eagle3Layout):
     # the token the mask entries carry (its row of the target's embedding); null: the tokenizer's mask token, else
     # the first embedding row no token uses, else pad, end-of-sequence, unknown (as for DFlash)
     mask_token_id: Optional[int] = None
-    cod_ratio: float = 0.7  # conditional drop: depth d keeps max(cod_ratio ** d, cod_min_ratio) of the anchors
-    cod_min_ratio: float = 0.2
-    max_anchors: int = 512  # anchors per sequence the deeper depths are drawn from (all of them stay at depth 0)
+    cod_ratio: float = COD_RATIO  # conditional drop: depth d keeps max(cod_ratio ** d, cod_min_ratio) of the anchors
+    cod_min_ratio: float = COD_MIN_RATIO
+    max_anchors: int = MAX_ANCHORS  # anchors per sequence the deeper depths are drawn from (all stay at depth 0)
 
 
 def check_chains(drafter) -> None:

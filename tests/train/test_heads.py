@@ -440,7 +440,7 @@ def test_the_greedy_replay_keeps_what_the_loop_keeps(kind, settings):
     # target's own greedy answer it must give the loop's rounds and tokens exactly.
     target = tiny_llama(64, hidden=32, layers=4, seed=0, logit_scale=4.0).requires_grad_(False)
     head = _self_trained_head(kind, target, settings)
-    answers, hits_and_misses = [], 0
+    hits_and_misses = 0
     for n in (2, 5, 9):
         prompt = torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n))
         ids = torch.cat([prompt, torch.tensor(autoregressive_generate(target, prompt, sampling=Sampling(),
