@@ -10,7 +10,6 @@ engine allows and what a drafter must keep to pay there.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
