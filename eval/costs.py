@@ -67,10 +67,12 @@ def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | N
         base = base_drafter(r)
         c = drafter_c.get(base)
         c = costs.c if c is None else c
-        # A chain verifies k+1 positions and drafts its mean proposal; a tree verifies nodes+1 and drafts depth steps;
-        # a parallel drafter (DFlash, P-EAGLE, PARD) drafts one forward a round, whose cost its c is (at this k, its
-        # engine_cs' entry).
-        width = tree.nodes + 1 if tree else r["k"] + 1
+        # A chain's full round verifies the guesses it drafted, k or fewer (a DFlash block of b drafts b - 1, MTP its
+        # modules: `max_proposed`), plus one, and a round drafts its mean proposal; a tree verifies nodes+1 and
+        # drafts depth steps; a parallel drafter (DFlash, P-EAGLE, PARD) drafts one forward a round, whose cost its c
+        # is (at this k, its engine_cs' entry).
+        n = r["k"] if tree else min(r["k"], r.get("max_proposed") or r["k"])
+        width = tree.nodes + 1 if tree else n + 1
         beta = costs.beta_at(width)
         parallel = bool(r.get("parallel"))
         if parallel:
@@ -84,7 +86,7 @@ def predict(rows: list[dict], costs: EngineCosts, drafter_c: dict[str, float | N
             predicted = predicted_speedup(r["acceptance_length"], steps, c, beta)
             figures.update(engine_predicted_speedup=predicted,
                            engine_verdict=("pays off" if predicted >= pays_off_at else "turn it off") + " (predicted)")
-        figures.update(ceilings(r["k"], r["acceptance_length"], beta),
+        figures.update(ceilings(n, r["acceptance_length"], beta),
                        engine_tau_to_pay=tau_to_pay(steps, c, beta, pays_off_at))
         r.update(figures)
     _engine_best_shape(rows)

@@ -30,7 +30,8 @@ from drafters.sampling import Sampling
 from drafters.tree import StaticTree, TreeShape
 from eval.batching import autoregressive_generate_batch, speculative_generate_batch
 from eval.compare import Comparison, Timings, compare, verdict
-from eval.metrics import acceptance_by_length, acceptance_stats, cost_model, expected_acceptance_length
+from eval.metrics import (PartingGaps, acceptance_by_length, acceptance_stats, cost_model, expected_acceptance_length,
+                          parting_note)
 from eval.speculative import Generation, autoregressive_generate, speculative_generate
 
 ALL = "all"  # the aggregate over every category; reserved, no category may use the name
@@ -203,6 +204,8 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
         plain = _Runs()
         spec = {(d.name, k): _Runs() for d in drafters for k in _ks(d, plan)}
         lengths = {(c, i): int(p.shape[-1]) for c, ps in prompts.items() for i, p in enumerate(ps)}
+        # Where a greedy output differs from plain decoding, how near a tie of the target's logits it parts at.
+        gaps = PartingGaps(target, {c: [p.tolist() for p in ps] for c, ps in prompts.items()})
         for rep in range(plan.repeats):
             for category, indices, unit in units:
                 seed = _seed(plan.seed, temperature, rep, category, indices[0])
@@ -227,7 +230,7 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
                 group = [_row(d.name, k, sampling, category, plain, spec[d.name, k], timings[d.name], plain_t,
                               compare(timings[d.name], plain_t, strata, seed=seed), lengths, batch,
                               *((d.shape, d.base.name) if isinstance(d, TreeDrafter) else ()),
-                              parallel=getattr(d, "parallel", False)) for d in at_k]
+                              parallel=getattr(d, "parallel", False), gaps=gaps) for d in at_k]
                 # Against the first drafter (or, at a tree depth no chain is measured at, the first tree).
                 _compare_drafters(group, timings, strata, baseline=names[0] if names[0] in timings else at_k[0].name,
                                   seed=seed)
@@ -245,7 +248,8 @@ def _timings(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
 
 def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, spec_t: Timings,
          plain_t: Timings, vs_plain: Comparison, lengths: dict[tuple[str, int], int], batch: int = 1,
-         tree: TreeShape | StaticTree | None = None, base: str | None = None, parallel: bool = False) -> dict:
+         tree: TreeShape | StaticTree | None = None, base: str | None = None, parallel: bool = False,
+         gaps: PartingGaps | None = None) -> dict:
     gens = spec.select(category)
     rounds = [r for g in gens for r in g.rounds]
     if not rounds:
@@ -263,11 +267,16 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
                        prefill_s=[g.prefill_s * batch for g in plain_gens if g.prefill_s is not None],
                        spec_prefill_s=[g.prefill_s * batch for g in gens if g.prefill_s is not None],
                        parallel=parallel)
-    lossless = None
+    lossless = lossless_note = None
     if sampling.greedy:
-        # Greedy speculative decoding must reproduce plain greedy decoding token for token.
-        lossless = all(spec.by_key[key].tokens == plain.by_key[key].tokens for key in spec.by_key
-                       if category in (ALL, key[1]))
+        # Greedy speculative decoding must reproduce plain greedy decoding token for token. Where it does not, the
+        # note says how near a tie each output parts at: verifying k+1 positions at once rounds otherwise than
+        # one, which a near tie can feel (bfloat16 more than float32); a large gap is no rounding.
+        keys = [key for key in spec.by_key if category in (ALL, key[1])]
+        differs = [key for key in keys if spec.by_key[key].tokens != plain.by_key[key].tokens]
+        lossless = not differs
+        if differs:
+            lossless_note = parting_note(differs, len(keys), spec.by_key, plain.by_key, gaps)
     return {
         "drafter": drafter,
         "k": k,
@@ -305,6 +314,7 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
         # Plain steps over speculative rounds per generation: what the prediction charges rounds for.
         "batch_acceptance_length": costs.batch_acceptance_length,
         "lossless": lossless,
+        "lossless_note": lossless_note,  # where a greedy output differs: on how many, how near a tie each parts at
     }
 
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-import torch
-
 from eval import llama_cpp
 from eval.compare import compare, verdict
 from eval.costs import FIELDS, ceilings, tau_to_pay, verified_width
 from eval.evaluate import ALL
 from eval.llama_cpp_drafters import Converted, Served
 from eval.llama_cpp_measure import DraftStats, generation_timings, measure_llama_cpp
-from eval.metrics import predicted_speedup
+from eval.metrics import PartingGaps, parting_note, predicted_speedup
 
 NAME = "llama.cpp"  # what the report calls it
 # What the vendored llama.cpp verifies: common/speculative.cpp drafts a token list per sequence and the server
@@ -117,33 +115,6 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
             for category, k in dict.fromkeys((c, k) for c, k0 in cells for k in s.ks([k0]))]
 
 
-class PartingGaps:
-    """Where a drafter's greedy output in the engine parts from the engine's plain output: draftsmith's target's
-    logit of plain's token minus the drafter's at that position, given the tokens both wrote before it (one
-    forward each, cached). Near 0 is a near tie, which the engine's numerics may break either way (scoring
-    several positions at once rounds differently from one); a large gap is a token the target does not come close
-    to preferring, which no rounding explains."""
-
-    def __init__(self, target, prompts: dict[str, list[list[int]]]) -> None:
-        self.target, self.prompts, self._seen = target, prompts, {}
-        parameter = next(target.parameters())
-        self.device, self.dtype = parameter.device, str(parameter.dtype).removeprefix("torch.")
-
-    @torch.inference_mode()
-    def __call__(self, category: str, index: int, plain: list[int], other: list[int]) -> float | None:
-        """The gap for prompt `index` of `category` whose plain output is `plain` and the drafter's `other`;
-        None where they do not part at a token (one is the other cut short)."""
-        part = next((j for j, (a, b) in enumerate(zip(plain, other)) if a != b), None)
-        if part is None:
-            return None
-        key = (category, index, tuple(plain[:part + 1]), other[part])
-        if key not in self._seen:
-            ids = torch.tensor([self.prompts[category][index] + plain[:part]], device=self.device)
-            logits = self.target(input_ids=ids).logits[0, -1].float()
-            self._seen[key] = float(logits[plain[part]] - logits[other[part]])
-        return self._seen[key]
-
-
 def numerics_note(runs: dict, plain: dict, verified: dict, keys: list[tuple], gaps: PartingGaps | None = None) -> str:
     """Why a drafter's greedy output in llama.cpp differs from its plain output, where the server that kept none
     of its drafts says: if that server's output (the target's own tokens, verified k+1 positions at a time) differs
@@ -154,13 +125,7 @@ def numerics_note(runs: dict, plain: dict, verified: dict, keys: list[tuple], ga
     differs = [key for key in keys if runs[key].tokens != plain[key].tokens]
     checked = [key for key in differs if key in verified]
     same = [key for key in checked if verified[key].tokens == runs[key].tokens]
-    line = f"its output differs from plain decoding on {len(differs)} of {len(keys)} generations"
-    if gaps is not None:
-        found = [g for g in (gaps(c, i, plain[r, c, i].tokens, runs[r, c, i].tokens) for r, c, i in differs)
-                 if g is not None]
-        if found:
-            line += (f"; where each parts from plain, draftsmith's target ({gaps.dtype}) scores plain's token above "
-                     f"the drafter's by {', '.join(f'{g:.2f}' for g in sorted(found))} (logits; near 0: a near tie)")
+    line = parting_note(differs, len(keys), runs, plain, gaps)
     if checked and len(same) == len(checked):
         return (f"{line}; on the {len(checked)} of them its server that kept none of its drafts measured, that "
                 "server's output (the target's own tokens, verified in rounds) is the drafter's: llama.cpp's "

@@ -1,4 +1,5 @@
-"""What a set of speculative rounds says: the acceptance distribution and the cost model.
+"""What a set of speculative rounds says: the acceptance distribution, the cost model, and where a greedy output
+that differs from plain decoding parts from it.
 
 Acceptance is reported as a distribution, not only a mean: real acceptance is bimodal (many rounds
 accept nothing, many accept everything) and falls with draft position, and a mean hides both.
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from eval.speculative import Round
 
@@ -23,6 +25,8 @@ class AcceptanceStats:
     accept_hist[a]: rounds that kept exactly a guesses (a = 0..k).
     mean_proposed: guesses proposed per round (k for a drafter that always drafts k; fewer with a
         confidence stop, or for a model-free drafter without a match).
+    max_proposed: the most guesses a round proposed, what a full round verifies: k, or fewer for a drafter with
+        fewer steps than k (a DFlash block of b drafts b - 1, MTP its modules, Medusa its heads); a tree's nodes.
     acceptance_rate: kept guesses / proposed guesses (a drafter that proposes nothing is not penalised
         here; it is in acceptance_length).
     position_acceptance[i]: P(guess i+1 kept | guesses 1..i kept and guess i+1 proposed); real
@@ -36,6 +40,7 @@ class AcceptanceStats:
     rounds: int
     accept_hist: list[int]
     mean_proposed: float
+    max_proposed: int
     mean_accepted: float
     median_accepted: float
     p10_accepted: float
@@ -69,6 +74,7 @@ def acceptance_stats(rounds: Sequence[Round], k: int) -> AcceptanceStats:
         rounds=len(rounds),
         accept_hist=hist.tolist(),
         mean_proposed=float(proposed.mean()),
+        max_proposed=int(proposed.max()),
         mean_accepted=float(accepted.mean()),
         median_accepted=float(np.median(accepted)),
         p10_accepted=float(np.percentile(accepted, 10)),
@@ -213,3 +219,44 @@ def acceptance_by_length(rounds_by_prompt: Sequence[tuple[object, int, Sequence[
     return {length_bucket(tokens): {"prompts": len(prompts), "rounds": len(pooled),
                                     "tau": acceptance_stats(pooled, k).acceptance_length if pooled else None}
             for _, (prompts, pooled, tokens) in sorted(groups.items())}
+
+
+class PartingGaps:
+    """Where a drafter's greedy output in the engine parts from the engine's plain output: draftsmith's target's
+    logit of plain's token minus the drafter's at that position, given the tokens both wrote before it (one
+    forward each, cached). Near 0 is a near tie, which the engine's numerics may break either way (scoring
+    several positions at once rounds differently from one); a large gap is a token the target does not come close
+    to preferring, which no rounding explains."""
+
+    def __init__(self, target, prompts: dict[str, list[list[int]]]) -> None:
+        self.target, self.prompts, self._seen = target, prompts, {}
+        parameter = next(target.parameters())
+        self.device, self.dtype = parameter.device, str(parameter.dtype).removeprefix("torch.")
+
+    @torch.inference_mode()
+    def __call__(self, category: str, index: int, plain: list[int], other: list[int]) -> float | None:
+        """The gap for prompt `index` of `category` whose plain output is `plain` and the drafter's `other`;
+        None where they do not part at a token (one is the other cut short)."""
+        part = next((j for j, (a, b) in enumerate(zip(plain, other)) if a != b), None)
+        if part is None:
+            return None
+        key = (category, index, tuple(plain[:part + 1]), other[part])
+        if key not in self._seen:
+            ids = torch.tensor([self.prompts[category][index] + plain[:part]], device=self.device)
+            logits = self.target(input_ids=ids).logits[0, -1].float()
+            self._seen[key] = float(logits[plain[part]] - logits[other[part]])
+        return self._seen[key]
+
+
+def parting_note(differs: list[tuple], total: int, runs: dict, plain: dict, gaps: PartingGaps | None) -> str:
+    """What a greedy row whose output differs from plain decoding says: on how many of its `total` generations, and,
+    with `gaps`, how near a tie of the target's logits each parts at. differs: the keys (repeat, category, prompt
+    index) of `runs` and `plain` (token lists under `.tokens`) that differ."""
+    line = f"its output differs from plain decoding on {len(differs)} of {total} generations"
+    if gaps is not None:
+        found = [g for g in (gaps(c, i, plain[r, c, i].tokens, runs[r, c, i].tokens) for r, c, i in differs)
+                 if g is not None]
+        if found:
+            line += (f"; where each parts from plain, draftsmith's target ({gaps.dtype}) scores plain's token above "
+                     f"the drafter's by {', '.join(f'{g:.2f}' for g in sorted(found))} (logits; near 0: a near tie)")
+    return line

@@ -40,6 +40,7 @@ def markdown(report: dict) -> str:
         "## Summary",
         "",
         table(rows),
+        *lossless_lines(rows),
         "",
         "## Throughput",
         "",
@@ -93,6 +94,18 @@ def markdown(report: dict) -> str:
                 table([r for r in rows if r["k"] == r["best_k"]], BATCH_COLUMNS)]
     out += engine_section(rows + report.get("engine_results", []), report.get("plots", []))
     return "\n".join(out) + "\n"
+
+
+def lossless_lines(rows: list[dict]) -> list[str]:
+    """Under the summary, each greedy row whose output is not plain decoding's: on how many generations, and how near
+    a tie of the target's logits each parts at (a tie the target's own rounding can break either way, or not)."""
+    notes = [f"- {r['category']}, {r['drafter']}, k={r['k']}, B={r.get('batch_size', 1)}: {r['lossless_note']}"
+             for r in rows if r.get("lossless_note")]
+    if not notes:
+        return []
+    return ["", "Not lossless here: greedy speculative decoding must write plain decoding's tokens. A gap near 0 is a "
+            "near tie that verifying several positions at once rounds otherwise than one position (bfloat16 far more "
+            "often than float32); a large one is a drafter's token the target never chose, a bug.", "", *notes]
 
 
 def length_section(rows: list[dict]) -> list[str]:

@@ -13,9 +13,9 @@ from eval import engine_formats, llama_cpp
 from eval.costs import EngineCosts, ceilings, predict, verified_width
 from eval.endpoint import stream
 from eval.llama_cpp_drafters import Served, draft_dtype, llama_cpp_drafter
-from eval.llama_cpp_figures import CHAINS_ONLY, NOTHING_DRAFTED, PartingGaps, engine_figures, numerics_note
+from eval.llama_cpp_figures import CHAINS_ONLY, NOTHING_DRAFTED, engine_figures, numerics_note
 from eval.llama_cpp_measure import DraftCounters, DraftStats, RoundCosts
-from eval.metrics import predicted_speedup
+from eval.metrics import PartingGaps, predicted_speedup
 from eval.engine import LlamaCpp, engine_for
 from eval.compare import verdict
 
@@ -59,6 +59,20 @@ def test_predict_charges_a_parallel_drafter_one_forward_at_its_k():
     assert at4["engine_predicted_speedup"] == pytest.approx(3.0 / (1 + 0.2 + 0.1))
     assert at8["engine_predicted_speedup"] == pytest.approx(3.4 / (1 + 0.3 + 0.1)) and at8["engine_cost_ratio"] == 0.3
     assert at4["engine_tau_to_pay"] == pytest.approx(1.05 * (1 + 0.2 + 0.1))
+
+
+def test_predict_charges_a_short_block_beta_and_its_ceiling_at_the_width_it_verified():
+    """A DFlash block of 3 asked for k = 8 drafts 2 a round: its rounds verify 3 positions, so the prediction charges β
+    at 3 and its ceiling is a perfect block of 3's, not k = 8's. A stop drafter that sometimes drafts the full k is
+    still charged at k + 1."""
+    block = {**row("dflash_b3", 2.0, 2.0, k=8), "parallel": True, "max_proposed": 2}
+    stop = {**row("head", 2.0, 2.6, k=8), "max_proposed": 8}
+    costs = EngineCosts(c=0.1, beta=0.2, betas={3: 0.05, 9: 0.6})
+    predict([block, stop], costs, {}, 1.05)
+    assert block["engine_verify_overhead"] == 0.05 and stop["engine_verify_overhead"] == 0.6
+    assert block["engine_predicted_speedup"] == pytest.approx(2.0 / (1 + 0.1 + 0.05))
+    assert block["engine_ceiling"] == pytest.approx(3 / 1.05)
+    assert stop["engine_ceiling"] == pytest.approx(9 / 1.6)
 
 
 def test_predict_needs_beta_and_says_which_drafter_lacks_c():

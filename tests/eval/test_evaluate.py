@@ -1,12 +1,18 @@
 """evaluate() on tiny models: every row has the contract's keys and consistent numbers."""
 
+import dataclasses
+
 import pytest
 import torch
 
+import eval.evaluate as evaluate_module
 from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
+from drafters.sampling import Sampling
 from eval.evaluate import ALL, EvalPlan, evaluate
 from eval.compare import UNDECIDED
+from eval.report_markdown import lossless_lines
+from eval.speculative import autoregressive_generate
 from helpers import tiny_llama
 
 VOCAB = 48
@@ -74,6 +80,42 @@ def test_rows_cover_every_configuration(setup):
     agg = next(r for r in rows if r["category"] == ALL and r["drafter"] == "self" and r["k"] == 3 and r["temperature"] == 0)
     assert agg["prompts"] == 3
     assert agg["rounds"] == sum(r["rounds"] for r in selfrows if r["k"] == 3 and r["category"] != ALL)
+
+
+def test_a_greedy_output_that_is_not_plain_decodings_says_where_it_parts(setup, monkeypatch):
+    """Greedy speculative decoding must write plain decoding's tokens. A row where it did not (here one generation
+    with its third token changed) is not lossless and says on how many generations, and how near a tie of the
+    target's logits each parts at: the target's logit of plain's token minus the written one's there. The report
+    prints it under the summary; rows that match have no note."""
+    target, drafters, prompts = setup
+    odd = prompts["b"][0]
+    real = evaluate_module.speculative_generate
+
+    def altered(target_, drafter, prompt_ids, **kw):
+        gen = real(target_, drafter, prompt_ids, **kw)
+        if torch.equal(prompt_ids, odd):
+            gen = dataclasses.replace(gen, tokens=[*gen.tokens[:2], (gen.tokens[2] + 1) % VOCAB, *gen.tokens[3:]])
+        return gen
+
+    monkeypatch.setattr(evaluate_module, "speculative_generate", altered)
+    plan = EvalPlan(ks=[3], temperatures=[0.0], max_new_tokens=12, repeats=1, warmup=0)
+    rows = {r["category"]: r for r in evaluate(target, drafters[1:2], prompts, plan, progress=False)}
+    plain = autoregressive_generate(target, odd, sampling=Sampling(temperature=0.0), max_new_tokens=12).tokens
+    with torch.inference_mode():
+        logits = target(input_ids=torch.cat([odd, torch.tensor(plain[:2])])[None]).logits[0, -1].float()
+    gap = float(logits[plain[2]] - logits[(plain[2] + 1) % VOCAB])
+    assert gap > 0  # plain decoding chose its token
+    assert rows["a"]["lossless"] is True and rows["a"]["lossless_note"] is None
+    for category, total in (("b", 1), (ALL, 3)):
+        assert rows[category]["lossless"] is False
+        assert rows[category]["lossless_note"] == (
+            f"its output differs from plain decoding on 1 of {total} generations; where each parts from plain, "
+            f"draftsmith's target (float32) scores plain's token above the drafter's by {gap:.2f} (logits; near 0: a "
+            "near tie)")
+    lines = lossless_lines(list(rows.values()))
+    assert lines[1].startswith("Not lossless here") and len(lines) == 5  # blank, intro, blank, b and all
+    assert lines[3] == f"- b, self, k=3, B=1: {rows['b']['lossless_note']}"
+    assert lossless_lines([rows["a"]]) == []
 
 
 def test_acceptance_is_split_by_prompt_length(setup):

@@ -14,7 +14,7 @@ def rounds(accepted, proposed=None, k=4, draft_s=0.004, verify_s=0.012):
 def test_acceptance_stats_on_hand_built_rounds():
     # 5 rounds at k=4: kept 0, 4, 2, 4, 0 -> tokens 1+5+3+5+1 = 15 in 5 rounds.
     s = acceptance_stats(rounds([0, 4, 2, 4, 0]), k=4)
-    assert s.rounds == 5
+    assert s.rounds == 5 and s.max_proposed == 4
     assert s.accept_hist == [2, 0, 1, 0, 2]
     assert s.mean_accepted == pytest.approx(2.0)
     assert s.median_accepted == 2.0
@@ -32,6 +32,7 @@ def test_short_proposals_count_only_where_proposed():
     # An n-gram drafter proposing 2, 0 and 4 tokens at k=4.
     s = acceptance_stats(rounds([2, 0, 1], proposed=[2, 0, 4]), k=4)
     assert s.acceptance_rate == pytest.approx(3 / 6)
+    assert s.mean_proposed == pytest.approx(2.0) and s.max_proposed == 4  # a full round still verified 4
     assert s.position_acceptance[0] == pytest.approx(2 / 2)  # the empty proposal did not reach position 1
     assert s.position_acceptance[2] is None  # nobody proposed a third token after keeping two
 
