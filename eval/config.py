@@ -31,7 +31,10 @@ class TargetConfig:
     name_or_path: str = MISSING
     gguf_file: Optional[str] = None  # a GGUF file inside the name_or_path directory or hub repository
     off_the_shelf_draft: Optional[str] = None  # the draft users would pick without draftsmith
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # float32 | bfloat16 | float16, the target's weights and compute. On a CPU a bfloat16 forward of 1-9 positions
+    # costs about one position's while a float32 one jumps with the width, and so does the loop's β
+    # (scripts/bench_widths.py)
+    dtype: str = "float32"
     trust_remote_code: bool = False  # never on unless the user turns it on
     chat_template: Optional[str] = None  # a Jinja template (or a path to one) for tokenizers without one
 
