@@ -222,9 +222,9 @@ def acceptance_by_length(rounds_by_prompt: Sequence[tuple[object, int, Sequence[
 
 
 class PartingGaps:
-    """Where a drafter's greedy output in the engine parts from the engine's plain output: draftsmith's target's
-    logit of plain's token minus the drafter's at that position, given the tokens both wrote before it (one
-    forward each, cached). Near 0 is a near tie, which the engine's numerics may break either way (scoring
+    """Where a drafter's greedy output parts from plain decoding's (in draftsmith's loop or in an engine):
+    draftsmith's target's logit of plain's token minus the drafter's at that position, given the tokens both wrote
+    before it (one forward each, cached). Near 0 is a near tie, which the numerics may break either way (scoring
     several positions at once rounds differently from one); a large gap is a token the target does not come close
     to preferring, which no rounding explains."""
 
