@@ -264,7 +264,30 @@ class Recipe(ABC):
         state = checkpoint.load(path, self.model, self.optimizer, self.scheduler)
         self.step = state["step"]
         self.best = state.get("best")
-        log.info("resumed from %s at step %d", path, self.step)
+        dropped = self._drop_metrics_after(self.step)
+        log.info("resumed from %s at step %d%s", path, self.step,
+                 f" (dropped {dropped} metrics lines past it: the resumed run writes them again)" if dropped else "")
+
+    def _drop_metrics_after(self, step: int) -> int:
+        """Keep metrics.jsonl's lines up to `step`: the steps an interrupted run logged after its last checkpoint
+        are trained again, so each step is logged once. A torn last line (a kill mid-write) goes too."""
+        if not (self.is_main and self.metrics_path.exists()):
+            return 0
+        kept, dropped = [], 0
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                keep = json.loads(line)["step"] <= step
+            except (json.JSONDecodeError, KeyError, TypeError):
+                keep = False
+            if keep:
+                kept.append(line + "\n")
+            else:
+                dropped += 1
+        if dropped:
+            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(self.metrics_path)
+        return dropped
 
     # --- data -------------------------------------------------------------------------------------
 

@@ -240,8 +240,14 @@ def test_resume_continues_exactly(tiny_world, tmp_path):
     train(smoke(tmp_path, *steps, "trainer.max_steps=4", run="full"))
     # A run that stopped after step 2: only the step-2 checkpoint of the same run exists.
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step-000002", tmp_path / "part" / "checkpoints" / "step-000002")
+    # It had logged step 3 (marked, to tell it from the resumed run's) and died writing step 4's line.
+    full_lines = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    stale = {**json.loads(full_lines[2]), "loss": -1.0}
+    (tmp_path / "part" / "metrics.jsonl").write_text("\n".join(full_lines[:2] + [json.dumps(stale), '{"step": 4, "lo']))
     summary = train(smoke(tmp_path, *steps, "trainer.max_steps=4", "trainer.resume=auto", run="part"))
-    assert summary["steps"] == 4 and [r["step"] for r in metrics(tmp_path / "part")] == [3, 4]
+    resumed = metrics(tmp_path / "part")
+    assert summary["steps"] == 4 and [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in metrics(tmp_path / "full")], rel=1e-5)
     a = load_file(str(tmp_path / "full" / "checkpoints" / "step-000004" / "model.safetensors"))
     b = load_file(str(tmp_path / "part" / "checkpoints" / "step-000004" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
