@@ -10,7 +10,8 @@ for the target's greedy verification on the first `--prompts` prompts of each ca
 only while the loop is inside `propose`, after one unprofiled pass over the same prompts (warm-up), so the shares
 are of drafting alone: which part of a round (the drafter's layers, the output head, reading the target's features)
 is worth making cheaper. cProfile's own overhead inflates small Python calls; the first line's milliseconds a round
-are timed without it, in a separate pass.
+are timed without it, in a separate pass. It runs on the CPU: cProfile sees the host's time, which on a GPU would be
+kernel launches, not kernels.
 """
 
 from __future__ import annotations
