@@ -17,6 +17,7 @@ from omegaconf import MISSING
 from drafters.parallel import COD_MIN_RATIO, COD_RATIO, MAX_ANCHORS
 from eval.config import AnyDrafterSpec, DataConfig, TargetConfig, TrackingConfig
 from train.hub import HubSettings
+from train.launch import register_resolver
 
 # --- python -m train.prepare --------------------------------------------------------------------------
 
@@ -345,6 +346,10 @@ class TrainConfig:
     # Export at the end into <run>/export/ (python -m train.export's settings); no formats = no export.
     export: ExportSettings = field(default_factory=lambda: ExportSettings(formats=[]))
     data_cache: str = "runs/prepared"  # regenerated + tokenized data, shared by runs on the same data
+    # The run's directory under runs/train/<kind>/ (conf/train.yaml's hydra.run.dir). Default: the launch's start
+    # time, one for every process of a multi-GPU launch (train/launch.py). Name a run to resume it: the same command
+    # launched again with trainer.resume=auto finds its checkpoints.
+    name: str = "${run_stamp:}"
     out_dir: str = "${hydra:runtime.output_dir}"
     progress: bool = True
 
@@ -363,7 +368,8 @@ class ExportConfig(ExportSettings):
 def register() -> None:
     """Store the training entry points' schemas (conf/prepare.yaml's `prepare_schema`, conf/train.yaml's
     `train_schema`, conf/export.yaml's `export_schema`) and each drafter kind's (`drafter/<kind>_schema`,
-    which conf/drafter/<kind>.yaml composes) in Hydra's ConfigStore."""
+    which conf/drafter/<kind>.yaml composes) in Hydra's ConfigStore, and the `${run_stamp:}` resolver."""
+    register_resolver()
     cs = ConfigStore.instance()
     cs.store(name="prepare_schema", node=PrepareConfig)
     for kind, schema in KINDS.items():

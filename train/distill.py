@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 from drafters.draft_lm import check_same_vocabulary
 from eval.run import target_source
 from traffic import checkpoint, models
+from train.launch import rank0_first
 from train.logit_cache import LogitCache, write_logit_cache
 from train.losses import DIVERGENCES, acceptance_estimate, divergence, divergence_topk, greedy_agreement, sft
 from train.recipe import Recipe, _pad, _records_batch
@@ -71,7 +72,7 @@ class DraftLMRecipe(Recipe):
         """The target's top-k log-probabilities over the training set, computed once (rank 0) and shared."""
         t, d = self.cfg.trainer, self.cfg.drafter
         directory = self._cache_dir("logits", t.max_length, d.cached_top_k, d.temperature)
-        with self.acc.main_process_first():
+        with rank0_first(self.acc, lambda: complete(directory), "the logit cache"):
             if not complete(directory):
                 write_logit_cache(self._training_examples(), self.target, directory, top_k=d.cached_top_k,
                                   temperature=d.temperature, batch_size=t.batch_size,

@@ -35,6 +35,7 @@ from drafters.registry import KINDS, build_head, load_head, save_head
 from traffic.checkpoint import full_model_state
 from train.config import HeadConfig, drafter_keys
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
+from train.launch import rank0_first
 from train.recipe import Recipe, _records_batch
 from train.recipe import run as run_recipe
 from train.shards import complete
@@ -179,7 +180,7 @@ class HeadRecipe(Recipe):
             return
         t, d, layers = self.cfg.trainer, self.cfg.drafter, self.capture_layers
         directory = self._cache_dir("hidden", layers, t.max_length, d.offline_dtype)
-        with self.acc.main_process_first():
+        with rank0_first(self.acc, lambda: complete(directory), "the feature cache"):
             if not complete(directory):
                 max_bytes = None if d.offline_max_gib is None else int(d.offline_max_gib * 2**30)
                 write_shards(self._training_examples(), self.target, layers, directory, dtype=d.offline_dtype,

@@ -45,11 +45,12 @@ from tqdm.auto import tqdm
 from drafters.sampling import Sampling
 from eval import engine
 from eval.config import checked_spec
-from eval.run import load_target, reading, resolve_data, target_source, tokenize_prompts
+from eval.run import check_draft_vocabulary, load_target, reading, resolve_data, target_source, tokenize_prompts
 from traffic import checkpoint
 from traffic.records import Example, load_records
 from train.export import export
 from train.final_eval import final_eval, final_eval_traffic
+from train.launch import rank0_first
 from train.precision import mixed_precision
 from train.prepare import held_out_indices, prepare
 from train.regenerate import answer_writer
@@ -168,6 +169,7 @@ class Recipe(ABC):
                                                   trust_remote_code=cfg.target.trust_remote_code,
                                                   chat_template=cfg.target.chat_template)
         self.target.requires_grad_(False)
+        check_draft_vocabulary(self.target, cfg.target.off_the_shelf_draft, "target.off_the_shelf_draft")
         if cfg.evaluate.enabled and self.is_main:
             self._warn_long_prompts()
         regen = OmegaConf.to_container(cfg.regenerate, resolve=True)
@@ -180,7 +182,7 @@ class Recipe(ABC):
             key = zlib.crc32(json.dumps([target_source(cfg.target), content, regen, *which]).encode())
             directory = Path(cfg.data_cache) / f"{cfg.target.name}-{split}-{key:08x}"
             self.data_dirs[split] = directory
-            with self.acc.main_process_first():  # rank 0 regenerates; the others then read its cache
+            with rank0_first(self.acc, (directory / "prepare.json").exists, f"the {split} set's answers"):
                 if not (directory / "prepare.json").exists():
                     with answer_writer(regen, self.tokenizer, target_source(cfg.target), chosen, work=directory,
                                        max_new_tokens=regen["max_new_tokens"]) \
@@ -260,6 +262,7 @@ class Recipe(ABC):
         path = checkpoint.latest(self.out / "checkpoints") if resume == "auto" else Path(resume)
         if path is None:
             log.info("trainer.resume=auto: no complete checkpoint in %s, starting from scratch", self.out)
+            self._point_to_unfinished_runs()
             return
         state = checkpoint.load(path, self.model, self.optimizer, self.scheduler)
         self.step = state["step"]
@@ -267,6 +270,22 @@ class Recipe(ABC):
         dropped = self._drop_metrics_after(self.step)
         log.info("resumed from %s at step %d%s", path, self.step,
                  f" (dropped {dropped} metrics lines past it: the resumed run writes them again)" if dropped else "")
+
+    def _point_to_unfinished_runs(self) -> None:
+        """A run launched again without its name starts in a new time-stamped directory: say which runs beside it
+        stopped before their end with a checkpoint, and the option that resumes one."""
+        if not self.is_main:
+            return
+        unfinished = sorted((run for run in self.out.parent.iterdir() if run != self.out and run.is_dir()
+                             and not (run / "train_summary.json").exists()
+                             and checkpoint.latest(run / "checkpoints") is not None), key=lambda r: r.stat().st_mtime)
+        if unfinished:
+            last = unfinished[-1]
+            msg = (f"{len(unfinished)} run(s) in {self.out.parent} stopped before their end with a checkpoint, the "
+                   f"latest {last.name} at {checkpoint.latest(last / 'checkpoints').name}: the same command with "
+                   f"name={last.name} resumes it (this run starts from scratch in {self.out.name})")
+            log.warning(msg)
+            print(f"warning: {msg}")
 
     def _drop_metrics_after(self, step: int) -> int:
         """Keep metrics.jsonl's lines up to `step`: the steps an interrupted run logged after its last checkpoint
