@@ -65,6 +65,21 @@ def target_source(target) -> str:
     return models.source(target["name_or_path"], target.get("gguf_file"))
 
 
+def check_draft_vocabulary(target: PreTrainedModel, path: str | None, key: str) -> None:
+    """Stop before the work a run spends on its target (regenerating answers, training) when a draft of the built-in
+    world (`path`, set by `key`) cannot share the target's vocabulary: a command that set target.name_or_path alone
+    keeps conf/target/toy.yaml's draft, and would fail the vocabulary check only at the end of a run."""
+    if not (path and str(path).startswith(toyworld.SCHEME)):
+        return
+    world = str(path)[len(toyworld.SCHEME):].split("/", 1)[0]
+    preset = toyworld.PRESETS.get(world)
+    if preset is not None and preset.vocab_size != target.config.get_text_config().vocab_size:
+        raise ValueError(f"{key}={path} is the built-in {world!r} world's draft ({preset.vocab_size} tokens), but the "
+                         f"target has a vocabulary of {target.config.get_text_config().vocab_size}: name the draft "
+                         f"your target would use (target.off_the_shelf_draft=<hub id or path>, same tokenizer), or "
+                         f"target.off_the_shelf_draft=null for a target without one")
+
+
 def resolve_specs(specs: list[dict], target_source: str, own_drafters: bool, loop: bool = True) -> list[dict]:
     """The drafter specs with what they stand for made concrete: a self-draft (`kind: draft_lm`, `layers`, no
     path) gets the path of the target's first layers (built once, traffic/models.py); llama.cpp's own

@@ -96,3 +96,19 @@ def test_the_confidence_stop_reaches_the_drafter(tiny_world):
                       target=target, tokenizer=tok)
     with pytest.raises(ValueError, match="stop_below needs a drafter with probabilities"):
         build_drafter({"name": "n", "kind": "ngram", "stop_below": 0.3}, target=target, tokenizer=tok)
+
+
+def test_the_built_in_worlds_draft_with_another_target_stops_before_any_work():
+    """A command that set target.name_or_path alone keeps the toy world's draft (conf/target/toy.yaml): stopped as
+    soon as the target is loaded, naming the key and the fix, not by the vocabulary check at the end of a run."""
+    from eval.run import check_draft_vocabulary
+    from helpers import tiny_llama
+
+    mine = tiny_llama(vocab=128_256 // 1000)
+    with pytest.raises(ValueError, match=r"target.off_the_shelf_draft=toyworld://toy/draft is the built-in 'toy' "
+                                         r"world's draft \(4096 tokens\).*vocabulary of 128.*off_the_shelf_draft=null"):
+        check_draft_vocabulary(mine, "toyworld://toy/draft", "target.off_the_shelf_draft")
+    # The same vocabulary (a model of another family on the world's tokenizer, a GGUF of its target) is a pairing.
+    check_draft_vocabulary(tiny_llama(vocab=320), "toyworld://tiny/draft", "target.off_the_shelf_draft")
+    check_draft_vocabulary(mine, "/models/draft", "target.off_the_shelf_draft")  # the user's own: checked when loaded
+    check_draft_vocabulary(mine, None, "target.off_the_shelf_draft")
