@@ -33,7 +33,7 @@ install: $(VENV)/.installed $(VENV)/speculators/.installed $(VENV)/specforge/.in
 # torch is pinned before the project so pip never resolves an unpinned torch (several GB of CUDA wheels).
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@echo "make install: torch 2.13.0 (CPU) and draftsmith's dependencies at the versions in constraints.txt"
+	@echo "make install: torch 2.13.0 ($(if $(PIP_EXTRA_INDEX_URL),the build on $(PIP_EXTRA_INDEX_URL),CPU)) and draftsmith's dependencies at the versions in constraints.txt"
 	@$(BIN)/python -m pip install -q --upgrade pip $(QUIET)
 	@$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0 $(QUIET)
 	@$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]" $(QUIET)

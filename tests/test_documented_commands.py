@@ -4,7 +4,7 @@ measured.
 The guides (README.md and docs/*.md) are instructions: each command in their shell blocks either runs here on the
 tiny world (the user's models and files replaced by the tiny world's, a few tokens) or matches a rule of SKIPPED
 that says why not (it needs a GPU, a server, minutes on a real model) and which test covers it instead; a command
-with neither fails. The pages under docs/benchmarks/ are records of measurements, each command beside the commit it
+with neither fails. A command for GPUs is also composed with exactly its own options and its resolved config checked. The pages under docs/benchmarks/ are records of measurements, each command beside the commit it
 measured, minutes to hours on real models: not run here.
 
 Every command in a `conf/` YAML header or a guide that names a data file (`data.path=`, `data.eval_path=`) must
@@ -302,8 +302,9 @@ SKIPPED = [
     (r"^make (install|test|llama-cpp)$", "CI itself: `make test` runs `make install` and `make llama-cpp` first"),
     (r"-m pytest\b", "the test suite itself"),
     (r"accelerate launch --multi_gpu|experiment=llama3_8b_eagle|trainer=gpu",
-     "needs NVIDIA GPUs (and an 8B model): tests/train/test_gpu_recipe.py composes the GPU recipe and trains two "
-     "steps of it on a tiny model of its architecture; tests/train/test_distill.py launches --multi_gpu on CPUs"),
+     "needs NVIDIA GPUs (and an 8B model): composed as written by test_every_gpu_command_composes_as_written; "
+     "tests/train/test_gpu_recipe.py trains two steps of the GPU recipe on a tiny model of its architecture; "
+     "tests/train/test_launch.py launches --multi_gpu on CPUs, killed and launched again"),
     (r"^(vllm serve|python -m sglang|llama-server )", "an engine serving the user's model: the engines' own code "
      "loads every export in tests/train/test_export.py, and llama-server serves them in tests/eval/test_llama_cpp.py"),
     (r"scripts/synthesize_prompts\.py", "samples SmolLM2 through llama-server for minutes: "
@@ -373,3 +374,47 @@ def run_export(overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="export", overrides=overrides)
     return run(cfg)
+
+
+# --- the commands that need GPUs: composed with their own options ----------------------------------------------
+
+ON_GPUS = re.compile(r"accelerate launch --multi_gpu|experiment=llama3_8b_eagle|trainer=gpu|device=cuda")
+ENTRY = re.compile(r"(?:python|accelerate launch\b.*?) -m (eval|train)\b(.*)")
+GPU_COMMANDS = [(where, command) for where, command in
+                [*((str(p.relative_to(ROOT)), c) for p in sorted(CONF.rglob("*.yaml")) for c in _header_commands(p)),
+                 *((str(page.relative_to(ROOT)), c) for page in GUIDES for c in _block_commands(page))]
+                if ON_GPUS.search(command) and ENTRY.search(command)]
+
+
+def test_the_gpu_commands_are_found():
+    pages = {where for where, _ in GPU_COMMANDS}
+    assert {"docs/your-model.md", "docs/training.md", "README.md", "conf/experiment/llama3_8b_eagle.yaml"} <= pages
+    assert any("accelerate launch" in c for _, c in GPU_COMMANDS)
+
+
+@pytest.mark.parametrize("where,command", GPU_COMMANDS, ids=[f"{w}:{c[:90]}" for w, c in GPU_COMMANDS])
+def test_every_gpu_command_composes_as_written(where, command):
+    """What runs on the user's GPUs cannot run here, so each such command is composed with exactly its options (its
+    models, files and run name, no stand-in) and its resolved config is checked before any work: a real target held
+    in bf16, a draft that belongs to the target, a run directory the same command finds again, the k it serves at."""
+    from train.launch import run_stamp
+
+    module, rest = ENTRY.search(command).groups()
+    args = shlex.split(re.split(r"\s\(", rest)[0], comments=True)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name=CONFIG_NAME[module], overrides=args)
+    said = f"{where}: `{command}`"
+    if not cfg.target.name_or_path.startswith("toyworld://"):  # a real target: float32 doubles its memory
+        assert cfg.target.dtype in ("bfloat16", "float16"), f"{said} holds the target in {cfg.target.dtype}"
+    for path in [cfg.target.off_the_shelf_draft] if module == "train" else [d.get("path") for d in cfg.drafters]:
+        world = re.match(r"toyworld://[^/]+/", path or "")  # the built-in world's draft belongs to its target only
+        assert not world or cfg.target.name_or_path.startswith(world.group()), f"{said} drafts with {path}"
+    if module == "eval":
+        if cfg.engine and cfg.engine.get("k") is not None:
+            assert cfg.engine.k in cfg.ks, f"{said} serves k = {cfg.engine.k}, which it does not measure"
+        return
+    # Launched again after an interruption, the same command must find its run: a named directory, resume on.
+    assert cfg.name != run_stamp(), f"{said} names no run (name=...): launched again it starts a new directory"
+    assert cfg.trainer.resume == "auto", f"{said} does not resume (trainer.resume={cfg.trainer.resume})"
+    if any(a.startswith("experiment=") for a in args):
+        assert len(cfg.evaluate.ks) > 1, f"{said}: its evaluation measures one k, so the verdict cannot choose k"
