@@ -41,7 +41,7 @@ class TargetConfig:
 
 @dataclass
 class DataConfig:
-    """Company traffic: JSONL/Parquet path, glob or hub dataset id (see README, "Company logs")."""
+    """Company traffic: JSONL/Parquet path, glob or hub dataset id (docs/data.md, "Formats")."""
 
     path: str = MISSING  # training traffic
     # Held-out traffic for evaluation. null: `python -m eval` measures `path` (the built-in world: its held-out

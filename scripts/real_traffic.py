@@ -9,7 +9,7 @@
   being their writing and roleplay categories, `chat` the rest;
 - `stories`: TinyStories openings ("Once upon a time ..."), the story to be written from its first sentence.
 
-Each record is a user turn without an answer (README "Company logs", the `chat` format): `python -m train`
+Each record is a user turn without an answer (docs/data.md, "Formats": the `chat` format): `python -m train`
 has the target write the answers (train/regenerate.py), `python -m eval` measures the prompts. Writes
 DEST/train.jsonl and DEST/eval.jsonl; every category holds out its first `--eval-per-category` prompts in a
 fixed shuffled order, and trains on at most `--train-per-category` of the rest, the categories interleaved in

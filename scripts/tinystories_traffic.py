@@ -1,5 +1,5 @@
 """Traffic for a story model from TinyStories text: each paragraph's first sentence is the prompt, the rest
-of the paragraph the logged response, in `prompt` records (README "Company logs"):
+of the paragraph the logged response, in `prompt` records (docs/data.md, "Formats"):
 
     python scripts/tinystories_traffic.py ../shared/data/tinystories/tinystories_val.txt runs/tinystories
 

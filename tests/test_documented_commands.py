@@ -171,7 +171,7 @@ def _concrete(module: str, args: list[str], tmp_path: Path) -> tuple[list[str], 
             overrides.append(f"{key}=toyworld://tiny/draft")
         elif key in ("out_dir", "target"):
             continue  # replaced below: tmp, and the tiny world
-        elif key == "drafters" and "<time>" in value:  # a run of the user's own: the tiny world's draft instead
+        elif key == "drafters" and "runs/train/" in value:  # a run of the user's own: the tiny world's draft instead
             overrides.append("drafters=[{name: trained, kind: draft_lm, path: toyworld://tiny/draft}]")
         elif (key == "engine" and value == "openai") or key.startswith("engine."):
             continue  # the user's deployment is not here: tests/eval/test_deployment.py runs it on real llama-servers
