@@ -233,6 +233,7 @@ class HeadRecipe(Recipe):
         self.model.eval()
         totals: dict[str, list[torch.Tensor]] = {}
         replayed: dict[str, list[int]] = {}  # category: [tokens, rounds] of greedy_rounds
+        per_record: list[tuple[str, int, int]] = []  # (category, tokens, rounds) of each held-out record, in order
         bs, limit = self.cfg.trainer.batch_size, self.cfg.trainer.max_length
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for start in range(0, len(self.eval_set), bs):
@@ -245,10 +246,12 @@ class HeadRecipe(Recipe):
             for row, (tokens, rounds) in zip(rows, greedy_rounds(hits, answer)):
                 total = replayed.setdefault(row["category"], [0, 0])
                 total[0], total[1] = total[0] + tokens, total[1] + rounds
+                per_record.append((row["category"], tokens, rounds))
             for s, st in enumerate(stats):
                 for key, value in st.items():
                     totals.setdefault(f"{key}_{s}", []).append(value)
         self.model.train()
+        self.heldout_rounds = per_record  # for intervals over records (scripts/bench_peers.py); not logged
         sums = {key: float(self.acc.reduce(torch.stack(v).sum(), "sum")) for key, v in totals.items()}
         # Every process replays the whole held-out set: nothing to gather.
         tokens, rounds = (sum(t[i] for t in replayed.values()) for i in (0, 1))

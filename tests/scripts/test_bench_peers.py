@@ -19,11 +19,13 @@ VENV = ROOT / ".venv"
 
 @pytest.fixture(scope="module")
 def bench(tiny_world, tmp_path_factory):
-    """Three steps of every trainer and setting, on tiny_deep's company traffic, in windows of 128 tokens."""
+    """Three steps of every trainer, two seeds, the ladder's ends and a rung, and the control, on tiny_deep's company
+    traffic, in windows of 128 tokens."""
     world = toyworld.build("tiny_deep")
     out = tmp_path_factory.mktemp("peers")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--data",
-                           str(world / "company_logs" / "train.jsonl"), "--steps", "3", "--heldout", "6", "--out",
+                           str(world / "company_logs" / "train.jsonl"), "--steps", "3", "--heldout", "6", "--seeds",
+                           "2", "--threads", "1", "--settings", "defaults,+lr,matched,target-head", "--out",
                            str(out), "--overrides", "experiment=smoke", "target=tiny_deep",
                            "trainer.max_length=128"],  # shorter than some records: features of their first 128 tokens
                           capture_output=True, text=True)
@@ -34,23 +36,63 @@ def bench(tiny_world, tmp_path_factory):
 def test_every_trainer_and_setting_writes_a_row_measured_on_the_same_held_out_records(bench):
     out, report, stdout = bench
     rows = report["rows"]
-    assert [(r["trainer"], r["settings"]) for r in rows] == [
-        ("draftsmith", "recipe"), ("specforge", "matched"), ("specforge", "defaults"), ("speculators", "matched"),
-        ("speculators", "defaults")]
-    categories = {r["category"] for r in datasets.load_from_disk(str(next((out / "data").glob("*-eval-*"))
-                                                                      / "tokenized"))}
+    runs = [(r["trainer"], r["settings"], r["seed"]) for r in rows]
+    assert runs == [("draftsmith", "recipe", 0), ("draftsmith", "recipe", 1),
+                    *((p, s, seed) for p in ("specforge", "speculators") for s in ("defaults", "+lr", "matched")
+                      + (("target-head",) if p == "specforge" else ()) for seed in (0, 1))]
+    held = datasets.load_from_disk(str(next((out / "data").glob("*-eval-*")) / "tokenized"))
     for r in rows:
         assert r["steps"] == 3 and r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["train_s"] > 0
-        assert 1.0 <= r["heldout_tau"] <= 5.0 and set(r["heldout_tau_by_category"]) == categories, r
+        assert 1.0 <= r["heldout_tau"] <= 5.0 and set(r["heldout_tau_by_category"]) == set(held["category"]), r
         assert Path(r["head"], "config.json").exists()
-    # The referee's replay of draftsmith's own head is the number its run logged: one measurement for all.
-    assert rows[0]["notes"]["referee_tau"] == rows[0]["heldout_tau"]
+        # every head by the one referee, on the same records in the same order
+        assert [c for c, _, _ in r["rounds"]] == held["category"]
+        tokens, rounds = (sum(x[i] for x in r["rounds"]) for i in (1, 2))
+        assert abs(tokens / rounds - r["heldout_tau"]) < 1e-3
+    # The referee's replay of draftsmith's head is the number its own run logged at its last step.
+    metrics = [json.loads(line) for line in (out / "draftsmith-recipe-s0" / "metrics.jsonl").read_text().splitlines()]
+    assert round(metrics[-1]["heldout_tau_greedy"], 4) == rows[0]["heldout_tau"]
+    # Seeds train different heads; a peer's own depth is replayed too where it is not the recipe's (speculators: 3).
+    assert rows[0]["head"] != rows[1]["head"]
+    depths = {(r["trainer"], r["settings"]): r["depth"] for r in rows}
+    assert depths[("speculators", "defaults")] == 3 and depths[("specforge", "defaults")] == 7
+    assert depths[("speculators", "matched")] == depths[("draftsmith", "recipe")] == 4
+    for r in rows:
+        assert (r["tau_at_depth"] is None) == (r["depth"] == 4)
+    # The ladder adds the learning rate first; the control starts SpecForge's output head from the target's rows.
+    settings = {(r["trainer"], r["settings"]): r["notes"]["settings"] for r in rows if r["trainer"] != "draftsmith"}
+    assert settings[("specforge", "+lr")] == {"lr": 2e-3} and settings[("specforge", "defaults")] == {}
+    assert settings[("speculators", "+lr")] == {"optimizer": "adamw", "lr": 2e-3, "weight_decay": 0.0}
+    assert settings[("specforge", "target-head")]["target_head"]
+    assert (out / "specforge-target-head-s0" / "warm_start" / "config.json").exists()
     # Each peer's export is its own format, read by draftsmith as it is.
-    formats = {r["trainer"]: json.loads(Path(r["head"], "config.json").read_text())["architectures"] for r in rows[1:]}
+    formats = {r["trainer"]: json.loads(Path(r["head"], "config.json").read_text())["architectures"] for r in rows[2:]}
     assert formats == {"specforge": ["LlamaForCausalLMEagle3"], "speculators": ["Eagle3Speculator"]}
-    speculators_defaults = json.loads(Path(rows[4]["head"], "config.json").read_text())
-    assert speculators_defaults["norm_before_residual"] and speculators_defaults["norm_output"]  # EAGLE-3.1's
-    assert "| speculators | defaults | 3 |" in (out / "peers.md").read_text() and "peers.md" in stdout
+    defaults = json.loads(Path(next(r for r in rows if r["settings"] == "defaults" and r["trainer"] == "speculators")
+                               ["head"], "config.json").read_text())
+    assert defaults["norm_before_residual"] and defaults["norm_output"]  # EAGLE-3.1's
+    # SpecForge's draft trains with the target's RoPE, not the default base its config copy falls back to.
+    draft = json.loads((out / "specforge-matched-s0" / "draft_config.json").read_text())
+    from transformers import AutoConfig
+
+    target = AutoConfig.from_pretrained(toyworld.resolve("toyworld://tiny_deep/target"))
+    assert draft["rope_parameters"]["rope_theta"] == target.rope_parameters["rope_theta"]
+    # SpecForge's tokens are counted step by step, not estimated.
+    counted = [int(x) for x in (out / "specforge-matched-s0" / "tokens.txt").read_text().split()]
+    assert next(r for r in rows if r["trainer"] == "specforge")["tokens"] > 0 and len(counted) >= 3
+    # The summary pools the seeds, with an interval, and says win, tie or loss for draftsmith per category.
+    summary = {(s["trainer"], s["settings"]): s for s in report["summary"]}
+    assert set(summary) == {(r["trainer"], r["settings"]) for r in rows}
+    ours = summary[("draftsmith", "recipe")]
+    assert ours["tau_by_seed"] == [rows[0]["heldout_tau"], rows[1]["heldout_tau"]] and len(ours["interval"]) == 2
+    assert ours["interval"][0] <= ours["tau"] <= ours["interval"][1]
+    for key, s in summary.items():
+        assert set(s["by_category"]) == set(held["category"])
+        if key[0] != "draftsmith":
+            assert s["draftsmith"] in ("win", "tie", "loss")
+            assert all(f["tau"] is None or f["draftsmith"] in ("win", "tie", "loss") for f in s["by_category"].values())
+    text = (out / "peers.md").read_text()
+    assert "| speculators | defaults | 1 | 3 |" in text and "peers.md" in stdout
 
 
 def _draftsmith_data(out: Path):
