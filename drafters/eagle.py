@@ -24,6 +24,7 @@ Module and buffer names follow the EAGLE-3 checkpoints SGLang and vLLM load (`fc
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -33,10 +34,12 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from drafters.base import Proposal
 from drafters.head_losses import label_cross_entropy, label_stats, soft_cross_entropy, step_stats
-from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting, head_config
+from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting, export_rope, head_config
 from drafters.kv_cache import KVCache, RaggedRows
 from drafters.layers import Attention, RMSNorm, Rotary, SharedTarget, causal_mask, last_entries, mlp_decode, norm
 from drafters.sampling import Sampling, draw
+
+log = logging.getLogger(__name__)
 
 
 def draft_vocabulary(counts: torch.Tensor, size: int, always: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +145,9 @@ class Eagle3(nn.Module):
         # step (`norm_output`); `norm_before_residual` is the layer's (Eagle3Layer).
         self.input_norm = RMSNorm(fused, eps=config.rms_norm_eps) if getattr(config, "norm_before_fc", False) else None
         self.norm_output = bool(getattr(config, "norm_output", False))
+        # `head_norm` false: the output head reads the layer's output un-normed, as SpecForge's norm_output=false
+        # drafts (`load_engine_eagle3`); true (absent) for every head draftsmith trains.
+        self.head_norm = bool(getattr(config, "head_norm", True))
         self.fc = nn.Linear(fused, d, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
@@ -190,7 +196,7 @@ class Eagle3(nn.Module):
         already looked up (drafting fetches them once per round)."""
         if rows is None and (self.reduced or self.lm_head is not None):
             rows = self._draft_rows()
-        return self.shared.logits(h if self.norm_output else norm(h, self.norm), rows)
+        return self.shared.logits(h if self.norm_output or not self.head_norm else norm(h, self.norm), rows)
 
     def init_lm_head(self, saved: "Eagle3 | None" = None) -> None:
         """Fill the head's own output head (config.own_lm_head) with the target's rows of the draft vocabulary;
@@ -405,6 +411,22 @@ def _pick(logits, sampling, generator, target_ids, vocab_size):
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
 
 
+def export_norms(raw: dict) -> dict:
+    """The head's norm switches for an export's config.json, where `norm_output` has two meanings. speculators' (and
+    the engines'): EAGLE-3.1's, the final norm's output is what the output head reads AND what the next draft step gets
+    (speculators/models/eagle3/core.py, Eagle3DraftModel.forward). SpecForge 0.2.0's (LlamaForCausalLMEagle3.
+    compute_logits in specforge/modeling/draft/llama3_eagle.py): only whether lm_head reads norm(h), true when absent;
+    the next step always gets `backbone`'s un-normed output (the TTT loop of specforge/algorithms/eagle3/model.py). So
+    SpecForge's true is plain EAGLE-3 and its false an output head on the un-normed state (`head_norm` false). Its
+    class reads neither norm_before_fc nor norm_before_residual, which draftsmith's sglang export writes (with the
+    engines' norm_output, eval/engine_formats.py): a LlamaForCausalLMEagle3 with neither is read as SpecForge's."""
+    specforge = "LlamaForCausalLMEagle3" in (raw.get("architectures") or [])
+    if specforge and not {"norm_before_fc", "norm_before_residual"} & set(raw):
+        return {"norm_before_fc": False, "norm_before_residual": False, "norm_output": False,
+                "head_norm": bool(raw.get("norm_output", True))}
+    return {flag: bool(raw.get(flag, False)) for flag in NORM_FLAGS}
+
+
 def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None, cls: type = Eagle3,
                        kind: str = "eagle", settings: dict | None = None) -> Eagle3:
     """An EAGLE-3 head from an engine-format export (SGLang's LlamaForCausalLMEagle3 or speculators'
@@ -414,7 +436,8 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
     An export carries the output head the head drafts through as its `lm_head`: the target's rows of the draft
     vocabulary (the head then shares the target's, as draftsmith heads do by default), or an output head of its
     own (`drafter.own_lm_head`, or a head trained elsewhere, as EAGLE-3's reference recipe trains one), which the
-    head then keeps and drafts through, as the engines do.
+    head then keeps and drafts through, as the engines do. Its RoPE and norm switches are the export's own
+    (`export_rope`, `export_norms`): what the engines and the trainer's class build the head with.
     """
     path = Path(path)
     state = load_file(str(path / "model.safetensors"))
@@ -443,10 +466,13 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
     own = not torch.equal(lm_head, shared.to(lm_head.dtype))
     if not own:
         state.pop("lm_head.weight")
-    config = head_config(target.config, kind, list(layers), intermediate_size=layer["intermediate_size"],
+    rope = export_rope(raw)  # the RoPE the engines and the trainer's own class build the head's attention with
+    if rope is None:
+        log.info("%s/config.json carries no RoPE (rope_parameters, rope_theta, rope_scaling): the head takes the "
+                 "target's", path)
+    config = head_config(target.config, kind, list(layers), intermediate_size=layer["intermediate_size"], rope=rope,
                          draft_vocab_size=draft_vocab if draft_vocab < target.config.vocab_size else None,
-                         ttt_steps=1, ttt_decay=1.0, own_lm_head=own,
-                         **{flag: bool(raw.get(flag, False)) for flag in NORM_FLAGS}, **(settings or {}))
+                         ttt_steps=1, ttt_decay=1.0, own_lm_head=own, **export_norms(raw), **(settings or {}))
     head = cls(config)
     embed = state.pop("embed_tokens.weight", None)  # speculators stores the target's; SGLang's format has none
     if embed is not None and not torch.equal(embed, target.get_input_embeddings().weight.detach().to(embed)):

@@ -47,14 +47,16 @@ def check_layers(layers: list[int], num_layers: int) -> None:
 
 
 def head_config(target_config, kind: str, feature_layers: list[int], intermediate_size: int | None = None,
-                **settings) -> LlamaConfig:
+                rope: dict | None = None, **settings) -> LlamaConfig:
     """A one-layer Llama config with the target's attention/MLP geometry and RoPE, plus the head's settings.
     `intermediate_size`: the head's MLP width, the target's when None (kept in the head's own config,
-    as EAGLE-3 checkpoints keep theirs)."""
+    as EAGLE-3 checkpoints keep theirs). `rope`: the head's own RoPE (transformers 5's `rope_parameters`, e.g. what an
+    engine-format export carries, `export_rope`) in place of the target's."""
     check_layers(feature_layers, target_config.num_hidden_layers)
     if intermediate_size is not None and intermediate_size < 1:
         raise ValueError(f"the head's intermediate_size must be >= 1 (None = the target's), got {intermediate_size}")
-    rope = getattr(target_config, "rope_parameters", None)
+    if rope is None:
+        rope = getattr(target_config, "rope_parameters", None)
     if isinstance(rope, dict) and "full_attention" in rope:  # Gemma-3: one per attention type; the head's is full
         rope = rope["full_attention"]
     return LlamaConfig(
@@ -63,6 +65,30 @@ def head_config(target_config, kind: str, feature_layers: list[int], intermediat
         draftsmith_kind=kind, feature_layers=list(feature_layers), target_hidden_size=target_config.hidden_size,
         **settings,
     )
+
+
+def export_rope(raw: dict) -> dict | None:
+    """The RoPE an engine-format export's config.json carries, as transformers 5's `rope_parameters` (rope_type,
+    rope_theta, the scaling's own keys), or None where it carries none. The engines (vLLM, SGLang) and the peers'
+    classes build the draft's attention from the export's RoPE, not the target's, and a draft may have been trained
+    at another base than its target's. Read, in order, speculators' nested `transformer_layer_config` then the top
+    level, each's `rope_parameters` (Gemma-3's nested per attention type: the full one) or else `rope_theta` with
+    `rope_scaling` (transformers 4's names, which the engines read)."""
+    for where in (raw.get("transformer_layer_config") or {}, raw):
+        params = where.get("rope_parameters")
+        if isinstance(params, dict) and "full_attention" in params:
+            params = params["full_attention"]
+        if params:
+            return {"rope_type": "default", **params}
+        scaling = dict(where.get("rope_scaling") or {})
+        if where.get("rope_theta") is None and not scaling:
+            continue
+        if "type" in scaling:  # transformers 4's older name of rope_type
+            scaling.setdefault("rope_type", scaling.pop("type"))
+        # No rope_theta beside (or inside) a scaling: the base the engines' configs default to (Llama's, 10,000).
+        theta = where.get("rope_theta") or scaling.get("rope_theta") or 10000.0
+        return {"rope_type": "default", **scaling, "rope_theta": float(theta)}
+    return None
 
 
 def geometry(target_config, intermediate_size: int | None = None) -> dict:

@@ -86,6 +86,9 @@ def check_eagle3(state: dict[str, torch.Tensor], head_config: dict, target_confi
     if missing:
         raise ExportRefused(f"{where}: weights {missing} are missing; an engine would load them as random")
     _refuse_activation(head_config, where)
+    if not head_config.get("head_norm", True):  # SpecForge's norm_output=false, as drafters/eagle.py export_norms reads
+        raise ExportRefused(f"{where}/config.json: head_norm is false (an output head on the un-normed state), which "
+                            "neither the engines' EAGLE-3 nor its norm_output can express")
     try:
         target_ids = check_vocab_maps(state["d2t"], state["t2d"])
     except ValueError as e:
@@ -264,6 +267,9 @@ def sglang_config(head_config: dict, target_config, dtype: str) -> dict:
         "rms_norm_eps": head_config["rms_norm_eps"],
         "hidden_act": head_config["hidden_act"],
         **_rope(head_config),
+        # The head's RoPE whole as well (transformers 5's name): rope_theta/rope_scaling drop keys such as GPT-NeoX's
+        # partial_rotary_factor, and draftsmith's loader (drafters/heads.py export_rope) replays what this carries.
+        **({"rope_parameters": head_config["rope_parameters"]} if head_config.get("rope_parameters") else {}),
         "max_position_embeddings": target_config.max_position_embeddings,
         "tie_word_embeddings": False,
         "vocab_size": target_config.vocab_size,
@@ -290,6 +296,8 @@ def speculators_config(head_config: dict, target_config, verifier: str, dtype: s
         "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
         "rms_norm_eps", "hidden_act", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size",
         "bos_token_id", "eos_token_id", "pad_token_id")}
+    if "rope_parameters" in layer:  # the head's RoPE whole (sglang_config), where speculators builds the layer from
+        transformer["rope_parameters"] = layer["rope_parameters"]
     transformer.update({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
                         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False})
     peagle = head_config.get("draftsmith_kind") == "peagle"
