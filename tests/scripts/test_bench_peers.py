@@ -19,13 +19,13 @@ VENV = ROOT / ".venv"
 
 @pytest.fixture(scope="module")
 def bench(tiny_world, tmp_path_factory):
-    """Three steps of every trainer, two seeds, the ladder's ends and a rung, and the control, on tiny_deep's company
-    traffic, in windows of 128 tokens."""
+    """Three steps of every trainer, two seeds, the ladder's ends and the control, on tiny_deep's company traffic, in
+    windows of 128 tokens (the rungs between are test_the_ladder_adds_one_group_at_a_time_the_learning_rate_first)."""
     world = toyworld.build("tiny_deep")
     out = tmp_path_factory.mktemp("peers")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--data",
                            str(world / "company_logs" / "train.jsonl"), "--steps", "3", "--heldout", "6", "--seeds",
-                           "2", "--threads", "1", "--settings", "defaults,+lr,matched,target-head", "--out",
+                           "2", "--threads", "1", "--settings", "defaults,matched,target-head", "--out",
                            str(out), "--overrides", "experiment=smoke", "target=tiny_deep",
                            "trainer.max_length=128"],  # shorter than some records: features of their first 128 tokens
                           capture_output=True, text=True)
@@ -38,7 +38,7 @@ def test_every_trainer_and_setting_writes_a_row_measured_on_the_same_held_out_re
     rows = report["rows"]
     runs = [(r["trainer"], r["settings"], r["seed"]) for r in rows]
     assert runs == [("draftsmith", "recipe", 0), ("draftsmith", "recipe", 1),
-                    *((p, s, seed) for p in ("specforge", "speculators") for s in ("defaults", "+lr", "matched")
+                    *((p, s, seed) for p in ("specforge", "speculators") for s in ("defaults", "matched")
                       + (("target-head",) if p == "specforge" else ()) for seed in (0, 1))]
     held = datasets.load_from_disk(str(next((out / "data").glob("*-eval-*")) / "tokenized"))
     for r in rows:
@@ -59,11 +59,9 @@ def test_every_trainer_and_setting_writes_a_row_measured_on_the_same_held_out_re
     assert depths[("speculators", "matched")] == depths[("draftsmith", "recipe")] == 4
     for r in rows:
         assert (r["tau_at_depth"] is None) == (r["depth"] == 4)
-    # The ladder adds the learning rate first; the control starts SpecForge's output head from the target's rows.
+    # The control starts SpecForge's output head from the target's rows.
     settings = {(r["trainer"], r["settings"]): r["notes"]["settings"] for r in rows if r["trainer"] != "draftsmith"}
-    assert settings[("specforge", "+lr")] == {"lr": 2e-3} and settings[("specforge", "defaults")] == {}
-    assert settings[("speculators", "+lr")] == {"optimizer": "adamw", "lr": 2e-3, "weight_decay": 0.0}
-    assert settings[("specforge", "target-head")]["target_head"]
+    assert settings[("specforge", "defaults")] == {} and settings[("specforge", "target-head")]["target_head"]
     assert (out / "specforge-target-head-s0" / "warm_start" / "config.json").exists()
     # Each peer's export is its own format, read by draftsmith as it is.
     formats = {r["trainer"]: json.loads(Path(r["head"], "config.json").read_text())["architectures"] for r in rows[2:]}
@@ -93,6 +91,27 @@ def test_every_trainer_and_setting_writes_a_row_measured_on_the_same_held_out_re
             assert all(f["tau"] is None or f["draftsmith"] in ("win", "tie", "loss") for f in s["by_category"].values())
     text = (out / "peers.md").read_text()
     assert "| speculators | defaults | 1 | 3 |" in text and "peers.md" in stdout
+
+
+def test_the_ladder_adds_one_group_at_a_time_the_learning_rate_first():
+    sys.path.insert(1, str(ROOT / "scripts"))
+    import bench_peers
+    from peers import LADDER
+
+    from train.__main__ import train  # noqa: F401  (registers the configs bench_peers composes)
+
+    cfg = bench_peers.compose_cfg(["experiment=smollm2_eagle"])
+    for name in ("specforge", "speculators"):
+        rungs = [bench_peers.peer_settings(name, rung, cfg, "bfloat16") for rung in LADDER]
+        assert rungs[0] == {} and rungs[-1] == bench_peers.PEERS[name].matched(cfg, "bfloat16")
+        for before, after in zip(rungs, rungs[1:]):  # each rung keeps the one before and adds to it
+            assert before.items() <= after.items() and len(after) > len(before)
+    assert bench_peers.peer_settings("specforge", "+lr", cfg, "bfloat16") == {"lr": cfg.trainer.lr}
+    assert bench_peers.peer_settings("speculators", "+lr", cfg, "bfloat16") == {
+        "optimizer": "adamw", "lr": cfg.trainer.lr, "weight_decay": cfg.trainer.weight_decay}
+    # speculators learns from the target's argmax where the recipe does (the SmolLM2 recipe's label_temperature 0)
+    assert bench_peers.peer_settings("speculators", "matched", cfg, "bfloat16")["loss_fn"] == "ce"
+    assert bench_peers.peer_settings("specforge", "target-head", cfg, "bfloat16")["target_head"]
 
 
 def _draftsmith_data(out: Path):
