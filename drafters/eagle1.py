@@ -26,7 +26,7 @@ from torch import nn
 
 from drafters.base import Proposal
 from drafters.head_losses import soft_cross_entropy, step_stats
-from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting, export_rope, head_config
+from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting, head_config
 from drafters.kv_cache import KVCache, RaggedRows
 from drafters.layers import DecoderLayer, Rotary, SharedTarget, causal_mask
 from drafters.sampling import Sampling, draw
@@ -193,10 +193,8 @@ def load_engine_eagle1(path, raw: dict, target, dtype: torch.dtype | None = None
     shared = [name for name in ("embed_tokens.weight", "lm_head.weight") if name in state]
     if shared:
         raise ValueError(f"{path}: {shared} stored in the checkpoint; draftsmith drafts with the target's own")
-    # The RoPE the export carries, as vLLM builds the layer from it (the target's where it carries none).
     config = head_config(target.config, "eagle1", [target.config.num_hidden_layers],
-                         intermediate_size=raw["intermediate_size"], token_loss_weight=0.0, input_norm=False,
-                         rope=export_rope(raw))
+                         intermediate_size=raw["intermediate_size"], token_loss_weight=0.0, input_norm=False)
     head = Eagle1(config)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -184,8 +184,6 @@ def vllm_eagle1(head_dir: Path, target, target_dir: Path, *, best: dict | None, 
         **{key: head_config[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
                                              "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act")},
         **_rope(head_config),
-        # whole as well, as the EAGLE-3 exports write it: what draftsmith's loader replays (drafters/heads.py)
-        **({"rope_parameters": head_config["rope_parameters"]} if head_config.get("rope_parameters") else {}),
         "max_position_embeddings": tc.max_position_embeddings,
         "vocab_size": tc.vocab_size,
         "tie_word_embeddings": False,

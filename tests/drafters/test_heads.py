@@ -776,25 +776,3 @@ def test_eagle1_has_no_input_norm_and_a_head_saved_with_one_still_loads_and_draf
         b = speculative_generate(target, loaded.drafter(), prompt, k=3, sampling=GREEDY, max_new_tokens=16)
         assert a.tokens == b.tokens == ref.tokens
         assert [r.accepted for r in a.rounds] == [r.accepted for r in b.rounds]
-
-
-def test_an_eagle1_export_replays_with_the_rope_it_carries(target, prompts, tmp_path):
-    """vLLM builds an EAGLE-1 export's layer from the RoPE in its config.json: so does draftsmith's loader, and the
-    head's own RoPE goes into the export whole."""
-    from eval.engine_formats import vllm_eagle1
-
-    head = make_head("eagle1", target)
-    save_head(head, tmp_path / "h")
-    write = vllm_eagle1(tmp_path / "h", target, tmp_path, best=None, force=True, dtype=torch.float32)
-    (tmp_path / "export").mkdir()
-    write(tmp_path / "export")
-    exported = load_head(tmp_path / "export", target)
-    assert exported.config.rope_parameters == head.config.rope_parameters
-    for prompt in prompts:  # the same head, read back
-        a = speculative_generate(target, head.drafter(), prompt, k=3, sampling=GREEDY, max_new_tokens=12)
-        b = speculative_generate(target, exported.drafter(), prompt, k=3, sampling=GREEDY, max_new_tokens=12)
-        assert [r.accepted for r in a.rounds] == [r.accepted for r in b.rounds]
-    config = json.loads((tmp_path / "export" / "config.json").read_text())
-    config["rope_theta"], config["rope_parameters"] = 1e5, {"rope_type": "default", "rope_theta": 1e5}
-    (tmp_path / "export" / "config.json").write_text(json.dumps(config))
-    assert load_head(tmp_path / "export", target).config.rope_parameters["rope_theta"] == 1e5
