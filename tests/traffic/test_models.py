@@ -48,13 +48,18 @@ def test_a_gguf_target_loads_as_the_model_it_was_quantized_from(gguf):
     chat = [{"role": "user", "content": "hello"}]
     assert tok.apply_chat_template(chat, tokenize=False) == original_tok.apply_chat_template(chat, tokenize=False)
     assert (tok.eos_token_id, tok.bos_token_id) == (original_tok.eos_token_id, original_tok.bos_token_id)
-    # Q8_0 weights: logits within the quantization's error of the float32 model's, and the same argmax.
+    # Q8_0 weights: logits within the quantization's error of the float32 model's, and the same argmax wherever
+    # the float32 model's top two are further apart than that error can move them (a near-tie may flip).
     ids = torch.tensor([original_tok(text).input_ids])
     with torch.no_grad():
-        ours, theirs = target(ids).logits, original(ids).logits
+        ours, theirs = target(ids).logits[0], original(ids).logits[0]
     assert not torch.equal(ours, theirs)  # it is the quantized file that was read
-    assert (ours - theirs).abs().max() < 0.25
-    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    error = (ours - theirs).abs().max()
+    assert error < 0.25
+    top2 = theirs.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * error
+    assert clear.float().mean() > 0.75, "most positions are not near-ties"
+    assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
     # Dequantized once: a second resolve finds the directory as it was.
     stamp = (directory / "model.safetensors").stat().st_mtime_ns
     assert models.resolve(str(gguf)) == str(directory)
