@@ -125,6 +125,16 @@ def gguf_file(name_or_path: str) -> Path | None:
     return Path(hf_hub_download(repo, filename))
 
 
+def gguf_type(path: str | Path) -> str:
+    """A GGUF file's weight type as llama.cpp names it (`general.file_type`: Q4_K_M, Q8_0, F16, ...)."""
+    import gguf  # the reader transformers' GGUF loading uses; only where a file is read
+
+    field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+    if field is None:
+        return "unknown"
+    return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
 def resolve(name_or_path: str) -> str:
     """What `from_pretrained` loads for this name: a toy world's or a GGUF's local directory (a GGUF
     dequantized once), anything else unchanged."""
