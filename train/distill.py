@@ -207,9 +207,16 @@ class DraftLMRecipe(Recipe):
     def _final_specs(self) -> list[dict]:
         """The final evaluation's drafters as `python -m eval` specs: baseline first, the model training started
         from (the off-the-shelf draft, or the self-draft of `drafter.init_layers`), then `evaluate.drafters`, then
-        the best trained one (reloaded from disk)."""
-        return [{"name": self.init_name, "kind": "draft_lm", "path": str(self.init_path)}, *self._extra_specs(),
-                {"name": self._trained_name(), "kind": "draft_lm", "path": str(self.out / "best")}]
+        the best trained one (reloaded from disk). An off-the-shelf draft named by its GGUF is measured as that file (in
+        llama.cpp: served as shipped), and the trained one is served in that file's type (quantized by llama.cpp), so
+        neither pays for a precision the other does not."""
+        init, trained = self.cfg.drafter.init_from, {"name": self._trained_name(), "kind": "draft_lm",
+                                                     "path": str(self.out / "best")}
+        shipped = models.gguf_file(init) if init else None
+        if shipped is not None:
+            trained["gguf_type"] = models.gguf_type(shipped)
+        return [{"name": self.init_name, "kind": "draft_lm", "path": init if shipped else str(self.init_path)},
+                *self._extra_specs(), trained]
 
     def _trained_name(self) -> str:
         return f"trained_{self.cfg.drafter.loss}"

@@ -11,13 +11,18 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
+import gguf
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from traffic import models
 from train.__main__ import train
+from train.distill import DraftLMRecipe
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 ROOT = CONF.parent
@@ -368,3 +373,33 @@ def test_every_draft_lm_objective_trains_on_other_families(tiny_world, tmp_path,
                 "trainer.max_steps=4", "trainer.eval_every=2", "trainer.checkpoint_every=2", *variant))
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["results"] and all(r["lossless"] for r in report["results"])
+
+
+def _gguf_of_type(path: Path, file_type) -> Path:
+    """A GGUF file holding only its header and weight type, as gguf-py (llama.cpp's own writer) writes it."""
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_file_type(file_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_off_the_shelf_draft_shipped_as_a_gguf_is_measured_as_shipped_and_the_trained_one_in_its_type(tmp_path):
+    """The final evaluation's baseline is the draft's own GGUF (llama.cpp serves it as the team has it), and the
+    trained draft is served quantized to that file's type; a draft from a directory or hub id keeps both as before."""
+    shipped = _gguf_of_type(tmp_path / "draft-Q4_K_M.gguf", gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    assert models.gguf_type(shipped) == "Q4_K_M"
+    recipe = SimpleNamespace(cfg=OmegaConf.create({"drafter": {"init_from": str(shipped), "loss": "sft"}}),
+                             init_name="off_the_shelf", init_path=str(tmp_path / "dequantized"), out=tmp_path / "run",
+                             _extra_specs=lambda: [{"name": "ngram", "kind": "ngram"}],
+                             _trained_name=lambda: "trained_sft")
+    assert DraftLMRecipe._final_specs(recipe) == [
+        {"name": "off_the_shelf", "kind": "draft_lm", "path": str(shipped)}, {"name": "ngram", "kind": "ngram"},
+        {"name": "trained_sft", "kind": "draft_lm", "path": str(tmp_path / "run" / "best"), "gguf_type": "Q4_K_M"}]
+    recipe.cfg.drafter.init_from = str(tmp_path / "draft_dir")
+    recipe.init_path = str(tmp_path / "draft_dir")
+    assert DraftLMRecipe._final_specs(recipe)[::2] == [
+        {"name": "off_the_shelf", "kind": "draft_lm", "path": str(tmp_path / "draft_dir")},
+        {"name": "trained_sft", "kind": "draft_lm", "path": str(tmp_path / "run" / "best")}]
