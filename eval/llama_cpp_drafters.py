@@ -1,5 +1,6 @@
 """The drafters of an evaluation in llama.cpp's formats: a draft LM and an EAGLE-3 head converted by llama.cpp's
-own converter (in f16, or bf16 where the target's hidden states outgrow f16), llama.cpp's own n-gram modes as they
+own converter (in f16, or bf16 where the target's hidden states outgrow f16; a draft LM in the llama-quantize type its
+spec's `gguf_type` names), a draft named by its GGUF served as that file is, llama.cpp's own n-gram modes as they
 are, and for every other drafter the reason llama.cpp cannot serve it. Done before anything is measured, so a
 model the converter cannot read fails at once.
 """
@@ -33,7 +34,7 @@ class Served:
     gguf: Path | None = None
     spec_type: str | None = None
     note: str | None = None
-    dtype: str | None = None  # its GGUF's weights (torch's name), where it has one
+    dtype: str | None = None  # its GGUF's weights, where it has one: torch's name, or llama.cpp's type (Q4_K_M)
     p_min: float = 0.0  # its confidence stop, llama.cpp's --spec-draft-p-min (the spec's stop_below, rule drop)
 
     @property
@@ -90,6 +91,9 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
         return Served(name, spec_type=spec["spec_type"])
     out = work / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.gguf"
     if kind == "draft_lm":
+        shipped, qtype = models.gguf_file(spec["path"]), spec.get("gguf_type")
+        if shipped is not None and not qtype:  # the file a team deploys, served as it is (as a GGUF target is)
+            return Served(name, shipped, SPEC_TYPES["draft_lm"], dtype=models.gguf_type(shipped), p_min=p_min)
         directory = target_directory(spec["path"])
         if pard_settings(AutoConfig.from_pretrained(directory)) is not None:
             return Served(name, note="a PARD draft guesses k tokens in one forward from mask tokens, which llama.cpp "
@@ -97,8 +101,10 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
                                      "drafter than the one measured); vLLM serves it (draft_model with "
                                      "parallel_drafting)")
         dtype = draft_dtype(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval())
-        return Served(name, draft_lm_gguf(directory, out, dtype, target_name_or_path), SPEC_TYPES["draft_lm"],
-                      dtype=dtype, p_min=p_min)
+        gguf = draft_lm_gguf(directory, out, dtype, target_name_or_path)
+        if qtype:  # quantized from the 16-bit conversion by llama.cpp's own quantizer
+            gguf, dtype = llama_cpp.quantize(gguf, out.with_name(f"{out.stem}-{qtype}.gguf"), qtype), qtype
+        return Served(name, gguf, SPEC_TYPES["draft_lm"], dtype=dtype, p_min=p_min)
     if kind != "head":
         return Served(name, note="draftsmith's n-gram drafter has no llama.cpp counterpart (llama.cpp's ngram "
                                  "drafters are other algorithms)")

@@ -17,11 +17,12 @@ from safetensors.torch import load_file, save_file
 
 from drafters.sampling import Sampling
 from eval import llama_cpp
+from eval.engine_formats import draft_lm_gguf, target_directory
 from eval.llama_cpp_drafters import llama_cpp_drafter
 from eval.llama_cpp_measure import DraftCounters
 from eval.run import build_drafter, load_target
 from eval.speculative import autoregressive_generate, speculative_generate
-from traffic import toyworld
+from traffic import models, toyworld
 from train.export import ExportSettings, export
 
 # One worker runs the whole module under `pytest -n` (--dist loadgroup): its served world is built once.
@@ -305,3 +306,23 @@ def test_eagle3_keeps_its_guesses_when_requests_draft_together(world, eagle_run)
             assert [c.tokens for c in completions] == world["plain"]
             taus[slots] = llama_tau(DraftCounters(server).after(len(completions)))
     assert taus[1] > 1.5 and abs(taus[4] / taus[1] - 1) <= TAU_TOLERANCE, taus
+
+
+def test_a_draft_shipped_as_a_gguf_is_served_as_it_is_and_a_trained_one_in_the_type_asked(world, draft_run):
+    """The off-the-shelf draft as a team has it (here tiny_deep's draft as a Q8_0 file) is served as that file, not
+    re-converted; a trained draft with `gguf_type` is converted, then quantized by llama-quantize, and stays lossless."""
+    out = world["out"] / "shipped"
+    out.mkdir()
+    f16 = draft_lm_gguf(target_directory("toyworld://tiny_deep/draft"), out / "draft-f16.gguf", "float16", TARGET)
+    shipped = llama_cpp.quantize(f16, out / "draft-Q8_0.gguf", "Q8_0")
+    served = llama_cpp_drafter({"name": "off_the_shelf", "kind": "draft_lm", "path": str(shipped)}, world["target"],
+                               TARGET, out)
+    assert (served.gguf, served.dtype, served.spec_type) == (shipped.resolve(), "Q8_0", "draft-simple")
+    assert not (out / "off_the_shelf.gguf").exists()
+    trained = llama_cpp_drafter({"name": "trained", "kind": "draft_lm", "path": str(draft_run / "best"),
+                                 "gguf_type": "Q8_0"}, world["target"], TARGET, out)
+    assert (trained.gguf.name, trained.dtype) == ("trained-Q8_0.gguf", "Q8_0")
+    assert models.gguf_type(trained.gguf) == "Q8_0" and models.gguf_type(out / "trained.gguf") in ("F16", "BF16")
+    completions = serve(world, trained.gguf, "draft-simple")
+    assert [c.tokens for c in completions] == world["plain"]
+    assert sum(c.draft_n_accepted for c in completions) > 0
