@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from drafters.base import Proposal
-from drafters.eagle import Eagle3, Eagle3Batch, _pick, load_engine_eagle3
+from drafters.eagle import Eagle3, Eagle3Batch, _pick
+from drafters.eagle_export import load_engine_eagle3
 from drafters.head_losses import label_cross_entropy, label_stats, soft_cross_entropy, step_stats
 from drafters.heads import BatchOfOne
 from drafters.layers import causal_mask
@@ -225,7 +226,7 @@ class PEagleDrafter(BatchOfOne):
 
 
 def load_engine_peagle(path, raw: dict, target, dtype: torch.dtype | None = None) -> PEagle:
-    """A P-EAGLE head from its `speculators` export (eval/engine_formats.py), attached to `target`: EAGLE-3's
+    """A P-EAGLE head from its `speculators` export (eval/formats/eagle3.py), attached to `target`: EAGLE-3's
     loader, with the mask token from the config, the depths it drafts from its speculative_tokens, and
     `mask_hidden` from the weights. The export does not carry the conditional drop it was trained with: a head
     trained further from it (`init_from`) takes the recipe's defaults."""

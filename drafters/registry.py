@@ -18,7 +18,7 @@ from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 from transformers import LlamaConfig
 
-from drafters import dflash, eagle, eagle1, medusa, mtp, peagle
+from drafters import dflash, eagle, eagle1, eagle_export, medusa, mtp, peagle
 from drafters.heads import ENGINE_EAGLE1, ENGINE_EAGLE3, ENGINE_PEAGLE, check_layers, head_config
 
 # Each kind's head class (its module's HEAD): what `draftsmith_kind` in a saved head's config.json names.
@@ -61,8 +61,8 @@ def load_head(path: str | Path, target, dtype: torch.dtype | None = None) -> nn.
     raw = json.loads((path / "config.json").read_text())
     if set(raw.get("architectures") or []) & set(ENGINE_PEAGLE):  # before EAGLE-3's: it is one, plus mask_hidden
         return peagle.load_engine_peagle(path, raw, target, dtype)
-    if set(raw.get("architectures") or []) & set(ENGINE_EAGLE3):  # an EAGLE-3 export (eval/engine_formats.py)
-        return eagle.load_engine_eagle3(path, raw, target, dtype)
+    if set(raw.get("architectures") or []) & set(ENGINE_EAGLE3):  # an EAGLE-3 export (eval/formats/eagle3.py)
+        return eagle_export.load_engine_eagle3(path, raw, target, dtype)
     if set(raw.get("architectures") or []) & set(ENGINE_EAGLE1):
         return eagle1.load_engine_eagle1(path, raw, target, dtype)
     kind = raw.get("draftsmith_kind")

@@ -18,8 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from drafters.heads import ENGINE_EAGLE3
 from drafters.pard import pard_settings
 from eval import llama_cpp
-from eval.engine_formats import (GGUF_OUTTYPE, dflash_gguf, draft_lm_gguf, eagle3_gguf, llama_cpp_cannot_serve,
-                                 target_directory)
+from eval.formats.dflash import dflash_gguf
+from eval.formats.eagle3 import eagle3_gguf, llama_cpp_cannot_serve
+from eval.formats.writing import GGUF_OUTTYPE, draft_lm_gguf, target_directory
 from traffic import models
 
 SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3", "dflash": "draft-dflash"}

@@ -4,7 +4,7 @@ engine, and the report of `engine.only` runs (eval/report.py)."""
 from __future__ import annotations
 
 from eval.deployment import NAME
-from eval.engine_formats import GGUF_OUTTYPE
+from eval.formats.writing import GGUF_OUTTYPE
 from eval.evaluate import EvalPlan, base_drafter
 from eval.llama_cpp import NGRAM_TYPES
 from eval.report_tables import (DEPLOYMENT_COLUMNS, ENGINE_COLUMNS, PREDICTED_COLUMNS, TRAFFIC_KEYS, batch_sizes,

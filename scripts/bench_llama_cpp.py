@@ -28,7 +28,7 @@ import torch
 from drafters.sampling import Sampling
 from eval import llama_cpp
 from eval.llama_cpp_measure import DraftCounters, DraftStats
-from eval.engine_formats import target_directory
+from eval.formats.writing import target_directory
 from eval.run import build_drafter, held_out_path, load_target, read_traffic, tokenize_prompts
 from eval.speculative import speculative_generate
 from train.export import ExportSettings, export, read_run

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from eval.engine_formats import target_directory
+from eval.formats.writing import target_directory
 from eval.llama_cpp import convert_to_gguf
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # what llama.cpp's converter writes itself

@@ -1,5 +1,6 @@
 """The packages import one way (traffic and drafters, then eval, then train) and no module imports one that
-imports it back, counting imports inside functions too (docs/architecture.md)."""
+imports it back, counting imports inside functions too, subpackages included (docs/architecture.md); and no
+module of the packages or scripts/ is longer than MAX_LINES."""
 
 from __future__ import annotations
 
@@ -8,11 +9,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LEVEL = {"traffic": 0, "drafters": 0, "eval": 1, "train": 2}
+MAX_LINES = 450
+SIZED = ("drafters", "eval", "train", "traffic", "scripts")
+
+
+def module_name(path: Path) -> str:
+    """A file's dotted module name: `eval/formats/checks.py` is eval.formats.checks, `eval/formats/__init__.py`
+    the package eval.formats."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def import_graph() -> dict[str, set[str]]:
     """Each module of the packages and the modules of the packages it imports, anywhere in its file."""
-    modules = {(pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"): f for pkg in LEVEL for f in (ROOT / pkg).glob("*.py")}
+    modules = {module_name(f): f for pkg in LEVEL for f in sorted((ROOT / pkg).rglob("*.py"))}
     graph = {}
     for name, path in modules.items():
         imported = set()
@@ -47,3 +57,14 @@ def test_no_module_imports_one_that_imports_it_back():
 
     circles = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if reaches(d, m))
     assert not circles
+
+
+def test_the_graph_holds_the_modules_of_subpackages():
+    assert module_name(ROOT / "eval" / "formats" / "__init__.py") == "eval.formats"
+    assert {"eval", "eval.formats", "eval.formats.checks"} <= set(import_graph())
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = [f"{f.relative_to(ROOT)}: {n} lines" for pkg in SIZED for f in sorted((ROOT / pkg).rglob("*.py"))
+            if (n := len(f.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"modules over {MAX_LINES} lines (split them): " + ", ".join(long)

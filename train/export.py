@@ -6,7 +6,7 @@
 
 A training run directory (what `python -m train` writes) holds `train_config.yaml` (the composed config:
 which target, which drafter kind) and `best/` (the chosen checkpoint). Formats, each described with its
-layout in eval/engine_formats.py, which writes them (and which `python -m eval engine=llamacpp` uses to
+layout in eval/formats/, which writes them (and which `python -m eval engine=llamacpp` uses to
 serve a run's head in llama.cpp):
 
 - `hf` (draft LM): plain Hugging Face weights and the target's tokenizer, LoRA already merged;
@@ -17,7 +17,7 @@ serve a run's head in llama.cpp):
 
 With `hub.repo_id`, the export goes up to the Hugging Face Hub with a model card (train/hub.py).
 
-The collapse guard (eval/engine_formats.py) runs before anything is written: a head that would load and
+The collapse guard (eval/formats/checks.py) runs before anything is written: a head that would load and
 then accept nothing is refused, never overridable; a head whose recorded held-out top-1 agreement is at
 chance is refused unless `force=true`.
 """
@@ -36,9 +36,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM
 
-from eval.engine_formats import (ExportRefused, dflash_tensors, dflash_writer, draft_lm_gguf, eagle3_tensors,
-                                 llama_cpp_cannot_serve, sglang_writer, speculators_writer, target_directory,
-                                 vllm_eagle1, write_dir, write_gguf)
+from eval.formats.checks import ExportRefused
+from eval.formats.dflash import dflash_tensors, dflash_writer
+from eval.formats.eagle1 import vllm_eagle1
+from eval.formats.eagle3 import eagle3_tensors, llama_cpp_cannot_serve, sglang_writer, speculators_writer
+from eval.formats.writing import draft_lm_gguf, target_directory, write_dir, write_gguf
 from eval.run import dtype_of, load_target, target_source
 from train.config import ExportSettings, register
 from train.hub import HubSettings, listing, model_card, stage, upload

@@ -12,8 +12,8 @@ numbers, keeping self.best and calling `_save_best`), `_save_best()` (best/ in i
 `_batch_for_step` (steps on other data than the training set's).
 
 The best checkpoint is chosen by a held-out estimate, not by the loss, on `trainer.eval_examples` records of
-the training traffic (its last ones, or as many of each category: `trainer.heldout`), which training never
-reads; the final evaluation measures the held-out traffic (`data.eval_path`, or the built-in world's held-out
+the training traffic (its last ones, or as many of each category: `trainer.heldout`; train/data.py), which training
+never reads; the final evaluation measures the held-out traffic (`data.eval_path`, or the built-in world's held-out
 file; see eval.run.held_out_path), so its numbers are not the ones the checkpoint was chosen on.
 
 Data order is a seeded permutation per epoch and every random choice is seeded by the step, so a run
@@ -32,7 +32,6 @@ import sys
 import time
 import zlib
 from abc import ABC, abstractmethod
-from collections import Counter
 from pathlib import Path
 
 import datasets
@@ -42,18 +41,15 @@ from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from drafters.sampling import Sampling
 from eval import engine
 from eval.config import checked_spec
-from eval.run import check_draft_vocabulary, load_target, reading, resolve_data, target_source, tokenize_prompts
+from eval.run import check_draft_vocabulary, load_target, target_source
 from traffic import checkpoint
-from traffic.records import Example, load_records
+from traffic.records import Example
+from train.data import prepare_splits, split_records, warn_long_prompts
 from train.export import export
 from train.final_eval import final_eval, final_eval_traffic
-from train.launch import rank0_first
 from train.precision import mixed_precision
-from train.prepare import held_out_indices, prepare
-from train.regenerate import answer_writer
 
 log = logging.getLogger(__name__)
 
@@ -134,36 +130,11 @@ class Recipe(ABC):
 
     def _setup_data(self) -> None:
         cfg = self.cfg
-        # The held-out examples that choose the best checkpoint are `trainer.eval_examples` records of the
-        # training traffic (the last ones, or as many of each category: trainer.heldout): never trained on, and
-        # never the prompts the final evaluation measures (those come from the held-out traffic), so the
-        # reported numbers are not selected on.
-        records, summary = load_records(resolve_data(cfg.data.path), **reading(cfg.data))
-        log.info("%s: %s", cfg.data.path, summary)
-        held, how = cfg.trainer.eval_examples, cfg.trainer.heldout
-        if len(records) <= held:
-            raise ValueError(f"{cfg.data.path}: {len(records)} usable records, but training holds "
-                             f"{'the last ' if how == 'last' else ''}trainer.eval_examples={held} out to choose the "
-                             f"best checkpoint; lower trainer.eval_examples or add records")
-        held_idx = held_out_indices([r.category for r in records], held, how)
-        held_records, held_set = [records[i] for i in held_idx], set(held_idx)
-        train_records = [r for i, r in enumerate(records) if i not in held_set]
-        n_train = len(train_records)
-        if cfg.data.max_records is not None:
-            n_train = min(n_train, cfg.data.max_records)
-        self.trained_on = {"path": cfg.data.path, "records": n_train, "checkpoint_chosen_on": held,
-                           "categories": dict(Counter(r.category for r in train_records[:n_train]))}
-        missing = sorted(set(self.trained_on["categories"]) - {r.category for r in held_records})
-        if missing and self.is_main:
-            # The checkpoint is then chosen on traffic unlike part of what the drafter serves.
-            fix = ("order the file so its end mixes every category, or set trainer.heldout=per_category"
-                   if how == "last" else f"raise trainer.eval_examples to at least {len(set(r.category for r in records))}")
-            msg = (f"the {held} records that choose the best checkpoint (trainer.heldout={how} of {cfg.data.path}) "
-                   f"hold no {', '.join(missing)} records; {fix}")
-            log.warning(msg)
-            print(f"warning: {msg}")
+        # The training set and the held-out examples that choose the best checkpoint (train/data.py).
+        split = split_records(cfg, warn=self.is_main)
+        self.trained_on = split.trained_on
         if cfg.evaluate.enabled:  # read now, so a bad held-out file fails before training, not after it
-            self.eval_traffic = self._final_eval_traffic(held_records, summary)
+            self.eval_traffic = self._final_eval_traffic(split.held, split.summary)
         # The target is loaded once here; prepare() regenerates with it and training scores with it.
         self.target, self.tokenizer = load_target(target_source(cfg.target), device=self.device, dtype=cfg.target.dtype,
                                                   trust_remote_code=cfg.target.trust_remote_code,
@@ -172,47 +143,16 @@ class Recipe(ABC):
         check_draft_vocabulary(self.target, cfg.target.off_the_shelf_draft, "target.off_the_shelf_draft")
         if cfg.evaluate.enabled and self.is_main:
             self._warn_long_prompts()
-        regen = OmegaConf.to_container(cfg.regenerate, resolve=True)
-        sampling = Sampling(regen["temperature"], regen["top_k"], regen["top_p"])
-        splits = {"train": (train_records[:n_train], [n_train]), "eval": (held_records, [how, held])}
-        self.data_dirs = {}
-        for split, (chosen, which) in splits.items():
-            # Keyed by the records' content, not the path: a file edited in place is prepared anew.
-            content = [[r.id, r.category, r.messages] + ([r.tools] if r.tools else []) for r in chosen]
-            key = zlib.crc32(json.dumps([target_source(cfg.target), content, regen, *which]).encode())
-            directory = Path(cfg.data_cache) / f"{cfg.target.name}-{split}-{key:08x}"
-            self.data_dirs[split] = directory
-            with rank0_first(self.acc, (directory / "prepare.json").exists, f"the {split} set's answers"):
-                if not (directory / "prepare.json").exists():
-                    with answer_writer(regen, self.tokenizer, target_source(cfg.target), chosen, work=directory,
-                                       max_new_tokens=regen["max_new_tokens"]) \
-                            if regen["enabled"] else contextlib.nullcontext() as writer:
-                        prepare(chosen, self.target, self.tokenizer, directory, sampling=sampling,
-                                regenerate_responses=regen["enabled"], max_new_tokens=regen["max_new_tokens"],
-                                on_bad_record=cfg.data.on_bad_record, progress=cfg.progress and self.is_main,
-                                writer=writer)
+        self.data_dirs = prepare_splits(cfg, split, self.target, self.tokenizer, self.acc,
+                                        progress=cfg.progress and self.is_main)
         self.train_set = datasets.load_from_disk(str(self.data_dirs["train"] / "tokenized"))
         held_out = datasets.load_from_disk(str(self.data_dirs["eval"] / "tokenized"))
         self.eval_set = held_out.select(range(min(len(held_out), cfg.trainer.eval_examples)))
 
     def _warn_long_prompts(self) -> None:
-        """Warn when the prompts the final evaluation serves (with the tokens it generates) reach past the
-        windows the drafter trains on, `trainer.max_length`: it never trained at those positions, and heads keep
-        less of their acceptance there (the report's τ by prompt length shows how much)."""
-        e, window = self.cfg.evaluate, self.cfg.trainer.max_length
-        prompts = tokenize_prompts(self.eval_traffic, self.tokenizer, device=torch.device("cpu"),
-                                   max_per_category=e.prompts_per_category, on_bad_record=self.cfg.data.on_bad_record)
-        reach = {c: [p.numel() + e.max_new_tokens for p in ps] for c, ps in prompts.items()}
-        past = {c: n for c, ns in reach.items() if (n := sum(m > window for m in ns))}
-        longest = max((n for ns in reach.values() for n in ns), default=0)
-        if past:
-            msg = (f"{sum(past.values())} of the {sum(map(len, reach.values()))} prompts the final evaluation serves ("
-                   + ", ".join(f"{c}: {n} of {len(reach[c])}" for c, n in sorted(past.items()))
-                   + f") reach past trainer.max_length={window} tokens with their {e.max_new_tokens} new ones (the "
-                     f"longest to {longest}): the drafter never trains that far into a sequence, and its acceptance "
-                     f"there is likely lower; trainer.max_length={longest} trains on windows that long")
-            log.warning(msg)
-            print(f"warning: {msg}")
+        """Warn when the prompts the final evaluation serves reach past the windows the drafter trains on
+        (train/data.py `warn_long_prompts`)."""
+        warn_long_prompts(self.cfg, self.eval_traffic, self.tokenizer)
 
     def _cache_dir(self, prefix: str, *settings) -> Path:
         """Where a cache computed from the training set with these settings lives (under data_cache)."""

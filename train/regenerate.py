@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from drafters.sampling import Sampling
 from eval import llama_cpp
 from eval.endpoint import Endpoint
-from eval.engine_formats import target_directory
+from eval.formats.writing import target_directory
 from traffic import models
 from traffic.records import Record, render
 

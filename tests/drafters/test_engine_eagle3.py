@@ -1,6 +1,6 @@
-"""EAGLE-3 heads trained elsewhere, read back by draftsmith (drafters/eagle.py `load_engine_eagle3`): each peer's own
-class (SpecForge's LlamaForCausalLMEagle3, speculators' Eagle3DraftModel), with random weights, saved as its exporter
-saves it, gives the logits draftsmith's replay of the export gives, at every training-time-test step.
+"""EAGLE-3 heads trained elsewhere, read back by draftsmith (drafters/eagle_export.py `load_engine_eagle3`): each
+peer's own class (SpecForge's LlamaForCausalLMEagle3, speculators' Eagle3DraftModel), with random weights, saved as its
+exporter saves it, gives the logits draftsmith's replay of the export gives, at every training-time-test step.
 
 The draft's RoPE base is not the tiny target's (100,000 against 10,000), so a loader that built the head's attention
 from the target's RoPE instead of the export's fails here; `norm_output` is covered in both values and both meanings
@@ -17,7 +17,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from drafters.eagle import draft_vocabulary, export_norms
+from drafters.eagle import draft_vocabulary
+from drafters.eagle_export import export_norms
 from drafters.heads import export_rope, features_of
 from drafters.registry import load_head
 from helpers import tiny_llama
@@ -226,7 +227,7 @@ def test_an_export_without_rope_takes_the_targets_and_says_so(target, inputs, tm
     for key in ("rope_parameters", "rope_theta", "rope_scaling"):
         raw.pop(key, None)
     (path / "config.json").write_text(json.dumps(raw))
-    with caplog.at_level(logging.INFO, logger="drafters.eagle"):
+    with caplog.at_level(logging.INFO, logger="drafters.eagle_export"):
         head = load_head(path, target)
     assert "carries no RoPE" in caplog.text and str(path) in caplog.text
     assert head.config.rope_parameters["rope_theta"] == target.config.rope_parameters["rope_theta"] == 10000.0

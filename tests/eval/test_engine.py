@@ -9,9 +9,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import eval.__main__ as entry
-from eval import engine_formats, llama_cpp
+from eval import llama_cpp
 from eval.costs import EngineCosts, ceilings, predict, verified_width
 from eval.endpoint import stream
+from eval.formats import writing
 from eval.llama_cpp_drafters import Served, draft_dtype, llama_cpp_drafter
 from eval.llama_cpp_figures import CHAINS_ONLY, NOTHING_DRAFTED, engine_figures, numerics_note
 from eval.llama_cpp_measure import DraftCounters, DraftStats, RoundCosts
@@ -663,13 +664,13 @@ def test_a_draft_lm_gets_the_vocabulary_type_of_the_target_file_it_is_served_wit
     write(tmp_path / "target.gguf", {"tokenizer.ggml.model": ("llama", S, None), "tokenizer.ggml.tokens": (tokens, A, S),
                                      "tokenizer.ggml.scores": ([0.0, 0.0, -1.0, -2.0], A, F),
                                      "tokenizer.ggml.token_type": ([3, 3, 1, 1], A, I)}, {})
-    assert engine_formats.with_tokenizer_of(tmp_path / "draft.gguf", tmp_path / "target.gguf")
+    assert writing.with_tokenizer_of(tmp_path / "draft.gguf", tmp_path / "target.gguf")
     draft = gguf.GGUFReader(tmp_path / "draft.gguf")
     assert draft.fields["tokenizer.ggml.model"].contents() == "llama" and "tokenizer.ggml.merges" not in draft.fields
     assert draft.fields["tokenizer.ggml.scores"].contents() == [0.0, 0.0, -1.0, -2.0]
     assert draft.fields["general.architecture"].contents() == "gemma3" and draft.fields["gemma3.block_count"].contents() == 4
     assert {t.name: t.data.tolist() for t in draft.tensors} == {n: a.tolist() for n, a in weights.items()}
-    assert not engine_formats.with_tokenizer_of(tmp_path / "draft.gguf", tmp_path / "target.gguf")  # types agree now
+    assert not writing.with_tokenizer_of(tmp_path / "draft.gguf", tmp_path / "target.gguf")  # types agree now
 
 
 GPU_LOG = """llama_model_load_from_file_impl: using device CUDA0 (NVIDIA H200) (0000:00:05.0) - 142629 MiB free

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters.sampling import Sampling
 from eval import llama_cpp
-from eval.engine_formats import draft_lm_gguf, target_directory
+from eval.formats.writing import draft_lm_gguf, target_directory
 from eval.llama_cpp_drafters import llama_cpp_drafter
 from eval.llama_cpp_measure import DraftCounters
 from eval.run import build_drafter, load_target
@@ -238,7 +238,7 @@ def test_a_gemma3_target_serves_an_eagle3_head_in_llama_cpp_as_in_draftsmith(tin
     from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
     from drafters.registry import build_head, save_head
-    from eval.engine_formats import eagle3_gguf
+    from eval.formats.eagle3 import eagle3_gguf
     from helpers import _common
     from train.hidden_states import capture, default_layers
 

@@ -17,7 +17,8 @@ from drafters.registry import load_head
 from drafters.sampling import Sampling
 from helpers import train_tiny_deep
 from eval import config as eval_config
-from eval.engine_formats import EAGLE3_OWN, ExportRefused, target_directory
+from eval.formats.checks import EAGLE3_OWN, ExportRefused
+from eval.formats.writing import target_directory
 from eval.run import build_drafter, load_target
 from eval.speculative import speculative_generate
 from train import config as train_config

@@ -1,0 +1,117 @@
+"""A training run's data, as the recipe sets it up (train/recipe.py `Recipe._setup_data`): the records of
+`data.path` split into the training set and the held-out examples that choose the best checkpoint
+(`split_records`), each split prepared once, its answers regenerated and tokenized, into the data cache
+(`prepare_splits`), and the warnings about prompts the drafter never trains on (`warn_long_prompts`).
+
+The held-out examples that choose the best checkpoint are `trainer.eval_examples` records of the training traffic
+(the last ones, or as many of each category: trainer.heldout): never trained on, and never the prompts the final
+evaluation measures (those come from the held-out traffic), so the reported numbers are not selected on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from drafters.sampling import Sampling
+from eval.run import reading, resolve_data, target_source, tokenize_prompts
+from traffic.records import LoadSummary, Record, load_records
+from train.launch import rank0_first
+from train.prepare import held_out_indices, prepare
+from train.regenerate import answer_writer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Split:
+    """The records of a run's data file as training reads them."""
+
+    train: list[Record]  # the training records, at most data.max_records of them
+    held: list[Record]  # the held-out examples that choose the best checkpoint
+    summary: LoadSummary  # what loading the file skipped or defaulted
+    trained_on: dict  # what the report says the drafter trained on
+
+
+def split_records(cfg: DictConfig, warn: bool = True) -> Split:
+    """The records of `cfg.data.path`, split into the training set and the held-out examples (the module docstring);
+    with `warn`, a warning where the held-out examples hold no record of a category the training set has."""
+    records, summary = load_records(resolve_data(cfg.data.path), **reading(cfg.data))
+    log.info("%s: %s", cfg.data.path, summary)
+    held, how = cfg.trainer.eval_examples, cfg.trainer.heldout
+    if len(records) <= held:
+        raise ValueError(f"{cfg.data.path}: {len(records)} usable records, but training holds "
+                         f"{'the last ' if how == 'last' else ''}trainer.eval_examples={held} out to choose the "
+                         f"best checkpoint; lower trainer.eval_examples or add records")
+    held_idx = held_out_indices([r.category for r in records], held, how)
+    held_records, held_set = [records[i] for i in held_idx], set(held_idx)
+    train_records = [r for i, r in enumerate(records) if i not in held_set]
+    n_train = len(train_records)
+    if cfg.data.max_records is not None:
+        n_train = min(n_train, cfg.data.max_records)
+    trained_on = {"path": cfg.data.path, "records": n_train, "checkpoint_chosen_on": held,
+                  "categories": dict(Counter(r.category for r in train_records[:n_train]))}
+    missing = sorted(set(trained_on["categories"]) - {r.category for r in held_records})
+    if missing and warn:
+        # The checkpoint is then chosen on traffic unlike part of what the drafter serves.
+        fix = ("order the file so its end mixes every category, or set trainer.heldout=per_category"
+               if how == "last" else f"raise trainer.eval_examples to at least {len(set(r.category for r in records))}")
+        msg = (f"the {held} records that choose the best checkpoint (trainer.heldout={how} of {cfg.data.path}) "
+               f"hold no {', '.join(missing)} records; {fix}")
+        log.warning(msg)
+        print(f"warning: {msg}")
+    return Split(train_records[:n_train], held_records, summary, trained_on)
+
+
+def prepare_splits(cfg: DictConfig, split: Split, target, tokenizer, acc, progress: bool) -> dict[str, Path]:
+    """The directory under `data_cache` of each split ("train", "eval"), prepared there (`train/prepare.py` `prepare`:
+    the target's answers where `regenerate.enabled`, tokenized) unless an earlier run did: rank 0 first, the other
+    ranks of `acc` (an Accelerator) then read what it wrote."""
+    regen = OmegaConf.to_container(cfg.regenerate, resolve=True)
+    sampling = Sampling(regen["temperature"], regen["top_k"], regen["top_p"])
+    splits = {"train": (split.train, [len(split.train)]),
+              "eval": (split.held, [cfg.trainer.heldout, cfg.trainer.eval_examples])}
+    data_dirs = {}
+    for name, (chosen, which) in splits.items():
+        # Keyed by the records' content, not the path: a file edited in place is prepared anew.
+        content = [[r.id, r.category, r.messages] + ([r.tools] if r.tools else []) for r in chosen]
+        key = zlib.crc32(json.dumps([target_source(cfg.target), content, regen, *which]).encode())
+        directory = Path(cfg.data_cache) / f"{cfg.target.name}-{name}-{key:08x}"
+        data_dirs[name] = directory
+        with rank0_first(acc, (directory / "prepare.json").exists, f"the {name} set's answers"):
+            if not (directory / "prepare.json").exists():
+                with answer_writer(regen, tokenizer, target_source(cfg.target), chosen, work=directory,
+                                   max_new_tokens=regen["max_new_tokens"]) \
+                        if regen["enabled"] else contextlib.nullcontext() as writer:
+                    prepare(chosen, target, tokenizer, directory, sampling=sampling,
+                            regenerate_responses=regen["enabled"], max_new_tokens=regen["max_new_tokens"],
+                            on_bad_record=cfg.data.on_bad_record, progress=progress, writer=writer)
+    return data_dirs
+
+
+def warn_long_prompts(cfg: DictConfig, traffic, tokenizer) -> None:
+    """Warn when the prompts the final evaluation serves from `traffic` (with the tokens it generates) reach past the
+    windows the drafter trains on, `trainer.max_length`: it never trained at those positions, and heads keep
+    less of their acceptance there (the report's τ by prompt length shows how much)."""
+    e, window = cfg.evaluate, cfg.trainer.max_length
+    prompts = tokenize_prompts(traffic, tokenizer, device=torch.device("cpu"),
+                               max_per_category=e.prompts_per_category, on_bad_record=cfg.data.on_bad_record)
+    reach = {c: [p.numel() + e.max_new_tokens for p in ps] for c, ps in prompts.items()}
+    past = {c: n for c, ns in reach.items() if (n := sum(m > window for m in ns))}
+    longest = max((n for ns in reach.values() for n in ns), default=0)
+    if past:
+        msg = (f"{sum(past.values())} of the {sum(map(len, reach.values()))} prompts the final evaluation serves ("
+               + ", ".join(f"{c}: {n} of {len(reach[c])}" for c, n in sorted(past.items()))
+               + f") reach past trainer.max_length={window} tokens with their {e.max_new_tokens} new ones (the "
+                 f"longest to {longest}): the drafter never trains that far into a sequence, and its acceptance "
+                 f"there is likely lower; trainer.max_length={longest} trains on windows that long")
+        log.warning(msg)
+        print(f"warning: {msg}")
