@@ -26,7 +26,7 @@ from torch import nn
 
 from drafters.base import Proposal
 from drafters.head_losses import soft_cross_entropy, step_stats
-from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting, head_config
+from drafters.heads import ChainBatch, FeatureDrafter, TreeDrafting, beside, head_config, load_engine_state
 from drafters.kv_cache import KVCache, RaggedRows
 from drafters.layers import DecoderLayer, Rotary, SharedTarget, causal_mask
 from drafters.sampling import Sampling, draw
@@ -196,13 +196,8 @@ def load_engine_eagle1(path, raw: dict, target, dtype: torch.dtype | None = None
     config = head_config(target.config, "eagle1", [target.config.num_hidden_layers],
                          intermediate_size=raw["intermediate_size"], token_loss_weight=0.0, input_norm=False)
     head = Eagle1(config)
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path}/model.safetensors: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    device = next(target.parameters()).device
-    head = head.to(device=device, dtype=dtype or torch.float32).eval()
-    head.attach(target)
-    return head
+    load_engine_state(head, state, path)
+    return beside(head, target, dtype)
 
 
 HEAD = Eagle1

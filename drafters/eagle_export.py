@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from drafters.eagle import NORM_FLAGS, Eagle3, check_vocab_maps
-from drafters.heads import export_rope, head_config
+from drafters.heads import beside, export_rope, head_config, load_engine_state
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +86,5 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
     embed = state.pop("embed_tokens.weight", None)  # speculators stores the target's; SGLang's format has none
     if embed is not None and not torch.equal(embed, target.get_input_embeddings().weight.detach().to(embed)):
         raise ValueError(f"{path}: embed_tokens is not the target's embedding; draftsmith drafts with the target's")
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path}/model.safetensors: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    device = next(target.parameters()).device
-    head = head.to(device=device, dtype=dtype or torch.float32).eval()
-    head.attach(target)
-    return head
+    load_engine_state(head, state, path)
+    return beside(head, target, dtype)

@@ -46,6 +46,22 @@ def check_layers(layers: list[int], num_layers: int) -> None:
                          f"output_hidden_states of a {num_layers}-layer model), got {layers}")
 
 
+def load_engine_state(head: nn.Module, state: dict[str, torch.Tensor], path) -> None:
+    """An engine format's tensors into `head`, every one of them named as the head names it (`path`: the export, for
+    the error)."""
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}/model.safetensors: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+
+
+def beside(head: nn.Module, target, dtype: torch.dtype | None = None) -> nn.Module:
+    """`head` on the target's device in `dtype` (float32 unless given), in eval mode, attached to the target's
+    embedding and output head: a loaded head ready to draft."""
+    head = head.to(device=next(target.parameters()).device, dtype=dtype or torch.float32).eval()
+    head.attach(target)
+    return head
+
+
 def head_config(target_config, kind: str, feature_layers: list[int], intermediate_size: int | None = None,
                 rope: dict | None = None, **settings) -> LlamaConfig:
     """A one-layer Llama config with the target's attention/MLP geometry and RoPE, plus the head's settings.

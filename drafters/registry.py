@@ -19,7 +19,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from drafters import dflash, eagle, eagle1, eagle_export, medusa, mtp, peagle
-from drafters.heads import ENGINE_EAGLE1, ENGINE_EAGLE3, ENGINE_PEAGLE, check_layers, head_config
+from drafters.heads import ENGINE_EAGLE1, ENGINE_EAGLE3, ENGINE_PEAGLE, beside, check_layers, head_config
 
 # Each kind's head class (its module's HEAD): what `draftsmith_kind` in a saved head's config.json names.
 KINDS: dict[str, type[nn.Module]] = {"eagle": eagle.HEAD, "eagle1": eagle1.HEAD, "mtp": mtp.HEAD, "medusa": medusa.HEAD,
@@ -76,7 +76,4 @@ def load_head(path: str | Path, target, dtype: torch.dtype | None = None) -> nn.
     check_layers(list(config.feature_layers), target.config.num_hidden_layers)
     head = head_class(kind)(config)
     load_model(head, str(path / "model.safetensors"))
-    device = next(target.parameters()).device
-    head = head.to(device=device, dtype=dtype or torch.float32).eval()
-    head.attach(target)
-    return head
+    return beside(head, target, dtype)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import gzip
 import json
@@ -87,6 +88,7 @@ _PLANTED = [("<=", "<"), (" < ", " <= "), (" + 1", " - 1"), (" - 1", " + 1"), ("
             ("[1:]", "[2:]"), ("[-1]", "[0]")]  # the first that occurs in a body is changed: one planted bug
 
 
+@functools.cache  # completion and code_qa each read it: the standard library parsed once
 def stdlib_functions(root: Path | None = None, min_lines: int = 4, max_lines: int = 30) -> list[tuple[str, str, str]]:
     """The documented top-level functions of the standard library's own modules (tests, demos and private modules
     left out), as (qualified name, stub: signature and docstring, whole source), in a fixed order."""
