@@ -71,6 +71,17 @@ def split_records(cfg: DictConfig, warn: bool = True) -> Split:
     return Split(train_records[:n_train], held_records, summary, trained_on)
 
 
+def split_directory(cfg: DictConfig, name: str, chosen: list, which: list) -> Path:
+    """Where under `data_cache` the split `name` of the records `chosen` is prepared: keyed by the records' content,
+    not their path (a file edited in place is prepared anew), the target, the answer settings and `which`."""
+    content = [[r.id, r.category, r.messages] + ([r.tools] if r.tools else []) for r in chosen]
+    regen = OmegaConf.to_container(cfg.regenerate, resolve=True)
+    # llama-server's threads split each product by rows, so they do not change its answers: not in the key.
+    answers_from = {**regen, "threads": None}
+    key = zlib.crc32(json.dumps([target_source(cfg.target), content, answers_from, *which]).encode())
+    return Path(cfg.data_cache) / f"{cfg.target.name}-{name}-{key:08x}"
+
+
 def prepare_splits(cfg: DictConfig, split: Split, target, tokenizer, acc, progress: bool) -> dict[str, Path]:
     """The directory under `data_cache` of each split ("train", "eval"), prepared there (`train/prepare.py` `prepare`:
     the target's answers where `regenerate.enabled`, tokenized) unless an earlier run did: rank 0 first, the other
@@ -81,11 +92,7 @@ def prepare_splits(cfg: DictConfig, split: Split, target, tokenizer, acc, progre
               "eval": (split.held, [cfg.trainer.heldout, cfg.trainer.eval_examples])}
     data_dirs = {}
     for name, (chosen, which) in splits.items():
-        # Keyed by the records' content, not the path: a file edited in place is prepared anew.
-        content = [[r.id, r.category, r.messages] + ([r.tools] if r.tools else []) for r in chosen]
-        key = zlib.crc32(json.dumps([target_source(cfg.target), content, regen, *which]).encode())
-        directory = Path(cfg.data_cache) / f"{cfg.target.name}-{name}-{key:08x}"
-        data_dirs[name] = directory
+        data_dirs[name] = directory = split_directory(cfg, name, chosen, which)
         with rank0_first(acc, (directory / "prepare.json").exists, f"the {name} set's answers"):
             if not (directory / "prepare.json").exists():
                 with answer_writer(regen, tokenizer, target_source(cfg.target), chosen, work=directory,
