@@ -171,6 +171,9 @@ class Drafter(Protocol):
     """What the speculative loop needs from a drafter (see the module docstring)."""
 
     name: str
+    # True: its k guesses cost one forward of the drafter (DFlash, P-EAGLE, PARD), which the cost model charges a round
+    # once (eval/metrics.py `cost_model`); False: one draft step per guess
+    parallel: bool
 
     def start(self, prompt_ids: torch.Tensor) -> None:
         """Reset state and read the prompt, a (T,) int64 tensor on the target's device."""
@@ -187,6 +190,7 @@ class BatchDrafter(Protocol):
     """A drafter for B rows at once (module docstring; eval/batching.py drives it)."""
 
     name: str
+    parallel: bool  # as `Drafter.parallel`
 
     def start(self, prompts: list[torch.Tensor], features: list[torch.Tensor] | None = None) -> None:
         """Reset state and read each row's prompt (and, for a head, the features of all but its last position)."""

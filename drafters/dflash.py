@@ -103,7 +103,7 @@ class DFlashLayer(nn.Module):
 
 class DFlash(nn.Module):
     """The drafter. config: drafters.heads.head_config(..., num_layers, block_size, mask_token_id,
-    loss_decay_gamma, max_anchors), their defaults train/config.py `DFlashConfig`'s."""
+    loss_decay_gamma, max_anchors), their defaults drafters/kinds/dflash.py `DFlashConfig`'s."""
 
     def __init__(self, config) -> None:
         super().__init__()

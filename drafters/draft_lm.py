@@ -70,6 +70,8 @@ def check_same_vocabulary(
 class DraftLM:
     """Drafts with a small causal LM and its own KV cache."""
 
+    parallel = False  # its k guesses cost k draft steps (drafters/base.py `Drafter.parallel`)
+
     def __init__(self, model: PreTrainedModel, name: str = "draft_lm", lean: bool = True,
                  stop_below: float = 0.0, stop_rule: str = "propose") -> None:
         self.model = model.eval()
@@ -235,6 +237,8 @@ class DraftLMBatch:
     the whole batch; each row feeds its own pending committed tokens (1 or 2) in the first step of a
     round, then its last guess. A row whose confidence stop fires keeps drafting with the others (its
     extra guesses are cropped like rejected ones), and the round ends early once every row has stopped."""
+
+    parallel = False  # its k guesses cost k draft steps (drafters/base.py `Drafter.parallel`)
 
     def __init__(self, drafter: DraftLM) -> None:
         self.drafter = drafter

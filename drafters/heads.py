@@ -141,6 +141,8 @@ class FeatureDrafter:
     been delivered at any time, the last `len(self.pending)` of them still unread by the head.
     """
 
+    parallel = False  # its k guesses cost k draft steps (drafters/base.py `Drafter.parallel`)
+
     def __init__(self, head: nn.Module, name: str, stop_below: float = 0.0, stop_rule: str = "propose") -> None:
         self.head, self.name = head, name
         self.stop = ConfidenceStop(stop_below, stop_rule, name)  # confidence stop (drafters/base.py); 0 = off

@@ -17,6 +17,8 @@ from drafters.sampling import Sampling
 class NgramDrafter:
     """Proposes the continuation of the latest earlier match of the current suffix."""
 
+    parallel = False  # its k guesses cost k draft steps (drafters/base.py `Drafter.parallel`)
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram") -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
@@ -56,6 +58,8 @@ class NgramDrafter:
 class NgramBatch:
     """n-gram drafting for a batch (drafters/base.py `BatchDrafter`): the lookup is a host-side search in
     each row's own sequence, row by row, as serving engines run it; there is no model to batch."""
+
+    parallel = False  # its k guesses cost k draft steps (drafters/base.py `Drafter.parallel`)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram") -> None:
         self.settings, self.name = (max_ngram, min_ngram, name), name

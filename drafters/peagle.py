@@ -44,7 +44,7 @@ from drafters.sampling import Sampling
 
 class PEagle(Eagle3):
     """The head: EAGLE-3's, plus `mask_hidden`. config: drafters.heads.head_config(...) with EAGLE-3's settings and
-    `mask_token_id`, `num_depths`, `cod_ratio`, `cod_min_ratio`, `max_anchors` (defaults: train/config.py
+    `mask_token_id`, `num_depths`, `cod_ratio`, `cod_min_ratio`, `max_anchors` (defaults: drafters/kinds/peagle.py
     `PEagleConfig`)."""
 
     def __init__(self, config) -> None:

@@ -1,6 +1,5 @@
-"""The head kinds, and building, saving and loading a head of any of them: the registry above the kinds
-(drafters/eagle.py, eagle1.py, mtp.py, medusa.py, dflash.py, peagle.py), which import what they share from drafters/heads.py and
-never this module.
+"""Building, saving and loading a head of any kind: the registry above the head kinds (their descriptors in
+drafters/kinds/ name their classes), which import what they share from drafters/heads.py and never this module.
 
 Saved heads are a directory: `config.json` (a Llama config of the head's one layer, plus `draftsmith_kind`,
 `feature_layers`, `target_hidden_size`, `draft_vocab_size` and the kind's own settings) and
@@ -18,12 +17,11 @@ from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 from transformers import LlamaConfig
 
-from drafters import dflash, eagle, eagle1, eagle_export, medusa, mtp, peagle
-from drafters.heads import ENGINE_EAGLE1, ENGINE_EAGLE3, ENGINE_PEAGLE, beside, check_layers, head_config
+from drafters.heads import beside, check_layers, head_config
+from drafters.kinds import kinds
 
-# Each kind's head class (its module's HEAD): what `draftsmith_kind` in a saved head's config.json names.
-KINDS: dict[str, type[nn.Module]] = {"eagle": eagle.HEAD, "eagle1": eagle1.HEAD, "mtp": mtp.HEAD, "medusa": medusa.HEAD,
-                                     "dflash": dflash.HEAD, "peagle": peagle.HEAD}
+# Each head kind's class (its descriptor's `head`): what `draftsmith_kind` in a saved head's config.json names.
+KINDS: dict[str, type[nn.Module]] = {name: k.head for name, k in kinds().items() if k.head is not None}
 
 
 def head_class(kind: str) -> type[nn.Module]:
@@ -59,12 +57,9 @@ def load_head(path: str | Path, target, dtype: torch.dtype | None = None) -> nn.
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a saved head: no config.json")
     raw = json.loads((path / "config.json").read_text())
-    if set(raw.get("architectures") or []) & set(ENGINE_PEAGLE):  # before EAGLE-3's: it is one, plus mask_hidden
-        return peagle.load_engine_peagle(path, raw, target, dtype)
-    if set(raw.get("architectures") or []) & set(ENGINE_EAGLE3):  # an EAGLE-3 export (eval/formats/eagle3.py)
-        return eagle_export.load_engine_eagle3(path, raw, target, dtype)
-    if set(raw.get("architectures") or []) & set(ENGINE_EAGLE1):
-        return eagle1.load_engine_eagle1(path, raw, target, dtype)
+    for k in kinds().values():  # an engine's export of a kind (eval/formats/): read by that kind's loader
+        if set(raw.get("architectures") or []) & set(k.reads):
+            return k.load_export(path, raw, target, dtype)
     kind = raw.get("draftsmith_kind")
     if kind not in KINDS:
         raise ValueError(f"{path}/config.json: field draftsmith_kind is {kind!r}, expected one of {sorted(KINDS)}")

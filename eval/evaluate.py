@@ -96,6 +96,8 @@ class TreeDrafter:
     """A drafter measured drafting trees of one shape: rows of its own, named `<drafter>@<shape>`, whose k is the
     tree's depth."""
 
+    parallel = False  # its k guesses cost k draft steps (drafters/base.py `Drafter.parallel`)
+
     base: Drafter
     shape: TreeShape | StaticTree
 
@@ -230,7 +232,7 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
                 group = [_row(d.name, k, sampling, category, plain, spec[d.name, k], timings[d.name], plain_t,
                               compare(timings[d.name], plain_t, strata, seed=seed), lengths, batch,
                               *((d.shape, d.base.name) if isinstance(d, TreeDrafter) else ()),
-                              parallel=getattr(d, "parallel", False), gaps=gaps) for d in at_k]
+                              parallel=d.parallel, gaps=gaps) for d in at_k]
                 # Against the first drafter (or, at a tree depth no chain is measured at, the first tree).
                 _compare_drafters(group, timings, strata, baseline=names[0] if names[0] in timings else at_k[0].name,
                                   seed=seed)

@@ -15,15 +15,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from drafters.heads import ENGINE_EAGLE3
-from drafters.pard import pard_settings
+from drafters import kinds
 from eval import llama_cpp
-from eval.formats.dflash import dflash_gguf
-from eval.formats.eagle3 import eagle3_gguf, llama_cpp_cannot_serve
+from eval.formats.eagle3 import llama_cpp_cannot_serve
 from eval.formats.writing import GGUF_OUTTYPE, draft_lm_gguf, target_directory
 from traffic import models
-
-SPEC_TYPES = {"draft_lm": "draft-simple", "eagle3": "draft-eagle3", "dflash": "draft-dflash"}
 
 
 @dataclass
@@ -94,18 +90,17 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
     if kind == "draft_lm":
         shipped, qtype = models.gguf_file(spec["path"]), spec.get("gguf_type")
         if shipped is not None and not qtype:  # the file a team deploys, served as it is (as a GGUF target is)
-            return Served(name, shipped, SPEC_TYPES["draft_lm"], dtype=models.gguf_type(shipped), p_min=p_min)
+            return Served(name, shipped, kinds.of_lm(None).engines.llama_cpp, dtype=models.gguf_type(shipped),
+                          p_min=p_min)
         directory = target_directory(spec["path"])
-        if pard_settings(AutoConfig.from_pretrained(directory)) is not None:
-            return Served(name, note="a PARD draft guesses k tokens in one forward from mask tokens, which llama.cpp "
-                                     "does not do (its draft-simple would run it one token at a time, another "
-                                     "drafter than the one measured); vLLM serves it (draft_model with "
-                                     "parallel_drafting)")
+        lm = kinds.of_lm(AutoConfig.from_pretrained(directory))  # its kind: a draft LM's, or PARD's
+        if not lm.engines.llama_cpp:
+            return Served(name, note=lm.engines.llama_cpp_cannot)
         dtype = draft_dtype(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval())
         gguf = draft_lm_gguf(directory, out, dtype, target_name_or_path)
         if qtype:  # quantized from the 16-bit conversion by llama.cpp's own quantizer
             gguf, dtype = llama_cpp.quantize(gguf, out.with_name(f"{out.stem}-{qtype}.gguf"), qtype), qtype
-        return Served(name, gguf, SPEC_TYPES["draft_lm"], dtype=dtype, p_min=p_min)
+        return Served(name, gguf, lm.engines.llama_cpp, dtype=dtype, p_min=p_min)
     if kind != "head":
         return Served(name, note="draftsmith's n-gram drafter has no llama.cpp counterpart (llama.cpp's ngram "
                                  "drafters are other algorithms)")
@@ -115,22 +110,18 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
     dtype = draft_dtype(target, list(layers) if layers else None)
     if why := llama_cpp_cannot_serve(config):
         return Served(name, note=why)
-    if set(config.get("architectures") or []) & set(ENGINE_EAGLE3):  # SGLang's or speculators' export, as it is
+    kind = kinds.of_head(config)  # its descriptor (drafters/kinds/): whether and how llama.cpp serves it
+    if kind is None or not kind.engines.llama_cpp:
+        what = config.get("draftsmith_kind") or "/".join(config.get("architectures") or ["unknown"])
+        served = ", ".join(k.summary for k in kinds.kinds().values() if k.engines.llama_cpp)
+        return Served(name, note=(kind and kind.engines.llama_cpp_cannot)
+                      or f"a {what} head has no llama.cpp format (llama.cpp serves {served})")
+    if set(config.get("architectures") or []) & set(kind.reads):  # an engine's export (SGLang's, speculators'), as is
         gguf = llama_cpp.convert_to_gguf(head, out, outtype=GGUF_OUTTYPE[dtype],
                                          target_dir=target_directory(target_name_or_path))
-    elif config.get("draftsmith_kind") == "eagle":
-        gguf = eagle3_gguf(head, target, target_name_or_path, out, dtype)
-    elif config.get("draftsmith_kind") == "dflash":
-        return Served(name, dflash_gguf(head, target, target_name_or_path, out, dtype), SPEC_TYPES["dflash"],
-                      dtype=dtype, p_min=p_min)
     else:
-        what = config.get("draftsmith_kind") or "/".join(config.get("architectures") or ["unknown"])
-        if what in ("peagle", "PEagleSpeculator"):
-            return Served(name, note="a P-EAGLE head drafts k tokens in one forward from mask entries, which llama.cpp's "
-                                     "EAGLE-3 graph does not do; vLLM serves it (eagle3 with parallel_drafting)")
-        return Served(name, note=f"a {what} head has no llama.cpp format (llama.cpp serves draft models, "
-                                 "EAGLE-3 heads and DFlash drafters)")
-    return Served(name, gguf, SPEC_TYPES["eagle3"], dtype=dtype, p_min=p_min)
+        gguf = kinds.function(kind.llama_cpp_gguf)(head, target, target_name_or_path, out, dtype)
+    return Served(name, gguf, kind.engines.llama_cpp, dtype=dtype, p_min=p_min)
 
 
 @dataclass

@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from drafters import kinds
 from drafters.base import Drafter
-from drafters.draft_lm import DraftLM
 from drafters.ngram import NgramDrafter
-from drafters.pard import PardLM, pard_settings
 from drafters.registry import load_head
 from eval.config import SPECS
 from traffic import models, toyworld
@@ -111,9 +110,9 @@ def build_drafter(spec: dict, *, target: PreTrainedModel, tokenizer, trust_remot
                              "without an off-the-shelf draft leaves target.off_the_shelf_draft null: list the drafters "
                              "to measure instead, e.g. 'drafters=[{name: ngram, kind: ngram}]')")
         path = models.resolve(spec["path"])
-        # A PARD draft (its config names pard_token) drafts its k guesses in one forward; any other drafts in turn.
-        parallel = pard_settings(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)) is not None
-        return (PardLM if parallel else DraftLM).from_pretrained(
+        # Its kind's drafter (drafters/kinds/): PARD's for a config naming pard_token, the draft LM's for any other.
+        lm = kinds.of_lm(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)).lm
+        return lm.from_pretrained(
             path, target=target, target_tokenizer=tokenizer, name=name, trust_remote_code=trust_remote_code,
             lean=spec.get("lean", True), stop_below=stop_below, stop_rule=stop_rule)
     if kind == "head":

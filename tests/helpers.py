@@ -48,6 +48,8 @@ class ScriptedDrafter:
     wrong guess is the right token + 1 (mod vocab).
     """
 
+    parallel = False  # its k guesses cost k draft steps (drafters/base.py `Drafter.parallel`)
+
     def __init__(self, reference: list[int], vocab: int, policy, name: str = "scripted") -> None:
         self.reference, self.vocab, self.policy, self.name = reference, vocab, policy, name
 
@@ -134,7 +136,7 @@ class Recording:
     """Wraps a drafter for the loop and keeps every proposal it makes."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.name = inner, inner.name
+        self.inner, self.name, self.parallel = inner, inner.name, inner.parallel
         if getattr(inner, "feature_layers", None):
             self.feature_layers = inner.feature_layers
         self.proposals: list[Proposal] = []

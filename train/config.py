@@ -14,7 +14,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from drafters.parallel import COD_MIN_RATIO, COD_RATIO, MAX_ANCHORS
+from drafters.kinds import DrafterConfig, kinds
 from eval.config import AnyDrafterSpec, DataConfig, TargetConfig, TrackingConfig
 from train.hub import HubSettings
 from train.launch import register_resolver
@@ -71,133 +71,6 @@ class PrepareConfig:
 # --- python -m train ----------------------------------------------------------------------------------
 
 
-@dataclass
-class LoraSettings:
-    """LoRA through peft; merged into the weights when the drafter is saved."""
-
-    enabled: bool = False
-    r: int = 8
-    alpha: int = 16  # LoRA scaling numerator (scale = alpha / r)
-    dropout: float = 0.0  # dropout on the LoRA branch
-    target_modules: str = "all-linear"  # peft's target_modules: every linear layer but the output head
-
-
-@dataclass
-class OnPolicySettings:
-    """On-policy data: sequences sampled from the draft, scored by the target (GKD, DistillSpec)."""
-
-    ratio: float = 0.0  # share of training steps on draft samples (0 = off-policy only)
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-
-
-@dataclass
-class DrafterConfig:
-    """What to train: the keys every kind has. Each kind's schema below adds its own, with its defaults (here
-    and nowhere else: conf/drafter/<kind>.yaml only names the schema), so a key another kind reads is an error
-    naming this kind and its keys. `KINDS` maps each kind to its schema; train/__main__.py to its recipe."""
-
-    kind: str = MISSING
-    init_from: Optional[str] = None  # where training starts: a model (draft_lm) or a saved head of this kind and shape
-
-
-@dataclass
-class DraftLMConfig(DrafterConfig):
-    """`drafter=draft_lm`: a standalone draft LM sharing the target's tokenizer, fine-tuned or distilled
-    (train/distill.py)."""
-
-    kind: str = "draft_lm"
-    init_from: Optional[str] = "${target.off_the_shelf_draft}"  # a hub id or directory: the off-the-shelf draft
-    init_layers: Optional[int] = None  # or, with init_from=null: the target's own first N layers and head (a self-draft)
-    loss: str = "forward_kl"  # sft | forward_kl | reverse_kl | jsd | tvd
-    temperature: float = 1.0  # distillation temperature (both sides)
-    beta: float = 0.5  # JSD(beta) only
-    target_logits: str = "online"  # online (target forward in each step) | cached (top-k, computed once)
-    cached_top_k: int = 64  # target_logits=cached: the target's k most likely tokens per position (the rest one bucket)
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    on_policy: OnPolicySettings = field(default_factory=OnPolicySettings)
-
-
-@dataclass
-class PardConfig(DraftLMConfig):
-    """`drafter=pard`: PARD, the draft LM trained to guess k tokens in one forward from k - 1 appended mask tokens
-    (drafters/pard.py, train/pard.py): the draft LM recipe's objectives, on PARD's rows. Its defaults are PARD's."""
-
-    kind: str = "pard"
-    num_depths: int = 8  # depths trained (the bonus token's guess and num_depths - 1 masks): k up to this
-    # the token the masks carry (a row of the draft's embedding, trained with it); null: the tokenizer's mask token,
-    # else the first embedding row no token uses, else pad, end-of-sequence, unknown (as for DFlash)
-    mask_token_id: Optional[int] = None
-    cod_ratio: float = COD_RATIO  # conditional drop: depth d keeps max(cod_ratio ** d, cod_min_ratio) of the anchors
-    cod_min_ratio: float = COD_MIN_RATIO
-    max_anchors: int = MAX_ANCHORS  # anchors per sequence the deeper depths are drawn from (all stay at depth 0)
-
-
-@dataclass
-class HeadConfig(DrafterConfig):
-    """What every head on the target's hidden states has (train/heads.py). init_from: a saved head of this kind
-    and shape (a run's best/) to start from."""
-
-    layers: Optional[list[int]] = None  # indices into output_hidden_states; null = the kind's default
-    hidden_states: str = "online"  # online: the frozen target runs inside each step | offline: shards, computed once
-    offline_dtype: str = "float16"  # offline: the shards' dtype
-    offline_max_gib: Optional[float] = 20.0  # offline: refuse to start when the shards' estimate is larger
-    label_temperature: float = 1.0  # token-loss label: softmax(target logits / T); 0 = the target's argmax (greedy serving)
-
-
-@dataclass
-class Eagle3Layout(HeadConfig):
-    """What an EAGLE-3 head's layer has, whichever way it drafts (`drafter=eagle` and `drafter=peagle`): fused
-    low/middle/high target features, one decoder layer, a draft vocabulary. Layers default to [2, n//2, n-3] (vLLM's
-    convention)."""
-
-    # true: an output head of its own over the draft vocabulary, started from the target's rows and trained with the
-    # rest (EAGLE-3's reference recipe); false: draft through the target's output head, frozen
-    own_lm_head: bool = False
-    intermediate_size: Optional[int] = None  # the head's MLP width; null = the target's, smaller = cheaper steps
-    # The draft vocabulary (d2t / t2d maps): the most frequent share of the target's tokens; null = all. The recipe
-    # warns when a held-out category's tokens are under 99 % covered (greedy serving rejects the rest).
-    draft_vocab_share: Optional[float] = 0.25
-    draft_vocab_size: Optional[int] = None  # or a number of tokens, e.g. 1024 (wins over the share and the coverage)
-    # or the fewest tokens that make up this share (e.g. 0.999) of the training traffic's ranked counts (wins over
-    # the share)
-    draft_vocab_coverage: Optional[float] = None
-    # rank by counts in the (regenerated) responses (tokens) | by the target's next-token probabilities there
-    # (target_probabilities: keeps what sampled serving draws, not just the argmax)
-    draft_vocab_from: str = "tokens"
-    draft_vocab_examples: int = 256  # draft_vocab_from=target_probabilities: the first N training records are scored
-    # EAGLE-3.1's norms (speculators' defaults, under its names): an RMS norm over the fused target features before fc
-    # (norm_before_fc); the normed hidden state as the layer's residual (norm_before_residual); the final norm's output
-    # handed to the next draft step (norm_output; llama.cpp's EAGLE-3 graph does not read it, vLLM's does).
-    norm_before_fc: bool = False
-    norm_before_residual: bool = False
-    norm_output: bool = False
-
-
-@dataclass
-class EagleConfig(Eagle3Layout):
-    """`drafter=eagle`: EAGLE-3, drafting on its own outputs, trained by training-time test (drafters/eagle.py)."""
-
-    kind: str = "eagle"
-    ttt_steps: int = 4  # the head unrolled on its own outputs for this many draft steps: as deep as it drafts (k=4)
-    ttt_decay: float = 0.8  # loss weight of step s: ttt_decay ** s
-
-
-@dataclass
-class PEagleConfig(Eagle3Layout):
-    """`drafter=peagle`: P-EAGLE, EAGLE-3's layer drafting k guesses in one forward from mask entries, trained on
-    every depth at once (drafters/peagle.py). Its defaults are speculators' P-EAGLE recipe."""
-
-    kind: str = "peagle"
-    num_depths: int = 8  # depths trained, and the most guesses one forward drafts (k up to this)
-    # the token the mask entries carry (its row of the target's embedding); null: the tokenizer's mask token, else
-    # the first embedding row no token uses, else pad, end-of-sequence, unknown (as for DFlash)
-    mask_token_id: Optional[int] = None
-    cod_ratio: float = COD_RATIO  # conditional drop: depth d keeps max(cod_ratio ** d, cod_min_ratio) of the anchors
-    cod_min_ratio: float = COD_MIN_RATIO
-    max_anchors: int = MAX_ANCHORS  # anchors per sequence the deeper depths are drawn from (all stay at depth 0)
-
-
 def check_chains(drafter) -> None:
     """The depths and conditional drop P-EAGLE's and PARD's recipes train with (`num_depths`, `cod_ratio`,
     `cod_min_ratio`, `max_anchors`), checked before any work."""
@@ -210,60 +83,11 @@ def check_chains(drafter) -> None:
         raise ValueError(f"drafter.max_anchors must be >= 1, got {drafter.max_anchors}")
 
 
-@dataclass
-class Eagle1Config(HeadConfig):
-    """`drafter=eagle1`: EAGLE-1, the last hidden state and the token embedding through fc, one decoder layer
-    (drafters/eagle1.py)."""
-
-    kind: str = "eagle1"
-    token_loss_weight: float = 0.1  # feature regression (smooth L1) + this x token cross-entropy
-
-
-@dataclass
-class MtpConfig(HeadConfig):
-    """`drafter=mtp`: DeepSeek-V3 multi-token prediction, chained modules sharing the target's embedding and
-    output head (drafters/mtp.py)."""
-
-    kind: str = "mtp"
-    depth: int = 3  # modules; a round drafts min(k, depth) tokens
-    module_decay: float = 0.8  # loss weight of module k: module_decay ** (k-1)
-
-
-@dataclass
-class MedusaConfig(HeadConfig):
-    """`drafter=medusa`: K residual heads on the last hidden state, the target frozen (drafters/medusa.py)."""
-
-    kind: str = "medusa"
-    num_heads: int = 4  # head i predicts token t+i+1; a round drafts min(k, num_heads) tokens
-    num_layers: int = 1  # residual blocks per head
-    head_decay: float = 0.8  # loss weight of head i: head_decay ** (i-1)
-
-
-# Each kind's schema: conf/drafter/<kind>.yaml composes `<kind>_schema` from the ConfigStore (register()).
-@dataclass
-class DFlashConfig(HeadConfig):
-    """`drafter=dflash`: DFlash, a block of guesses in one forward from several layers' features (drafters/dflash.py).
-    Its defaults and objective are SpecForge's DFlash recipe, the loss decay speculators'."""
-
-    kind: str = "dflash"
-    num_layers: int = 1  # decoder layers of the drafter (SpecForge's default; z-lab's Qwen3-8B drafter has 5)
-    block_size: int = 5  # the anchor and block_size - 1 masked positions: serve at k = block_size - 1
-    # the token the masked positions carry (its row of the target's embedding); null: the tokenizer's mask token,
-    # else the first embedding row no token uses, else pad, end-of-sequence, unknown (SpecForge's order)
-    mask_token_id: Optional[int] = None
-    loss_decay_gamma: Optional[float] = 4.0  # block position j's loss weighs exp(-(j-1)/gamma); null: all alike
-    max_anchors: int = 256  # blocks trained per sequence, drawn from its answer's positions (SpecForge: 512)
-
-
-KINDS: dict[str, type[DrafterConfig]] = {"draft_lm": DraftLMConfig, "eagle": EagleConfig, "eagle1": Eagle1Config,
-                                         "mtp": MtpConfig, "medusa": MedusaConfig, "dflash": DFlashConfig,
-                                         "peagle": PEagleConfig, "pard": PardConfig}
-
-
+# Each kind's schema, from its descriptor (drafters/kinds/): conf/drafter/<kind>.yaml composes `<kind>_schema` from
+# the ConfigStore (register()).
+KINDS: dict[str, type[DrafterConfig]] = {name: k.schema for name, k in kinds().items()}
 # The module whose run(cfg) trains each kind (train/__main__.py dispatches on it).
-RECIPES: dict[str, str] = {"draft_lm": "train.distill", "eagle": "train.eagle3", "eagle1": "train.heads",
-                           "mtp": "train.heads", "medusa": "train.heads", "dflash": "train.dflash",
-                           "peagle": "train.peagle", "pard": "train.pard"}
+RECIPES: dict[str, str] = {name: k.recipe for name, k in kinds().items()}
 
 
 def drafter_keys(kind: str) -> list[str]:

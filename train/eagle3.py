@@ -88,7 +88,7 @@ class Eagle3Recipe(HeadRecipe):
         return {**self._layout_settings(), "ttt_steps": d.ttt_steps, "ttt_decay": d.ttt_decay}
 
     def _layout_settings(self) -> dict:
-        """The layer's settings every EAGLE-3 head has (train/config.py `Eagle3Layout`), its draft vocabulary sized
+        """The layer's settings every EAGLE-3 head has (drafters/kinds/eagle.py `Eagle3Layout`), its draft vocabulary sized
         from the run's settings (and the traffic's counts where `drafter.draft_vocab_coverage` sizes it, kept for
         `_prepare_head`)."""
         d, target = self.cfg.drafter, self.target

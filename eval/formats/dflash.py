@@ -9,13 +9,14 @@ converter on it, with the target's directory, as llama.cpp requires.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from eval.formats.checks import ExportRefused, _refuse_activation, _refuse_at_chance
-from eval.formats.writing import _rope, copy_tokenizer, target_directory, write_dir, write_gguf
+from eval.formats.writing import ExportJob, _rope, copy_tokenizer, target_directory, write_dir, write_gguf
 
 DFLASH_OWN = ("fc.weight", "hidden_norm.weight", "norm.weight")
 DFLASH_LAYER = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
@@ -106,3 +107,16 @@ def dflash_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file
     exported = write_dir(out_file.with_suffix(".dflash"), dflash_writer(tensors, head_config, target.config,
                                                                          target_dir, "float32"))
     return write_gguf(exported, out_file, dtype, target_dir=target_dir)
+
+
+def export_dflash(job: ExportJob, formats: list[str], out: Path) -> dict[str, Path]:
+    """A DFlash drafter as the `dflash` format and its `gguf` under `out`."""
+    tensors, head_config = dflash_tensors(job.best, job.target, best=job.best_record, force=job.force, dtype=job.dtype)
+    exported = write_dir(out / "dflash", dflash_writer(tensors, head_config, job.target.config, job.target_dir,
+                                                       job.dtype_name))
+    written = {"dflash": exported} if "dflash" in formats else {}
+    if "gguf" in formats:
+        written["gguf"] = write_gguf(exported, out / "gguf" / "dflash.gguf", job.dtype_name, target_dir=job.target_dir)
+    if "dflash" not in formats:
+        shutil.rmtree(exported)
+    return written

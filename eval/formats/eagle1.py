@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eval.formats.checks import EAGLE1_OWN, check_eagle1
-from eval.formats.writing import _rope, copy_tokenizer
+from eval.formats.writing import ExportJob, _rope, copy_tokenizer, write_dir
 
 
 def vllm_eagle1(head_dir: Path, target, target_dir: Path, *, best: dict | None, force: bool, dtype: torch.dtype):
@@ -48,3 +48,9 @@ def vllm_eagle1(head_dir: Path, target, target_dir: Path, *, best: dict | None, 
         copy_tokenizer(target_dir, tmp)
 
     return write
+
+
+def export_eagle1(job: ExportJob, formats: list[str], out: Path) -> dict[str, Path]:
+    """An EAGLE-1 head as vLLM's `vllm` format under `out`."""
+    write = vllm_eagle1(job.best, job.target, job.target_dir, best=job.best_record, force=job.force, dtype=job.dtype)
+    return {"vllm": write_dir(out / "vllm", write)}

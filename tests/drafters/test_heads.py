@@ -626,6 +626,7 @@ class _Recorder:
 
     def __init__(self, inner) -> None:
         self.inner, self.name, self.feature_layers = inner, "recorder", inner.feature_layers
+        self.parallel = inner.parallel
         self.seen: list[torch.Tensor] = []
 
     def start(self, prompt_ids, features):

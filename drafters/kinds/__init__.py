@@ -1,0 +1,148 @@
+"""The drafter kinds, one descriptor each (drafters/kinds/<kind>.py, beside the drafter's own drafters/<kind>.py):
+everything the code above a drafter needs to know about its kind, so that none of it names one.
+
+A kind's module holds its schema (the `drafter=<kind>` keys, with their defaults) and `KIND`, a `Kind`: the recipe
+that trains it, its head class, whether it drafts its guesses in one forward, the target layers it reads by default,
+the formats it is exported in and the engines that serve them, and its Hub model card. `train/config.py`,
+`train/hidden_states.py`, `train/export.py`, `train/hub.py`, `drafters/registry.py` and eval/'s llama.cpp drafters
+read the descriptors from here: a new kind is its drafter, its recipe, its descriptor, its YAML and its tests.
+
+Kinds outside this package (a team's own) are found through the `draftsmith.kinds` entry points: each names a module
+with a `KIND`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from functools import cache
+from importlib.metadata import entry_points
+from typing import Callable, Optional
+
+from omegaconf import MISSING
+from torch import nn
+
+
+@dataclass
+class DrafterConfig:
+    """What to train: the keys every kind has. Each kind's schema (in its drafters/kinds/<kind>.py) adds its own,
+    with its defaults (there and nowhere else: conf/drafter/<kind>.yaml only names the schema), so a key another kind
+    reads is an error naming this kind and its keys."""
+
+    kind: str = MISSING
+    init_from: Optional[str] = None  # where training starts: a model (draft_lm) or a saved head of this kind and shape
+
+
+@dataclass
+class HeadConfig(DrafterConfig):
+    """What every head on the target's hidden states has (train/heads.py). init_from: a saved head of this kind
+    and shape (a run's best/) to start from."""
+
+    layers: Optional[list[int]] = None  # indices into output_hidden_states; null = the kind's default
+    hidden_states: str = "online"  # online: the frozen target runs inside each step | offline: shards, computed once
+    offline_dtype: str = "float16"  # offline: the shards' dtype
+    offline_max_gib: Optional[float] = 20.0  # offline: refuse to start when the shards' estimate is larger
+    label_temperature: float = 1.0  # token-loss label: softmax(target logits / T); 0 = the target's argmax (greedy serving)
+
+
+@dataclass(frozen=True)
+class Engines:
+    """How the serving engines take a kind's export (None: that engine does not serve it)."""
+
+    vllm: Optional[str] = None  # vLLM's speculative method
+    vllm_extra: str = ""  # further keys of vLLM's --speculative-config (JSON, each with its leading comma)
+    sglang: Optional[str] = None  # SGLang's --speculative-algorithm
+    gguf: Optional[str] = None  # the export's GGUF file name
+    llama_cpp: Optional[str] = None  # llama-server's --spec-type for that file
+    llama_cpp_cannot: Optional[str] = None  # why llama.cpp cannot serve this kind, where it cannot
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One drafter kind, as the code above the drafters sees it."""
+
+    name: str  # drafter.kind, and `draftsmith_kind` in a saved head's config.json
+    schema: type[DrafterConfig]
+    recipe: str  # the module whose run(cfg) trains it (train/__main__.py)
+    summary: str  # what it is, in a few words (errors and listings)
+    head: Optional[type[nn.Module]] = None  # a head on the target's hidden states: its class (drafters/registry.py)
+    # The engines' exports of the kind that draftsmith reads back as its head: their config.json `architectures`, and
+    # the loader, (directory, its config.json, target, dtype) -> head (drafters/registry.py `load_head`)
+    reads: tuple[str, ...] = ()
+    load_export: Optional[Callable] = None
+    # A standalone LM kind: its drafter class (`from_pretrained`, eval/run.py), and what in a model's transformers
+    # config says it is of this kind (None: any LM no other kind recognizes)
+    lm: Optional[type] = None
+    recognizes: Optional[Callable[[object], bool]] = None
+    parallel: bool = False  # drafts its k guesses in one forward (its drafters' `parallel`)
+    # The feature layers it reads by default, for a target of n layers (train/hidden_states.py's convention)
+    layers: Optional[Callable[[int], list[int]]] = None
+    aliases: tuple[str, ...] = ()  # other names of the kind where layers are asked for (prepare's hidden_states.kind)
+    formats: tuple[str, ...] = ()  # the export formats (train/export.py)
+    # What writes them: "module:function", (eval/formats/writing.py ExportJob, formats, directory) -> {format: path};
+    # named, not imported, as eval/ sits above the drafters
+    exporter: Optional[str] = None
+    no_format: Optional[str] = None  # no formats: why no engine loads this kind
+    hub_root: Optional[str] = None  # the format at the root of its Hub repository (train/hub.py)
+    engines: Engines = field(default_factory=Engines)
+    # A head llama.cpp serves: "module:function" converting a saved one to its GGUF, (directory, target, target's
+    # name, out file, dtype) -> path (eval/llama_cpp_drafters.py)
+    llama_cpp_gguf: Optional[str] = None
+    tag: Optional[str] = None  # the Hub tag of the kind
+    library: Optional[str] = None  # the Hub card's library_name: the library that loads the root format
+    # The model card's first paragraph: (target, the run's drafter settings, its feature layers) -> text
+    describe: Optional[Callable[[str, dict, Optional[list]], str]] = None
+    # The model card's recipe rows beyond the shared ones: (drafter settings, the run's config, best.json) -> rows
+    card_rows: Callable[[dict, dict, dict], list[list]] = lambda d, cfg, best: []
+
+
+@cache
+def kinds() -> dict[str, Kind]:
+    """Every kind: the modules of this package, then the `draftsmith.kinds` entry points, by name."""
+    modules = [importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)]
+    modules += [e.load() for e in entry_points(group="draftsmith.kinds")]
+    found: dict[str, Kind] = {}
+    for module in modules:
+        kind = getattr(module, "KIND", None)
+        if not isinstance(kind, Kind):
+            raise TypeError(f"{module.__name__} has no KIND (a drafters.kinds.Kind)")
+        if kind.name in found:
+            raise ValueError(f"two drafter kinds are named {kind.name!r}: {module.__name__} and another")
+        found[kind.name] = kind
+    return found
+
+
+def kind(name: str) -> Kind:
+    """The kind named `name` (or one of its aliases); an error listing the known kinds otherwise."""
+    for k in kinds().values():
+        if name == k.name or name in k.aliases:
+            return k
+    raise ValueError(f"unknown drafter kind {name!r}; known: {', '.join(sorted(kinds()))}")
+
+
+def of_head(config: dict) -> Optional[Kind]:
+    """The kind of a saved head from its config.json: its `draftsmith_kind`, or, for an engine's export, the kind whose
+    `reads` holds one of its architectures; None for neither."""
+    if config.get("draftsmith_kind"):
+        return kinds().get(config["draftsmith_kind"])
+    architectures = set(config.get("architectures") or [])
+    return next((k for k in kinds().values() if architectures & set(k.reads)), None)
+
+
+def of_lm(config) -> Kind:
+    """The kind of a standalone draft LM from its transformers config (None: a GGUF file, an ordinary draft LM): the
+    LM kind that recognizes it, else the one that takes any other."""
+    lms = [k for k in kinds().values() if k.lm is not None]
+    if config is not None:
+        for k in lms:
+            if k.recognizes is not None and k.recognizes(config):
+                return k
+    return next(k for k in lms if k.recognizes is None)
+
+
+def function(ref: str) -> Callable:
+    """The function a descriptor names as "module:function" (its exporter, its GGUF converter): named, not imported,
+    where it lives above the drafters (eval/formats/)."""
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
