@@ -25,9 +25,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafters import kinds
 from drafters.eagle import NORM_FLAGS
 from eval.formats.checks import EAGLE3_OWN, ExportRefused, check_eagle3
 from eval.formats.writing import ExportJob, _rope, copy_tokenizer, target_directory, write_dir, write_gguf
+
+
+def drafts_in_one_forward(head_config: dict) -> bool:
+    """Whether a saved head of EAGLE-3's layer drafts its k guesses in one forward (its kind's descriptor,
+    drafters/kinds/): written as speculators' P-EAGLE, with its `mask_hidden`."""
+    kind = kinds.of_head(head_config)
+    return kind is not None and kind.parallel
 
 
 def eagle3_tensors(head_dir: Path, target, *, best: dict | None, force: bool = False,
@@ -42,7 +50,7 @@ def eagle3_tensors(head_dir: Path, target, *, best: dict | None, force: bool = F
     target_ids = check_eagle3(state, head_config, target.config, eos_token_id=target.config.eos_token_id,
                               best=best, force=force, where=str(head_dir))
     tensors = {name: state[name] for name in EAGLE3_OWN}
-    if head_config.get("draftsmith_kind") == "peagle":  # P-EAGLE's stand-in for the features at depth >= 1
+    if drafts_in_one_forward(head_config):  # P-EAGLE: mask_hidden, its stand-in for the features at depth >= 1
         fused = len(head_config["feature_layers"]) * head_config["target_hidden_size"]
         if tuple(state.get("mask_hidden", torch.empty(0)).shape) != (1, 1, fused):
             raise ExportRefused(f"{head_dir}: mask_hidden is missing or not (1, 1, {fused}); vLLM refuses a P-EAGLE "
@@ -115,7 +123,7 @@ def speculators_config(head_config: dict, target_config, verifier: str, dtype: s
         transformer["rope_parameters"] = layer["rope_parameters"]
     transformer.update({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
                         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False})
-    peagle = head_config.get("draftsmith_kind") == "peagle"
+    peagle = drafts_in_one_forward(head_config)  # speculators' P-EAGLE variant of the format
     if peagle:  # vLLM's Llama EAGLE-3 sizes mask_hidden by this, else by 3 (llama_eagle3.py)
         transformer["num_aux_hidden_states"] = len(layer["eagle_aux_hidden_state_layer_ids"])
     return {
