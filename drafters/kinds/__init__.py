@@ -4,8 +4,9 @@ everything the code above a drafter needs to know about its kind, so that none o
 A kind's module holds its schema (the `drafter=<kind>` keys, with their defaults) and `KIND`, a `Kind`: the recipe
 that trains it, its head class, whether it drafts its guesses in one forward, the target layers it reads by default,
 the formats it is exported in and the engines that serve them, and its Hub model card. `train/config.py`,
-`train/hidden_states.py`, `train/export.py`, `train/hub.py`, `drafters/registry.py` and eval/'s llama.cpp drafters
-read the descriptors from here: a new kind is its drafter, its recipe, its descriptor, its YAML and its tests.
+`train/hidden_states.py`, `train/export.py`, `train/hub.py`, `drafters/registry.py`, `eval/run.py` and
+`eval/llama_cpp_drafters.py` read the descriptors from here: a new kind is its drafter, its recipe, its descriptor,
+its YAML and its tests (docs/architecture.md).
 
 Kinds outside this package (a team's own) are found through the `draftsmith.kinds` entry points: each names a module
 with a `KIND`.
