@@ -106,7 +106,7 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
     best_file = run.best / "best.json"
     job = ExportJob(best=run.best, best_record=json.loads(best_file.read_text()) if best_file.exists() else None,
                     target=target, tokenizer=tokenizer, target_name=run.target, dtype=dtype_of(settings.dtype),
-                    k=settings.num_speculative_tokens, force=settings.force, parallel=described.parallel)
+                    k=settings.num_speculative_tokens, force=settings.force)
     written = kinds.function(described.exporter)(job, formats, Path(out_dir))
     return _publish(run, written, Path(out_dir), settings.hub, settings.num_speculative_tokens)
 

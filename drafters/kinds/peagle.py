@@ -32,9 +32,9 @@ class PEagleConfig(Eagle3Layout):
 KIND = Kind(
     name="peagle", schema=PEagleConfig, recipe="train.peagle", summary="a P-EAGLE head (k guesses in one forward)",
     head=peagle.HEAD, reads=ENGINE_PEAGLE,
-    load_export=peagle.load_engine_peagle, parallel=True, layers=eagle3_layers, exporter="eval.formats.eagle3:export_eagle3",
-    formats=("speculators",), hub_root="speculators",
-    tag="p-eagle", library="vllm",
+    load_export=peagle.load_engine_peagle, parallel=True, layers=eagle3_layers,
+    exporter="eval.formats.eagle3:export_eagle3", formats=("speculators",), hub_root="speculators", tag="p-eagle",
+    library="vllm",
     engines=Engines(vllm="eagle3", vllm_extra=', "parallel_drafting": true',
                     llama_cpp_cannot="a P-EAGLE head drafts k tokens in one forward from mask entries, which "
                                      "llama.cpp's EAGLE-3 graph does not do; vLLM serves it (eagle3 with "

@@ -213,9 +213,9 @@ def eagle3_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file
 
 def export_eagle3(job: ExportJob, formats: list[str], out: Path) -> dict[str, Path]:
     """A head of EAGLE-3's layer as `sglang`, `speculators` and `gguf` under `out`; one drafting in one forward
-    (P-EAGLE) with the draft length k its speculators config records."""
+    (P-EAGLE) checked against the draft length k its speculators config records."""
     tensors, head_config = eagle3_tensors(job.best, job.target, best=job.best_record, force=job.force, dtype=job.dtype,
-                                          k=job.k if job.parallel else None)
+                                          k=job.k)
     if "gguf" in formats and (why := llama_cpp_cannot_serve(head_config)):  # before anything is written
         raise ExportRefused(f"{job.best}: {why}")
     # The verifier speculators and vLLM load: a hub id or directory as named; anything only draftsmith reads

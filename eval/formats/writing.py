@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import shutil
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -42,9 +43,8 @@ class ExportJob:
     dtype: torch.dtype  # the weights as written
     k: int  # the draft length recorded for the engines
     force: bool  # export a head whose held-out agreement is at chance
-    parallel: bool  # the kind drafts its k guesses in one forward
 
-    @property
+    @cached_property
     def target_dir(self) -> Path:
         return target_directory(self.target_name)
 

@@ -35,8 +35,7 @@ def test_each_descriptor_is_complete_and_agrees_with_its_schema_recipe_yaml_and_
     assert yaml.safe_load((ROOT / "conf" / "drafter" / f"{name}.yaml").read_text())["defaults"][0] == f"{name}_schema"
     assert set(kind.formats) <= set(FORMATS)
     if kind.formats:  # written by its exporter, the Hub repository's root one of them
-        module, function = kind.exporter.split(":")
-        assert callable(getattr(importlib.import_module(module), function))
+        assert callable(kinds.function(kind.exporter))
         assert kind.hub_root in kind.formats and kind.tag and kind.library and kind.describe
         assert kind.engines.vllm  # every exportable kind is served by vLLM
         assert ("gguf" in kind.formats) == bool(kind.engines.gguf) == bool(kind.engines.llama_cpp)
@@ -148,4 +147,5 @@ def test_a_saved_drafter_is_read_as_its_kind():
     plain, pard = LlamaConfig(), LlamaConfig(pard_token=7)
     assert kinds.of_lm(plain).name == kinds.of_lm(None).name == "draft_lm" and not kinds.of_lm(plain).parallel
     assert kinds.of_lm(pard).name == "pard" and kinds.of_lm(pard).parallel
-    assert kinds.of_lm(pard).engines.llama_cpp is None and "vLLM serves it" in kinds.of_lm(pard).engines.llama_cpp_cannot
+    assert kinds.of_lm(pard).engines.llama_cpp is None
+    assert "vLLM serves it" in kinds.of_lm(pard).engines.llama_cpp_cannot
