@@ -13,7 +13,7 @@ real recipe (`train.__main__.train`). With `--steps-per-share fixed` each share 
 more passes over them (a team with less traffic and the same compute). With `scaled` share 1/n trains steps/n: the
 same passes over its records as the whole file gets (compute grows with the traffic).
 
-The best checkpoint's held-out greedy τ (replayed at the recipe's `ttt_steps`) is fitted against log2(records): the
+The best checkpoint's held-out greedy τ (replayed at the recipe's depth, train/heldout.py) is fitted against log2(records): the
 slope is what each doubling of the records buys. Extending the line to `--goal` is an extrapolation and is printed as
 one; with `scaled`, so are the steps those records would train and their hours at the largest run's median step time
 (`step_s` in its metrics.jsonl), the training steps alone. Runs live in `<out>/<records>records-<steps>steps`,
@@ -160,7 +160,7 @@ def read_point(run_dir: Path, share: int, records: int, steps: int) -> Point:
     best = json.loads((run_dir / "best" / "best.json").read_text())
     if "tau_greedy" not in best:
         raise SystemExit(f"{run_dir / 'best' / 'best.json'} holds no held-out greedy τ (tau_greedy): "
-                         f"the script measures the head recipes")
+                         f"a run of a draftsmith older than the held-out replay of every kind")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     scored = [r for r in rows if r.get("step") == best["step"] and "heldout_tau_greedy" in r]
     by_category = scored[-1].get("heldout_tau_greedy_by_category", {}) if scored else {}
@@ -257,12 +257,6 @@ def main() -> None:
     ap.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every run")
     args = ap.parse_args()
     out, data = Path(args.out), Path(args.data)
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        kind = compose(config_name="train", overrides=args.overrides).drafter.kind
-    if kind == "draft_lm":  # its recipe scores held-out records by acceptance, not by replayed greedy τ
-        raise SystemExit("bench_data_scaling measures a head's held-out greedy τ; the overrides train a draft LM "
-                         "(drafter.kind=draft_lm): add drafter=eagle (or eagle1, mtp, medusa) or an experiment "
-                         "that trains one")
     shares = sorted({int(n) for n in args.shares.split(",")})
     lines = [line for line in data.read_text().splitlines() if line.strip()]
     if args.more:

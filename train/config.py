@@ -120,8 +120,9 @@ class TrainerConfig:
     # Which: last (the file's last eval_examples records) | per_category (taken in turn from each category's last
     # records, so every category the file has weighs alike in the choice of checkpoint and the held-out τ)
     heldout: str = "last"
-    # How the best checkpoint is chosen on them: acceptance (sum_x min(p, q): what sampled serving
-    # accepts) | top1 (greedy agreement with the target: what greedy serving accepts)
+    # How the best checkpoint is chosen on them, the same for every kind (train/heldout.py): acceptance (the most
+    # tokens per round when sampling, from each depth's sum_x min(p, q)) | top1 (the highest greedy τ, replayed on
+    # the held-out answers)
     select_by: str = "acceptance"
     resume: str = "none"  # none | auto (newest complete checkpoint in the run dir) | a checkpoint path
     seed: int = 0

@@ -1,7 +1,7 @@
 """A training run's data, as the recipe sets it up (train/recipe.py `Recipe._setup_data`): the records of
 `data.path` split into the training set and the held-out examples that choose the best checkpoint
 (`split_records`), each split prepared once, its answers regenerated and tokenized, into the data cache
-(`prepare_splits`), and the warnings about prompts the drafter never trains on (`warn_long_prompts`).
+(`prepare_splits`), batches of its tokenized records (`records_batch`), and the warnings about prompts the drafter never trains on (`warn_long_prompts`).
 
 The held-out examples that choose the best checkpoint are `trainer.eval_examples` records of the training traffic
 (the last ones, or as many of each category: trainer.heldout): never trained on, and never the prompts the final
@@ -122,3 +122,17 @@ def warn_long_prompts(cfg: DictConfig, traffic, tokenizer) -> None:
                  f"there is likely lower; trainer.max_length={longest} trains on windows that long")
         log.warning(msg)
         print(f"warning: {msg}")
+
+
+def pad_rows(rows: list[list[int]], value: int, left: bool = False) -> torch.Tensor:
+    """Token rows as one (B, T) tensor, padded with `value` on the right (or the left) to the longest."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([([value] * (width - len(r)) + r) if left else (r + [value] * (width - len(r))) for r in rows])
+
+
+def records_batch(rows, pad_id: int, max_length: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Tokenized records (input_ids, loss_mask), cut at max_length and right-padded: input_ids,
+    attention_mask and loss_mask (B, T) on `device`."""
+    return {"input_ids": pad_rows([r["input_ids"][:max_length] for r in rows], pad_id).to(device),
+            "attention_mask": pad_rows([[1] * min(len(r["input_ids"]), max_length) for r in rows], 0).to(device),
+            "loss_mask": pad_rows([r["loss_mask"][:max_length] for r in rows], 0).to(device)}

@@ -10,15 +10,10 @@ tokenizer where `drafter.mask_token_id` is not set, and the checks the engines' 
 
 from __future__ import annotations
 
-import logging
-
 from omegaconf import DictConfig
 
-from drafters.parallel import mask_token_for
 from train.heads import HeadRecipe
 from train.recipe import run as run_recipe
-
-log = logging.getLogger(__name__)
 
 
 class DFlashRecipe(HeadRecipe):
@@ -38,11 +33,7 @@ class DFlashRecipe(HeadRecipe):
 
     def _head_settings(self) -> dict:
         settings = super()._head_settings()
-        if settings["mask_token_id"] is None:
-            settings["mask_token_id"] = mask_token_for(self.tokenizer, self.target.config.vocab_size)
-            log.info("DFlash's mask token: id %d (%r)", settings["mask_token_id"],
-                     self.tokenizer.convert_ids_to_tokens(settings["mask_token_id"])
-                     if settings["mask_token_id"] < len(self.tokenizer) else "an unused embedding row")
+        settings["mask_token_id"] = self._mask_token(self.target.config.vocab_size)
         return settings
 
 

@@ -17,9 +17,7 @@ acceptance sum_x min(p, q) or, with `trainer.select_by=top1`, greedy top-1 agree
 from __future__ import annotations
 
 import copy
-import json
 import random
-import shutil
 
 import torch
 from accelerate.utils import DistributedType
@@ -28,11 +26,13 @@ from transformers import AutoModelForCausalLM
 
 from drafters.draft_lm import check_same_vocabulary
 from eval.run import target_source
-from traffic import checkpoint, models
+from traffic import models
+from train.heldout import HeldoutScores
 from train.launch import rank0_first
 from train.logit_cache import LogitCache, write_logit_cache
 from train.losses import DIVERGENCES, acceptance_estimate, divergence, divergence_topk, greedy_agreement, sft
-from train.recipe import Recipe, _pad, _records_batch
+from train.data import pad_rows
+from train.recipe import Recipe
 from train.recipe import run as run_recipe
 from train.shards import complete
 
@@ -129,9 +129,9 @@ class DraftLMRecipe(Recipe):
         for ids, attn, mask in zip(batch["input_ids"], batch["attention_mask"], batch["loss_mask"]):
             first = int(mask.nonzero()[0]) if mask.any() else int(attn.sum())
             prompts.append(ids[:first].tolist())
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        inputs = _pad(prompts, pad, left=True).to(self.device)
-        attn = _pad([[1] * len(p) for p in prompts], 0, left=True).to(self.device)
+        pad = self.pad_id
+        inputs = pad_rows(prompts, pad, left=True).to(self.device)
+        attn = pad_rows([[1] * len(p) for p in prompts], 0, left=True).to(self.device)
         torch.manual_seed(self.cfg.trainer.seed * 7_919 + step)  # the draws depend on the step only
         model = self.acc.unwrap_model(self.model)
         out = model.generate(input_ids=inputs, attention_mask=attn, do_sample=True, temperature=op.temperature,
@@ -160,49 +160,31 @@ class DraftLMRecipe(Recipe):
             target_logits = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return divergence(d.loss, logits[:, :-1], target_logits[:, :-1], mask, temperature=d.temperature, beta=d.beta)
 
-    @torch.no_grad()
-    def evaluate_heldout(self) -> dict:
-        """Expected acceptance sum_x min(p, q) and greedy top-1 agreement with the target on held-out
-        assistant tokens; keeps the best model by the one `trainer.select_by` names."""
-        self.model.eval()
-        acc_sum = agree_sum = count = 0.0
-        bs = self.cfg.trainer.batch_size
-        for start in range(0, len(self.eval_set), bs):
-            rows = self.eval_set.select(range(start, min(start + bs, len(self.eval_set))))
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-            batch = _records_batch(rows, pad, self.cfg.trainer.max_length, self.device)
-            ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"][:, 1:]
-            q = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            p = self.target(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            n = float(mask.sum())
-            acc_sum += float(acceptance_estimate(q, p, mask)) * n
-            agree_sum += float(greedy_agreement(q, p, mask)) * n
-            count += n
-        self.model.train()
-        result = {"heldout_acceptance": acc_sum / count, "heldout_top1": agree_sum / count}
-        key = self.cfg.trainer.select_by  # acceptance | top1
-        if self.best is None or result[f"heldout_{key}"] > self.best[key]:
-            self.best = {"acceptance": result["heldout_acceptance"], "top1": result["heldout_top1"], "step": self.step}
-            self._save_best()
-        return result
+    def _score_heldout(self, batch: dict[str, torch.Tensor]) -> HeldoutScores:
+        """The draft's expected acceptance sum_x min(p, q) and greedy agreement with the target on the held-out
+        assistant tokens, read at every depth up to the longest chain the final evaluation drafts (`evaluate.ks`):
+        teacher-forced, a sequential draft's guess d tokens into a round whose earlier guesses were right is its
+        next-token guess at that position, so depth d's hit from entry e is its agreement at position e + d + 1."""
+        ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"][:, 1:]
+        q = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        p = self.target(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        n = float(mask.sum())
+        accept, top1 = float(acceptance_estimate(q, p, mask)) * n, float(greedy_agreement(q, p, mask)) * n
+        agree = (q.argmax(-1) == p.argmax(-1)) & mask.bool()  # (B, T - 1): position t's guess of token t + 1
+        depths = max(self.cfg.evaluate.ks, default=1)
+        hits = [torch.nn.functional.pad(agree[:, d + 1:], (0, d + 2)) for d in range(depths)]
+        return HeldoutScores(accept=[accept] * depths, top1=[top1] * depths, count=[n] * depths, hits=hits)
 
-    def _save_best(self) -> None:
-        """The best model so far, in Hugging Face format (LoRA merged) with the target's tokenizer."""
-        self.acc.wait_for_everyone()
+    def _best_state(self) -> dict | None:
+        return None if self.cfg.drafter.lora.enabled else super()._best_state()  # LoRA: never sharded
+
+    def _write_best(self, directory, state) -> None:
+        """Hugging Face format (LoRA merged), with the target's tokenizer."""
         model = self.acc.unwrap_model(self.model)
-        state = None if self.cfg.drafter.lora.enabled else checkpoint.full_model_state(self.model)  # collective
-        if not self.is_main:
-            return
-        if self.cfg.drafter.lora.enabled:  # never sharded (see _check_distributed)
+        if self.cfg.drafter.lora.enabled:
             model = copy.deepcopy(model).merge_and_unload()
-        tmp = self.out / "best.tmp"
-        model.save_pretrained(tmp, state_dict=state)
-        self.tokenizer.save_pretrained(tmp)
-        (tmp / "best.json").write_text(json.dumps(self.best) + "\n")
-        final = self.out / "best"
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        model.save_pretrained(directory, state_dict=state)
+        self.tokenizer.save_pretrained(directory)
 
     def _final_specs(self) -> list[dict]:
         """The final evaluation's drafters as `python -m eval` specs: baseline first, the model training started

@@ -20,7 +20,7 @@ from drafters.eagle import draft_vocabulary, vocabulary_coverage, vocabulary_siz
 from drafters.head_losses import ReadRows
 from drafters.layers import finish_logits
 from train.heads import HeadRecipe, label_distribution
-from train.recipe import _records_batch
+from train.data import records_batch
 from train.recipe import run as run_recipe
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def expected_token_counts(target, rows, *, batch_size: int, max_length: int, pad
     sums: dict[str, tuple[torch.Tensor, int]] = {}
     for start in range(0, len(rows), batch_size):
         batch = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
-        tensors = _records_batch(batch, pad_id, max_length, device)
+        tensors = records_batch(batch, pad_id, max_length, device)
         loss_mask = tensors["loss_mask"].bool()
         logits = target(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits[:, :-1]
         for j, row in enumerate(batch):
@@ -62,8 +62,10 @@ def draft_vocab_size(drafter_cfg, vocab_size: int) -> int | None:
     return None if size is None or size == vocab_size else size
 
 
-class Eagle3Recipe(HeadRecipe):
-    """One training run of an EAGLE-3 head: the head recipe, with the draft vocabulary and the output head."""
+class Eagle3Layer:
+    """What every recipe of a head on EAGLE-3's layer shares (EAGLE-3's and P-EAGLE's, each a `HeadRecipe`): the
+    fused features, the draft vocabulary, an output head of its own and labels read only where the loss reads them.
+    A mixin, so both kinds stay one level below the head recipe."""
 
     def _validate(self) -> None:
         super()._validate()
@@ -82,10 +84,6 @@ class Eagle3Recipe(HeadRecipe):
     def _capture_layers(self) -> list[int]:
         """Its own layers are fused into its input; the target's last state, for the labels, always comes too."""
         return self.layers + [self.target.config.num_hidden_layers]
-
-    def _head_settings(self) -> dict:
-        d = self.cfg.drafter
-        return {**self._layout_settings(), "ttt_steps": d.ttt_steps, "ttt_decay": d.ttt_decay}
 
     def _layout_settings(self) -> dict:
         """The layer's settings every EAGLE-3 head has (drafters/kinds/eagle.py `Eagle3Layout`), its draft vocabulary sized
@@ -128,10 +126,9 @@ class Eagle3Recipe(HeadRecipe):
                 ids = torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)]
                 counts += torch.bincount(ids, minlength=counts.numel()).float()
             return counts
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         rows = self.train_set.select(range(min(len(self.train_set), d.draft_vocab_examples)))
         expected = expected_token_counts(self.target, rows, batch_size=t.batch_size, max_length=t.max_length,
-                                         pad_id=pad, device=self.device)
+                                         pad_id=self.pad_id, device=self.device)
         for total, _ in expected.values():
             counts += total
         return counts
@@ -144,9 +141,8 @@ class Eagle3Recipe(HeadRecipe):
         the share of assistant tokens the vocabulary can propose (greedy serving's ceiling), and the
         share of the target's probability it holds (sampled serving's: sum_x min(p, q) <= that mass)."""
         d, t = self.cfg.drafter, self.cfg.trainer
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         expected = functools.partial(expected_token_counts, self.target, batch_size=t.batch_size,
-                                     max_length=t.max_length, pad_id=pad, device=self.device)
+                                     max_length=t.max_length, pad_id=self.pad_id, device=self.device)
         if counts is None:
             counts = self._vocabulary_counts()
         d2t, t2d = draft_vocabulary(counts, size, always=self._always_kept())
@@ -202,6 +198,15 @@ class Eagle3Recipe(HeadRecipe):
             index = torch.full(read.shape, -1, dtype=torch.long, device=read.device)
             index[read] = torch.arange(logits.shape[0], device=read.device)
             return head_states, ReadRows(index, label_distribution(logits, temperature))
+
+
+class Eagle3Recipe(Eagle3Layer, HeadRecipe):
+    """One training run of an EAGLE-3 head: the head recipe, with EAGLE-3's layer and its steps of training-time
+    test."""
+
+    def _head_settings(self) -> dict:
+        d = self.cfg.drafter
+        return {**self._layout_settings(), "ttt_steps": d.ttt_steps, "ttt_decay": d.ttt_decay}
 
 
 def run(cfg: DictConfig) -> dict:

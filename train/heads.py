@@ -10,11 +10,9 @@ evaluation. What changes: the model is a head (drafters/heads.py) sharing the ta
 output head; the target runs frozen to give the features (`drafter.hidden_states=online`, inside the
 step) or they are precomputed once to fp16 shards (`offline`, train/hidden_states.py); the target's
 next-token distribution, the label of every head, comes from its last-layer feature through its own
-output head, so it is always captured with the head's layers. The best checkpoint is chosen by the
-held-out estimate of tokens accepted per round, 1 + sum_s prod_{r<=s} alpha_r, where alpha_r is the
-expected acceptance sum_x min(p, q) of draft step r; with `trainer.select_by=top1`, by the τ of greedy
-chain drafting replayed on the held-out answers (`greedy_rounds`), which the loop measures exactly where
-those answers are the target's greedy output.
+output head, so it is always captured with the head's layers. The held-out evaluation scores each
+draft step against the target's own distribution, and the best checkpoint is chosen as for every kind
+(train/heldout.py).
 
 A kind's own set-up goes through the hooks `_head_settings`, `_prepare_head`, `_capture_layers` and `_features`
 in a subclass of its own (EAGLE-3's draft vocabulary and output head: train/eagle3.py `Eagle3Recipe`).
@@ -23,21 +21,19 @@ in a subclass of its own (EAGLE-3's draft vocabulary and output head: train/eagl
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import shutil
 
 import torch
 from omegaconf import DictConfig
 
 from drafters.layers import finish_logits
 from drafters.registry import KINDS, build_head, load_head, save_head
-from traffic.checkpoint import full_model_state
 from drafters.kinds import HeadConfig
 from train.config import drafter_keys
 from train.hidden_states import ShardReader, capture, default_layers, write_shards
+from train.heldout import HeldoutScores
 from train.launch import rank0_first
-from train.recipe import Recipe, _records_batch
+from train.recipe import Recipe
 from train.recipe import run as run_recipe
 from train.shards import complete
 
@@ -47,44 +43,6 @@ HEAD_KEYS = {f.name for f in dataclasses.fields(HeadConfig)}
 # EAGLE-3's maps between draft and target ids: a run's own, never another head's (HeadRecipe._start_from).
 VOCABULARY_MAPS = ("d2t", "t2d")
 
-def tokens_per_round_estimate(alphas: list[float]) -> float:
-    """1 + sum_s prod_{r<=s} alpha_r: expected tokens per round if step s is accepted with alpha_s."""
-    total, prod = 1.0, 1.0
-    for a in alphas:
-        prod *= a
-        total += prod
-    return total
-
-
-def greedy_rounds(hits: list[torch.Tensor], answer: torch.Tensor) -> list[tuple[int, int]]:
-    """Greedy chain drafting at k = len(hits), replayed on teacher-forced answers: (tokens, rounds) per row.
-
-    hits[s][b, e]: the head's guess of step s from entry e (the target's features through position e,
-    tokens through e+1) is the target's greedy token e+s+2; answer (B, T): the assistant tokens. A round
-    starts at an entry whose next two tokens are answer tokens (the first comes from the target), keeps
-    the leading run of hits, and yields it plus the target's own token, so the next round starts that
-    many entries on. Where the answers are the target's greedy output, this is the τ greedy serving
-    measures on them: unlike 1 + a1 + a1·a2 + ..., it keeps how misses cluster (a round starts right
-    after one)."""
-    steps = [h.cpu() for h in hits]
-    answer = answer.bool().cpu()
-    out = []
-    for b in range(answer.shape[0]):
-        row, e, T = answer[b].tolist(), 0, answer.shape[1]
-        tokens = rounds = 0
-        while e + 2 < T:
-            if not (row[e + 1] and row[e + 2]):
-                e += 1
-                continue
-            kept = 0
-            while kept < len(steps) and e + kept + 2 < T and row[e + kept + 2] and bool(steps[kept][b, e]):
-                kept += 1
-            tokens, rounds = tokens + kept + 1, rounds + 1
-            e += kept + 1
-        out.append((tokens, rounds))
-    return out
-
-
 def label_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """softmax(logits / temperature), and for temperature 0 the one-hot of the argmax: the label a
     head is trained towards (1 = the target's distribution, as EAGLE trains; 0 = its greedy choice,
@@ -92,10 +50,6 @@ def label_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
     return torch.softmax(logits / temperature, dim=-1)
-
-
-
-
 
 
 class HeadRecipe(Recipe):
@@ -225,71 +179,19 @@ class HeadRecipe(Recipe):
         loss, _ = self.model(features, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], probs)
         return loss
 
-    @torch.no_grad()
-    def evaluate_heldout(self) -> dict:
-        """Per-step expected acceptance and top-1 agreement on held-out assistant tokens, the
-        tokens-per-round estimate from them, and greedy serving's τ replayed on the held-out answers (over all
-        and per category, `greedy_rounds`): the best checkpoint is chosen by the estimate when sampling
-        (`trainer.select_by=acceptance`), by the replayed τ when greedy (`top1`)."""
-        self.model.eval()
-        totals: dict[str, list[torch.Tensor]] = {}
-        replayed: dict[str, list[int]] = {}  # category: [tokens, rounds] of greedy_rounds
-        per_record: list[tuple[str, int, int]] = []  # (category, tokens, rounds) of each held-out record, in order
-        bs, limit = self.cfg.trainer.batch_size, self.cfg.trainer.max_length
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        for start in range(0, len(self.eval_set), bs):
-            rows = self.eval_set.select(range(start, min(start + bs, len(self.eval_set))))
-            batch = _records_batch(rows, pad, limit, self.device)
-            features, probs = self._features(batch)
-            _, stats = self.model(features, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], probs)
-            hits = [st.pop("hits") for st in stats]
-            answer = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-            for row, (tokens, rounds) in zip(rows, greedy_rounds(hits, answer)):
-                total = replayed.setdefault(row["category"], [0, 0])
-                total[0], total[1] = total[0] + tokens, total[1] + rounds
-                per_record.append((row["category"], tokens, rounds))
-            for s, st in enumerate(stats):
-                for key, value in st.items():
-                    totals.setdefault(f"{key}_{s}", []).append(value)
-        self.model.train()
-        self.heldout_rounds = per_record  # for intervals over records (scripts/bench_peers.py); not logged
-        sums = {key: float(self.acc.reduce(torch.stack(v).sum(), "sum")) for key, v in totals.items()}
-        # Every process replays the whole held-out set: nothing to gather.
-        tokens, rounds = (sum(t[i] for t in replayed.values()) for i in (0, 1))
-        steps = len([k for k in sums if k.startswith("count_")])
-        alphas = [sums[f"accept_{s}"] / max(sums[f"count_{s}"], 1.0) for s in range(steps)]
-        top1 = [sums[f"top1_{s}"] / max(sums[f"count_{s}"], 1.0) for s in range(steps)]
-        result = {"heldout_acceptance": alphas[0], "heldout_top1": top1[0],
-                  "heldout_step_acceptance": [round(a, 4) for a in alphas],
-                  "heldout_tokens_per_round": tokens_per_round_estimate(alphas),
-                  "heldout_tokens_per_round_greedy": tokens_per_round_estimate(top1),
-                  "heldout_tau_greedy": tokens / max(rounds, 1),
-                  "heldout_tau_greedy_by_category": {c: round(t / max(r, 1), 4) for c, (t, r) in sorted(replayed.items())}}
-        # select_by=acceptance: tokens per round when sampling (alpha = sum min(p, q)); top1: greedy serving's
-        # τ, replayed on the held-out answers.
-        key = "tokens_per_round" if self.cfg.trainer.select_by == "acceptance" else "tau_greedy"
-        if self.best is None or result[f"heldout_{key}"] > self.best.get(key, float("-inf")):
-            self.best = {"acceptance": alphas[0], "top1": top1[0], "step": self.step,
-                         "tokens_per_round": result["heldout_tokens_per_round"],
-                         "tokens_per_round_greedy": result["heldout_tokens_per_round_greedy"],
-                         "tau_greedy": result["heldout_tau_greedy"]}
-            self._save_best()
-        return result
+    def _score_heldout(self, batch: dict[str, torch.Tensor]) -> HeldoutScores:
+        """Per draft step, on the held-out assistant tokens, the head's expected acceptance and top-1 agreement
+        against the target's own distribution (whatever the training labels), and its greedy hits."""
+        features, probs = self._features(batch)
+        _, stats = self.model(features, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], probs)
+        return HeldoutScores(accept=[float(st["accept"]) for st in stats], top1=[float(st["top1"]) for st in stats],
+                             count=[float(st["count"]) for st in stats], hits=[st["hits"] for st in stats])
 
-    def _save_best(self) -> None:
-        self.acc.wait_for_everyone()
-        state = full_model_state(self.model)  # collective: whole even when sharded
-        if not self.is_main:
-            return
-        tmp = self.out / "best.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_head(self.acc.unwrap_model(self.model), tmp, state_dict=state)
-        (tmp / "best.json").write_text(json.dumps({**self.best, "vocabulary_coverage": self.coverage,
-                                                    "vocabulary_probability": self.mass}) + "\n")
-        final = self.out / "best"
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+    def _write_best(self, directory, state) -> None:
+        save_head(self.acc.unwrap_model(self.model), directory, state_dict=state)
+
+    def _best_notes(self) -> dict:
+        return {"vocabulary_coverage": self.coverage, "vocabulary_probability": self.mass}
 
     # --- the end ----------------------------------------------------------------------------------
 

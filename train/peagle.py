@@ -3,26 +3,22 @@
     python -m train drafter=peagle                               # on the toy world's company traffic
     python -m train drafter=peagle drafter.num_depths=4 drafter.draft_vocab_size=1024
 
-EAGLE-3's recipe as it is (train/eagle3.py: the draft vocabulary, an output head of its own, labels read only where
+EAGLE-3's layer as its recipe trains it (train/eagle3.py `Eagle3Layer`: the draft vocabulary, an output head of its own, labels read only where
 the loss reads them). What is P-EAGLE's own: the mask token, resolved from the target's tokenizer where
 `drafter.mask_token_id` is not set (as for DFlash), and the depths and conditional drop it trains with.
 """
 
 from __future__ import annotations
 
-import logging
-
 from omegaconf import DictConfig
 
-from drafters.parallel import mask_token_for
 from train.config import check_chains
-from train.eagle3 import Eagle3Recipe
+from train.eagle3 import Eagle3Layer
+from train.heads import HeadRecipe
 from train.recipe import run as run_recipe
 
-log = logging.getLogger(__name__)
 
-
-class PEagleRecipe(Eagle3Recipe):
+class PEagleRecipe(Eagle3Layer, HeadRecipe):
     """One training run of a P-EAGLE head."""
 
     def _validate(self) -> None:
@@ -36,11 +32,7 @@ class PEagleRecipe(Eagle3Recipe):
     def _head_settings(self) -> dict:
         d = self.cfg.drafter
         settings = {key: value for key, value in self._layout_settings().items() if key != "norm_output"}
-        mask = d.mask_token_id
-        if mask is None:
-            mask = mask_token_for(self.tokenizer, self.target.config.vocab_size)
-            log.info("P-EAGLE's mask token: id %d (%r)", mask, self.tokenizer.convert_ids_to_tokens(mask)
-                     if mask < len(self.tokenizer) else "an unused embedding row")
+        mask = self._mask_token(self.target.config.vocab_size)
         return {**settings, "mask_token_id": mask, "num_depths": d.num_depths, "cod_ratio": d.cod_ratio,
                 "cod_min_ratio": d.cod_min_ratio, "max_anchors": d.max_anchors}
 

@@ -5,13 +5,14 @@ the target's hidden states):
 
     setup -> train -> save_checkpoint / evaluate_heldout (every N steps) -> finish -> cleanup.
 
-What a subclass provides: `_setup_models` (self.model), `_loss(batch)`, `evaluate_heldout()` (its held-out
-numbers, keeping self.best and calling `_save_best`), `_save_best()` (best/ in its format) and
-`_final_specs()` (the final evaluation's drafters); optionally `_validate` (its settings, before any work),
-`_check_sharding`, `_setup_data` and `_collate` (super() first, then its own), `_on_policy_step` and
-`_batch_for_step` (steps on other data than the training set's).
+What a subclass provides: `_setup_models` (self.model), `_loss(batch)`, `_score_heldout(batch)` (its held-out
+scores per draft depth, train/heldout.py), `_write_best(directory, state)` (best/ in its format) and `_final_specs()`
+(the final evaluation's drafters); optionally `_validate` (its settings, before any work), `_check_sharding`,
+`_setup_data` and `_collate` (super() first, then its own), `_on_policy_step` and `_batch_for_step` (steps on other
+data than the training set's).
 
-The best checkpoint is chosen by a held-out estimate, not by the loss, on `trainer.eval_examples` records of
+The best checkpoint is chosen by a held-out figure, not by the loss (`trainer.select_by`: the same figure for
+every kind, train/heldout.py), on `trainer.eval_examples` records of
 the training traffic (its last ones, or as many of each category: `trainer.heldout`; train/data.py), which training
 never reads; the final evaluation measures the held-out traffic (`data.eval_path`, or the built-in world's held-out
 file; see eval.run.held_out_path), so its numbers are not the ones the checkpoint was chosen on.
@@ -28,6 +29,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import sys
 import time
 import zlib
@@ -41,30 +43,20 @@ from accelerate.utils import DistributedType
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from drafters.parallel import mask_token_for
 from eval import engine
 from eval.config import checked_spec
 from eval.run import check_draft_vocabulary, load_target, target_source
 from traffic import checkpoint
 from traffic.records import Example
-from train.data import prepare_splits, split_records, warn_long_prompts
+from train.data import prepare_splits, records_batch, split_records, warn_long_prompts
 from train.export import export
 from train.final_eval import final_eval, final_eval_traffic
+from train.heldout import SELECT_BY, HeldoutScores, HeldoutTotals, best_record
 from train.precision import mixed_precision
+from train.resume import drop_metrics_after, point_to_unfinished_runs
 
 log = logging.getLogger(__name__)
-
-
-def _pad(rows: list[list[int]], value: int, left: bool = False) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    return torch.tensor([([value] * (width - len(r)) + r) if left else (r + [value] * (width - len(r))) for r in rows])
-
-
-def _records_batch(rows, pad_id: int, max_length: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Tokenized records (input_ids, loss_mask), cut at max_length and right-padded: input_ids,
-    attention_mask and loss_mask (B, T) on `device`."""
-    return {"input_ids": _pad([r["input_ids"][:max_length] for r in rows], pad_id).to(device),
-            "attention_mask": _pad([[1] * min(len(r["input_ids"]), max_length) for r in rows], 0).to(device),
-            "loss_mask": _pad([r["loss_mask"][:max_length] for r in rows], 0).to(device)}
 
 
 class Recipe(ABC):
@@ -91,7 +83,7 @@ class Recipe(ABC):
         t = self.cfg.trainer
         if self.cfg.evaluate.enabled and self.cfg.evaluate.engine:  # fail now, not after training
             engine.engine_for(self.cfg.evaluate.engine, engine.EngineCosts(), runs=("llamacpp",)).check(None)
-        if t.select_by not in ("acceptance", "top1"):
+        if t.select_by not in SELECT_BY:
             raise ValueError(f"trainer.select_by must be acceptance or top1, got {t.select_by!r}")
         if t.max_steps < 0:
             raise ValueError(f"trainer.max_steps must be 0 (evaluate the starting weights only) or more, "
@@ -202,51 +194,15 @@ class Recipe(ABC):
         path = checkpoint.latest(self.out / "checkpoints") if resume == "auto" else Path(resume)
         if path is None:
             log.info("trainer.resume=auto: no complete checkpoint in %s, starting from scratch", self.out)
-            self._point_to_unfinished_runs()
+            if self.is_main:
+                point_to_unfinished_runs(self.out)
             return
         state = checkpoint.load(path, self.model, self.optimizer, self.scheduler)
         self.step = state["step"]
         self.best = state.get("best")
-        dropped = self._drop_metrics_after(self.step)
+        dropped = drop_metrics_after(self.metrics_path, self.step) if self.is_main else 0
         log.info("resumed from %s at step %d%s", path, self.step,
                  f" (dropped {dropped} metrics lines past it: the resumed run writes them again)" if dropped else "")
-
-    def _point_to_unfinished_runs(self) -> None:
-        """A run launched again without its name starts in a new time-stamped directory: say which runs beside it
-        stopped before their end with a checkpoint, and the option that resumes one."""
-        if not self.is_main:
-            return
-        unfinished = sorted((run for run in self.out.parent.iterdir() if run != self.out and run.is_dir()
-                             and not (run / "train_summary.json").exists()
-                             and checkpoint.latest(run / "checkpoints") is not None), key=lambda r: r.stat().st_mtime)
-        if unfinished:
-            last = unfinished[-1]
-            msg = (f"{len(unfinished)} run(s) in {self.out.parent} stopped before their end with a checkpoint, the "
-                   f"latest {last.name} at {checkpoint.latest(last / 'checkpoints').name}: the same command with "
-                   f"name={last.name} resumes it (this run starts from scratch in {self.out.name})")
-            log.warning(msg)
-            print(f"warning: {msg}")
-
-    def _drop_metrics_after(self, step: int) -> int:
-        """Keep metrics.jsonl's lines up to `step`: the steps an interrupted run logged after its last checkpoint
-        are trained again, so each step is logged once. A torn last line (a kill mid-write) goes too."""
-        if not (self.is_main and self.metrics_path.exists()):
-            return 0
-        kept, dropped = [], 0
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                keep = json.loads(line)["step"] <= step
-            except (json.JSONDecodeError, KeyError, TypeError):
-                keep = False
-            if keep:
-                kept.append(line + "\n")
-            else:
-                dropped += 1
-        if dropped:
-            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(kept))
-            tmp.replace(self.metrics_path)
-        return dropped
 
     # --- data -------------------------------------------------------------------------------------
 
@@ -264,16 +220,26 @@ class Recipe(ABC):
             out.append(int(self._perms[epoch][offset]))
         return out[self.acc.process_index :: self.acc.num_processes]
 
+    @property
+    def pad_id(self) -> int:
+        """The id batches are padded with: the tokenizer's pad token, else 0 (padding is masked out)."""
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def _mask_token(self, vocab_size: int) -> int:
+        """The mask token of a parallel drafter's masked entries: `drafter.mask_token_id`, else the one the tokenizer
+        offers (drafters/parallel.py `mask_token_for`); checked against the `vocab_size` rows that embed it."""
+        configured = self.cfg.drafter.get("mask_token_id")
+        mask = configured if configured is not None else mask_token_for(self.tokenizer, vocab_size)
+        if not 0 <= mask < vocab_size:
+            raise ValueError(f"drafter.mask_token_id {mask} is not a row of the draft's embedding (0..{vocab_size - 1})")
+        if configured is None:
+            log.info("%s's mask token: id %d (%r)", self.cfg.drafter.kind, mask,
+                     self.tokenizer.convert_ids_to_tokens(mask) if mask < len(self.tokenizer) else "an unused embedding row")
+        return int(mask)
+
     def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        rows = self.train_set.select(indices) if indices else []
-        limit = self.cfg.trainer.max_length
-        ids = [r["input_ids"][:limit] for r in rows]
-        masks = [r["loss_mask"][:limit] for r in rows]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        batch = {"input_ids": _pad(ids, pad).to(self.device),
-                 "attention_mask": _pad([[1] * len(i) for i in ids], 0).to(self.device),
-                 "loss_mask": _pad(masks, 0).to(self.device)}
-        return batch
+        return records_batch(self.train_set.select(indices) if indices else [], self.pad_id,
+                              self.cfg.trainer.max_length, self.device)
 
     def _on_policy_step(self, step: int) -> bool:
         """Whether `step` trains on the drafter's own samples instead of the training set (never, here)."""
@@ -338,13 +304,62 @@ class Recipe(ABC):
                 self.save_checkpoint()
         bar.close()
 
-    @abstractmethod
+    @torch.no_grad()
     def evaluate_heldout(self) -> dict:
-        """The held-out numbers of the model now; the best so far kept in self.best and written by `_save_best`."""
+        """The held-out figures of the model now (train/heldout.py), the best so far kept in self.best and written
+        to best/. Every process scores the whole held-out set: nothing to gather."""
+        self.model.eval()
+        totals = HeldoutTotals()
+        size = self._heldout_batch_size()
+        for start in range(0, len(self.eval_set), size):
+            rows = self.eval_set.select(range(start, min(start + size, len(self.eval_set))))
+            batch = records_batch(rows, self.pad_id, self.cfg.trainer.max_length, self.device)
+            answer = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+            totals.add(self._score_heldout(batch), [r["category"] for r in rows], answer)
+        self.model.train()
+        self.heldout_rounds = totals.per_record  # for intervals over records (scripts/bench_peers.py); not logged
+        result = totals.figures()
+        key = SELECT_BY[self.cfg.trainer.select_by]
+        if self.best is None or result[f"heldout_{key}"] > self.best.get(key, float("-inf")):
+            self.best = best_record(result, self.step)
+            self._save_best()
+        return result
+
+    def _heldout_batch_size(self) -> int:
+        """Held-out records scored at once."""
+        return self.cfg.trainer.batch_size
 
     @abstractmethod
+    def _score_heldout(self, batch: dict[str, torch.Tensor]) -> HeldoutScores:
+        """The model's held-out scores on a batch of records (`_records_batch`'s tensors), per draft depth."""
+
     def _save_best(self) -> None:
-        """best/: the best model so far, in the format the kind loads from."""
+        """best/: the best model so far, written whole into best.tmp/ and then renamed, so a run killed meanwhile
+        keeps the previous best/ (or none), never half of one."""
+        self.acc.wait_for_everyone()
+        state = self._best_state()  # collective: every process takes part
+        if not self.is_main:
+            return
+        tmp = self.out / "best.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self._write_best(tmp, state)
+        (tmp / "best.json").write_text(json.dumps({**self.best, **self._best_notes()}) + "\n")
+        final = self.out / "best"
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+
+    def _best_state(self) -> dict | None:
+        """The weights best/ saves, whole even when sharded (collective)."""
+        return checkpoint.full_model_state(self.model)
+
+    @abstractmethod
+    def _write_best(self, directory: Path, state: dict | None) -> None:
+        """Save the model (its `_best_state`) into `directory`, in the format the kind loads from."""
+
+    def _best_notes(self) -> dict:
+        """What best.json records beside the held-out figures (nothing, here)."""
+        return {}
 
     def save_checkpoint(self) -> None:
         self.acc.wait_for_everyone()

@@ -123,12 +123,3 @@ def test_a_sweep_on_the_tiny_world_trains_each_share_once_and_fits_them(tiny_wor
     (tmp_path / "scaling" / "data" / "17records.jsonl").write_text(two[0] + "\n")
     run = subprocess.run(doubled, capture_output=True, text=True)
     assert run.returncode != 0 and "17records-2steps trained on other records" in run.stderr
-
-
-def test_a_draft_lm_recipe_is_refused_before_anything_trains(tmp_path):
-    data = tmp_path / "records.jsonl"
-    data.write_text("\n".join(lines_of(["a", "b"] * 4)) + "\n")
-    run = subprocess.run([sys.executable, str(SCRIPT), "--data", str(data), "--heldout", "2", "--out",
-                          str(tmp_path / "scaling"), "--overrides", "experiment=smoke"], capture_output=True, text=True)
-    assert run.returncode != 0 and "drafter.kind=draft_lm" in run.stderr
-    assert not (tmp_path / "scaling").exists()

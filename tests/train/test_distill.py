@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from traffic import models
 from train.__main__ import train
 from train.distill import DraftLMRecipe
+from train.heldout import SELECT_BY
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 ROOT = CONF.parent
@@ -128,9 +129,15 @@ def test_a_few_steps_lower_the_loss_and_raise_acceptance(tiny_world, tmp_path, l
 def test_the_best_checkpoint_is_chosen_by_the_named_estimate(tiny_world, tmp_path, select_by):
     summary = train(smoke(tmp_path, "drafter.loss=sft", "trainer.max_steps=12", "trainer.eval_every=3",
                           "trainer.lr=5e-3", "evaluate.enabled=false", f"trainer.select_by={select_by}"))
+    # As for every kind (train/heldout.py): acceptance -> the tokens per round when sampling, top1 -> the replayed
+    # greedy τ; a draft LM's tokens per round ranks its checkpoints as its acceptance does.
+    key = SELECT_BY[select_by]
     evals = [r for r in metrics(tmp_path / "run") if "heldout_top1" in r]
-    best = max(evals, key=lambda r: r[f"heldout_{select_by}"])
-    assert summary["best"]["step"] == best["step"] and summary["best"][select_by] == best[f"heldout_{select_by}"]
+    best = max(evals, key=lambda r: r[f"heldout_{key}"])
+    assert summary["best"]["step"] == best["step"] and summary["best"][key] == best[f"heldout_{key}"]
+    assert summary["best"]["top1"] == best["heldout_top1"] and summary["best"]["acceptance"] == best["heldout_acceptance"]
+    if select_by == "acceptance":
+        assert best["heldout_acceptance"] == max(r["heldout_acceptance"] for r in evals)
     saved = json.loads((tmp_path / "run" / "best" / "best.json").read_text())
     assert saved["step"] == best["step"]
 

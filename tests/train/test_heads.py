@@ -15,7 +15,7 @@ from eval.run import build_drafter, load_target
 from eval.speculative import autoregressive_generate, speculative_generate
 from helpers import tiny_llama, trained_to_self
 from train.__main__ import train
-from train.heads import greedy_rounds
+from train.heldout import greedy_rounds
 from train.hidden_states import capture, default_layers
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -467,15 +467,3 @@ def test_the_greedy_replay_keeps_what_the_loop_keeps(kind, settings):
         assert greedy_rounds(hits, answer) == [(sum(r.accepted + 1 for r in out.rounds), len(out.rounds))], n
         hits_and_misses += len({r.accepted for r in out.rounds})
     assert hits_and_misses > 3  # rounds that kept different numbers of guesses: not all hits, not all misses
-
-
-def test_the_greedy_replay_on_a_hand_made_answer():
-    answer = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])  # the target's first answer token at 2
-    all_hits = [torch.ones_like(answer, dtype=torch.bool)] * 3
-    # rounds at entries 1 (keeps 3: tokens 3-5, +6), 5 (keeps 3: 7-9, +10 past the answer): 8 tokens, 2 rounds
-    assert greedy_rounds(all_hits, answer) == [(8, 2)]
-    assert greedy_rounds([torch.zeros_like(answer, dtype=torch.bool)] * 3, answer) == [(7, 7)]
-    second_misses = [all_hits[0], torch.zeros_like(answer, dtype=torch.bool), all_hits[2]]
-    # rounds at 1, 3, 5, 7 keep 1 each; the last one's own token falls past the answer and counts, as in the loop
-    assert greedy_rounds(second_misses, answer) == [(8, 4)]
-    assert greedy_rounds([h.repeat(2, 1) for h in all_hits], torch.cat([answer, answer.roll(1)])) == [(8, 2), (8, 2)]
