@@ -24,7 +24,7 @@ tokens; the engines draft with a block of k + 1 positions too (vLLM's num_specul
 
 Module names are those of the z-lab checkpoints (`fc`, `hidden_norm`, `layers.{i}.self_attn.q_norm`, `norm`), so
 the weights map one to one onto the `DFlashDraftModel` layout vLLM's and llama.cpp's converters read
-(eval/formats/dflash.py `dflash_writer`).
+(eval/engines/formats/dflash.py `dflash_writer`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ one decoder layer that extrapolates the target's last-layer feature.
 
 Entry e of the head's sequence is fc([embedding of token e+1; target feature at e]) (2d -> d), run
 through one Llama decoder layer without its input norm (attention reads fc's output itself, as in the
-paper's code and in vLLM's `EagleLlamaForCausalLM`, which loads the export: eval/formats/eagle1.py); its output o_e is trained to be the target's feature at e+1
+paper's code and in vLLM's `EagleLlamaForCausalLM`, which loads the export: eval/engines/formats/eagle1.py); its output o_e is trained to be the target's feature at e+1
 (smooth-L1 feature regression) and, through the target's own output head, to predict token e+2
 (cross-entropy against the target's distribution, weight `token_loss_weight`). Drafting continues on
 the head's own outputs: the next entry pairs o_e with the guessed token.
@@ -181,7 +181,7 @@ class Eagle1Batch(ChainBatch):
 
 def load_engine_eagle1(path, raw: dict, target, dtype: torch.dtype | None = None) -> Eagle1:
     """An EAGLE-1 head from its engine export (vLLM's `EagleLlamaForCausalLM` layout, as
-    eval/formats/eagle1.py writes it: `fc`, `layers.0.*` without an input norm, no embedding or output head),
+    eval/engines/formats/eagle1.py writes it: `fc`, `layers.0.*` without an input norm, no embedding or output head),
     attached to `target`."""
 
 

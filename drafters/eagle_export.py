@@ -1,6 +1,6 @@
 """An EAGLE-3 head (drafters/eagle.py) read back from the formats the engines load: SGLang's
 `LlamaForCausalLMEagle3` (SpecForge's, or draftsmith's `sglang` export) and speculators' `Eagle3Speculator`
-(eval/formats/eagle3.py writes both), as drafters/registry.py `load_head` reads a directory of either (and
+(eval/engines/formats/eagle3.py writes both), as drafters/registry.py `load_head` reads a directory of either (and
 drafters/peagle.py a P-EAGLE export, through `load_engine_eagle3`). The head is built with the export's own RoPE
 (drafters/heads.py `export_rope`) and norm switches (`export_norms`, where SpecForge's `norm_output` means another
 thing than speculators' and the engines'), and keeps an output head of its own where the export carries one.
@@ -28,7 +28,7 @@ def export_norms(raw: dict) -> dict:
     the next step always gets `backbone`'s un-normed output (the TTT loop of specforge/algorithms/eagle3/model.py). So
     SpecForge's true is plain EAGLE-3 and its false an output head on the un-normed state (`head_norm` false). Its
     class reads neither norm_before_fc nor norm_before_residual, which draftsmith's sglang export writes (with the
-    engines' norm_output, eval/formats/eagle3.py): a LlamaForCausalLMEagle3 with neither is read as SpecForge's."""
+    engines' norm_output, eval/engines/formats/eagle3.py): a LlamaForCausalLMEagle3 with neither is read as SpecForge's."""
     specforge = "LlamaForCausalLMEagle3" in (raw.get("architectures") or [])
     if specforge and not {"norm_before_fc", "norm_before_residual"} & set(raw):
         return {"norm_before_fc": False, "norm_before_residual": False, "norm_output": False,
@@ -39,7 +39,7 @@ def export_norms(raw: dict) -> dict:
 def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None, cls: type = Eagle3,
                        kind: str = "eagle", settings: dict | None = None) -> Eagle3:
     """An EAGLE-3 head from an engine-format export (SGLang's LlamaForCausalLMEagle3 or speculators'
-    Eagle3Speculator, as eval/formats/eagle3.py writes them), attached to `target`. `cls`, `kind` and `settings`:
+    Eagle3Speculator, as eval/engines/formats/eagle3.py writes them), attached to `target`. `cls`, `kind` and `settings`:
     a head built on EAGLE-3's (P-EAGLE, drafters/peagle.py), its kind and its own settings.
 
     An export carries the output head the head drafts through as its `lm_head`: the target's rows of the draft

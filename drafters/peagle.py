@@ -226,7 +226,7 @@ class PEagleDrafter(BatchOfOne):
 
 
 def load_engine_peagle(path, raw: dict, target, dtype: torch.dtype | None = None) -> PEagle:
-    """A P-EAGLE head from its `speculators` export (eval/formats/eagle3.py), attached to `target`: EAGLE-3's
+    """A P-EAGLE head from its `speculators` export (eval/engines/formats/eagle3.py), attached to `target`: EAGLE-3's
     loader, with the mask token from the config, the depths it drafts from its speculative_tokens, and
     `mask_hidden` from the weights. The export does not carry the conditional drop it was trained with: a head
     trained further from it (`init_from`) takes the recipe's defaults."""

@@ -57,7 +57,7 @@ def load_head(path: str | Path, target, dtype: torch.dtype | None = None) -> nn.
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a saved head: no config.json")
     raw = json.loads((path / "config.json").read_text())
-    for k in kinds().values():  # an engine's export of a kind (eval/formats/): read by that kind's loader
+    for k in kinds().values():  # an engine's export of a kind (eval/engines/formats/): read by that kind's loader
         if set(raw.get("architectures") or []) & set(k.reads):
             return k.load_export(path, raw, target, dtype)
     kind = raw.get("draftsmith_kind")

@@ -15,7 +15,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from eval import engine as engines
+from eval.engines import engine as engines
 from eval.config import checked_spec, register
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, log_to_wandb, write_report

@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, ValidationError
 
-from eval.costs import EngineCosts
+from eval.engines.costs import EngineCosts
 from eval.evaluate import EvalPlan
 
 
@@ -167,9 +167,9 @@ def checked_spec(entry: Mapping) -> dict:
 
 @dataclass
 class EngineConfig:
-    """`engine=llamacpp`: the drafters served by llama-server here (eval/engine.py). `engine=openai`: a team's own
+    """`engine=llamacpp`: the drafters served by llama-server here (eval/engines/engine.py). `engine=openai`: a team's own
     OpenAI-compatible deployment (vLLM, SGLang, llama-server, a gateway), the same model served with its drafter at
-    `spec_url` and without at `plain_url`, measured from outside (eval/deployment.py)."""
+    `spec_url` and without at `plain_url`, measured from outside (eval/engines/deployment.py)."""
 
     name: str = MISSING  # llamacpp | openai
     # llamacpp: measure in the engine alone, without draftsmith's PyTorch loop (no τ, speed-up or verdict of its
@@ -209,8 +209,8 @@ class EvalConfig(EvalPlan):
     drafters: list[AnyDrafterSpec] = field(default_factory=list)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: Optional[int] = None  # torch intra-op threads (None = torch's default); the engine's too
-    # Measure the drafters inside a serving engine too: engine=llamacpp (built by `make llama-cpp`, eval/engine.py)
-    # or engine=openai with engine.spec_url and engine.plain_url (a team's deployment, eval/deployment.py)
+    # Measure the drafters inside a serving engine too: engine=llamacpp (built by `make llama-cpp`, eval/engines/engine.py)
+    # or engine=openai with engine.spec_url and engine.plain_url (a team's deployment, eval/engines/deployment.py)
     engine: Optional[EngineConfig] = None
     # Or: c and beta measured in an engine that cannot run here, for a predicted per-category verdict there
     engine_costs: EngineCosts = field(default_factory=EngineCosts)

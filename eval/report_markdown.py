@@ -4,7 +4,7 @@ verdict lines (eval/report.py)."""
 from __future__ import annotations
 
 from eval.evaluate import ALL, EvalPlan, base_drafter
-from eval.report_engine import engine_alone_markdown, engine_device, engine_section, engine_verdict_lines
+from eval.engines.report import engine_alone_markdown, engine_device, engine_section, engine_verdict_lines
 from eval.report_tables import (BATCH_COLUMNS, TRAFFIC_KEYS, TREE_COLUMNS, batch_sizes, fmt, fmt_interval, in_order,
                                 pays_up_to, table, traffic_lines)
 

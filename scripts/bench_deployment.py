@@ -25,9 +25,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import eval.__main__ as entry
-from eval import llama_cpp
+from eval.engines import llama_cpp
 from eval.config import register
-from eval.llama_cpp_drafters import llama_cpp_drafter
+from eval.engines.llama_cpp_drafters import llama_cpp_drafter
 from eval.run import load_target, resolve_specs
 from traffic import models
 

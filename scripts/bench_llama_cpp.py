@@ -8,7 +8,7 @@ For each trained run: export it (`python -m train.export`'s library call, GGUF t
 converter), then on the held-out traffic of the run's data, per category and greedy:
 - draftsmith's acceptance length τ (tokens per verification) in its own loop;
 - llama.cpp's τ with the same drafter, k, prompts and budget: 1 + accepted drafts per verification, from
-  llama-server's own drafting counters (eval.llama_cpp_measure.DraftStats). Both loops take the first new token
+  llama-server's own drafting counters (eval.engines.llama_cpp_measure.DraftStats). Both loops take the first new token
   from the prompt's forward and draft after it;
 - llama.cpp's speed-up over its own plain decoding: generated tokens / generation time as llama-server
   reports them, pooled over the category's prompts, plain and speculative servers run in turn in each
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from drafters.sampling import Sampling
-from eval import llama_cpp
-from eval.llama_cpp_measure import DraftCounters, DraftStats
-from eval.formats.writing import target_directory
+from eval.engines import llama_cpp
+from eval.engines.llama_cpp_measure import DraftCounters, DraftStats
+from eval.engines.formats.writing import target_directory
 from eval.run import build_drafter, held_out_path, load_target, read_traffic, tokenize_prompts
 from eval.speculative import speculative_generate
 from train.export import ExportSettings, export, read_run

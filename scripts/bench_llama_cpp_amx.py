@@ -7,11 +7,11 @@ crash llama-server on some machines.)
     python scripts/bench_llama_cpp_amx.py --build with_amx=/tmp/lc-amx --build default=/tmp/lc-default \\
         --model model-Q4_1.gguf --model model-Q8_0.gguf --threads 8 --out amx.json
 
-For each build and model: whether the server came up (or how it died, with the reason eval/llama_cpp.py
+For each build and model: whether the server came up (or how it died, with the reason eval/engines/llama_cpp.py
 gives), whether its log shows the AMX kernels (`AMX_INT8 = 1`, an `AMX` weight buffer), and, where it
 serves, the medians over `--repeats` of llama-server's own timings: one decoded token, a forward over 5 and
 9 new tokens from an empty cache (the verification of k = 4 and k = 8 drafts, as ANCHORS 8 measures it)
-and a 512-token prompt. Only the Python standard library and the project's eval/llama_cpp.py are used, so
+and a 512-token prompt. Only the Python standard library and the project's eval/engines/llama_cpp.py are used, so
 it runs with a bare python3 beside a build.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval import llama_cpp  # noqa: E402  (the checkout's package, without installing it)
+from eval.engines import llama_cpp  # noqa: E402  (the checkout's package, without installing it)
 
 WIDTHS = (1, 5, 9, 512)  # new tokens a forward scores: decode, k = 4 and k = 8 verifications, a long prompt
 
@@ -46,7 +46,7 @@ def timed_forward(server: llama_cpp.LlamaServer, width: int, vocab: int, salt: i
 
 
 def measure(build: str, model: Path, *, threads: int, repeats: int) -> dict:
-    """One build serving one model: its row (see the module docstring). eval/llama_cpp.py finds the build through
+    """One build serving one model: its row (see the module docstring). eval/engines/llama_cpp.py finds the build through
     $DRAFTSMITH_LLAMA_CPP, set for the measurement and restored after it."""
     before = os.environ.get("DRAFTSMITH_LLAMA_CPP")
     os.environ["DRAFTSMITH_LLAMA_CPP"] = build

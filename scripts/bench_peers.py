@@ -122,7 +122,7 @@ class Referee:
 
     @property
     def target_dir(self) -> Path:
-        from eval.formats.writing import target_directory
+        from eval.engines.formats.writing import target_directory
         from eval.run import target_source
 
         return Path(target_directory(target_source(self.recipe.cfg.target)))

@@ -8,9 +8,9 @@
 #
 # It prints the directory it built, which holds bin/llama-server, bin/llama-quantize and the source tree (src/) with
 # convert_hf_to_gguf.py and gguf-py/. `drafters/export` and the engine tests find it the same way
-# (eval/llama_cpp.py: $DRAFTSMITH_LLAMA_CPP, else this cache). A cold build takes about 5 minutes on 2
+# (eval/engines/llama_cpp.py: $DRAFTSMITH_LLAMA_CPP, else this cache). A cold build takes about 5 minutes on 2
 # cores; a built cache returns at once. llama.cpp's source is built as vendored, but for the patches in
-# eval/llama_cpp_patches/, each with its reason at its head; the build records their digest
+# eval/engines/llama_cpp_patches/, each with its reason at its head; the build records their digest
 # (bin/patches.sha256), and a build whose patches differ from the clone's is rebuilt.
 #
 # LLAMA_CPP_BACKEND: `cpu` or `cuda`, ggml's CUDA backend for the machine's NVIDIA GPUs (GGML_NATIVE: their
@@ -58,7 +58,7 @@ case "$AMX" in
     *) echo "llama.cpp: LLAMA_CPP_AMX must be on or off, got '$AMX'" >&2; exit 2 ;;
 esac
 
-PATCHES="$(cd "$(dirname "$0")/.." && pwd)/eval/llama_cpp_patches"
+PATCHES="$(cd "$(dirname "$0")/.." && pwd)/eval/engines/llama_cpp_patches"
 DIGEST="$(cat "$PATCHES"/*.patch | sha256sum | cut -d' ' -f1)"
 
 if [ -x "$DEST/bin/llama-server" ] && [ -x "$DEST/bin/llama-quantize" ] && [ -f "$DEST/src/convert_hf_to_gguf.py" ] \

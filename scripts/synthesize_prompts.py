@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from eval.endpoint import Endpoint
+from eval.engines.endpoint import Endpoint
 from train import regenerate
 from traffic import models, synthesize
 

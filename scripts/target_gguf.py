@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from eval.formats.writing import target_directory
-from eval.llama_cpp import convert_to_gguf
+from eval.engines.formats.writing import target_directory
+from eval.engines.llama_cpp import convert_to_gguf
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # what llama.cpp's converter writes itself
 

@@ -174,9 +174,9 @@ def _concrete(module: str, args: list[str], tmp_path: Path) -> tuple[list[str], 
         elif key == "drafters" and "runs/train/" in value:  # a run of the user's own: the tiny world's draft instead
             overrides.append("drafters=[{name: trained, kind: draft_lm, path: toyworld://tiny/draft}]")
         elif (key == "engine" and value == "openai") or key.startswith("engine."):
-            continue  # the user's deployment is not here: tests/eval/test_deployment.py runs it on real llama-servers
+            continue  # the user's deployment is not here: tests/eval/engines/test_deployment.py runs it on real llama-servers
         elif key == "engine" and value == "llamacpp":
-            continue  # tests/eval/test_llama_cpp.py serves the tiny world in llama-server
+            continue  # tests/eval/engines/test_llama_cpp.py serves the tiny world in llama-server
         elif key == "device":
             continue  # a GPU the user has: this machine's device instead
         else:
@@ -306,7 +306,7 @@ SKIPPED = [
      "tests/train/test_gpu_recipe.py trains two steps of the GPU recipe on a tiny model of its architecture; "
      "tests/train/test_launch.py launches --multi_gpu on CPUs, killed and launched again"),
     (r"^(vllm serve|python -m sglang|llama-server )", "an engine serving the user's model: the engines' own code "
-     "loads every export in tests/train/test_export.py, and llama-server serves them in tests/eval/test_llama_cpp.py"),
+     "loads every export in tests/train/test_export.py, and llama-server serves them in tests/eval/engines/test_llama_cpp.py"),
     (r"scripts/synthesize_prompts\.py", "samples SmolLM2 through llama-server for minutes: "
                                         "tests/scripts/test_synthesize_prompts.py runs it on the tiny world"),
     (r"scripts/bench_data_scaling\.py", "trains the recipe on several shares of real answers for hours: "

@@ -102,7 +102,7 @@ def synthesize(endpoint, prefixes: list[list[int]], out: str | Path, *, count: i
                system: str | None = None, leads: list[str] = ("",), seed: int = 0, temperature: float = 1.0,
                top_p: float = 1.0, max_tokens: int = 256, min_chars: int = 16, parallel: int = 4, batch_size: int = 32,
                max_batches: int | None = None, progress: bool = True) -> SynthesisStats:
-    """Append requests sampled from `endpoint` (an eval.endpoint.Endpoint) to the chat-format JSONL file `out`
+    """Append requests sampled from `endpoint` (an eval.engines.endpoint.Endpoint) to the chat-format JSONL file `out`
     until it holds `count` of them, each a record {id, category, messages: [user turn], batch} (`batch`: the
     batch that sampled it, which a resume starts after; readers of the chat format ignore it).
 

@@ -141,7 +141,7 @@ class FinalEvalConfig:
     max_new_tokens: int = 64
     repeats: int = 3
     prompts_per_category: int = 8  # held-out prompts measured per category
-    engine: Optional[str] = None  # llamacpp: also measure the drafters in llama.cpp (eval/engine.py)
+    engine: Optional[str] = None  # llamacpp: also measure the drafters in llama.cpp (eval/engines/engine.py)
     # More drafters measured beside the trained one (python -m eval's specs), after the off-the-shelf draft: the
     # baselines of a target without one (n-gram, a layer-skip self-draft, llama.cpp's own n-gram modes).
     drafters: list[AnyDrafterSpec] = field(default_factory=list)  # each one of eval/config.py SPECS' kinds

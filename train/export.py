@@ -6,7 +6,7 @@
 
 A training run directory (what `python -m train` writes) holds `train_config.yaml` (the composed config:
 which target, which drafter kind) and `best/` (the chosen checkpoint). Formats, each described with its
-layout in eval/formats/, which writes them (and which `python -m eval engine=llamacpp` uses to
+layout in eval/engines/formats/, which writes them (and which `python -m eval engine=llamacpp` uses to
 serve a run's head in llama.cpp):
 
 - `hf` (draft LM): plain Hugging Face weights and the target's tokenizer, LoRA already merged;
@@ -17,7 +17,7 @@ serve a run's head in llama.cpp):
 
 With `hub.repo_id`, the export goes up to the Hugging Face Hub with a model card (train/hub.py).
 
-The collapse guard (eval/formats/checks.py) runs before anything is written: a head that would load and
+The collapse guard (eval/engines/formats/checks.py) runs before anything is written: a head that would load and
 then accept nothing is refused, never overridable; a head whose recorded held-out top-1 agreement is at
 chance is refused unless `force=true`.
 """
@@ -35,7 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from drafters import kinds
-from eval.formats.writing import ExportJob
+from eval.engines.formats.writing import ExportJob
 from eval.run import dtype_of, load_target, target_source
 from train.config import ExportSettings, register
 from train.hub import HubSettings, listing, model_card, stage, upload
@@ -98,7 +98,7 @@ def formats_for(kind: str, requested: list[str]) -> list[str]:
 
 def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = ExportSettings()) -> dict[str, Path]:
     """Write the run's best drafter in each requested format under out_dir/<format>/ (its kind's exporter,
-    eval/formats/); returns the paths. Everything is checked before the first file is written."""
+    eval/engines/formats/); returns the paths. Everything is checked before the first file is written."""
     run = read_run(run_dir)
     formats = formats_for(run.kind, settings.formats)
     described = kinds.kind(run.kind)

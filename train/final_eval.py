@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from eval import engine
+from eval.engines import engine
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, write_report
 from eval.report_markdown import console_summary

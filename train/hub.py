@@ -21,7 +21,7 @@ from pathlib import Path
 
 from drafters import kinds
 from drafters.tree import TreeShape
-from eval.costs import sglang_settings
+from eval.engines.costs import sglang_settings
 
 @dataclass
 class HubSettings:

@@ -44,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from drafters.parallel import mask_token_for
-from eval import engine
+from eval.engines import engine
 from eval.config import checked_spec
 from eval.run import check_draft_vocabulary, load_target, target_source
 from traffic import checkpoint

@@ -35,9 +35,9 @@ import torch
 from tqdm.auto import tqdm
 
 from drafters.sampling import Sampling
-from eval import llama_cpp
-from eval.endpoint import Endpoint
-from eval.formats.writing import target_directory
+from eval.engines import llama_cpp
+from eval.engines.endpoint import Endpoint
+from eval.engines.formats.writing import target_directory
 from traffic import models
 from traffic.records import Record, render
 

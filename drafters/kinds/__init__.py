@@ -5,7 +5,7 @@ A kind's module holds its schema (the `drafter=<kind>` keys, with their defaults
 that trains it, its head class, whether it drafts its guesses in one forward, the target layers it reads by default,
 the formats it is exported in and the engines that serve them, and its Hub model card. `train/config.py`,
 `train/hidden_states.py`, `train/export.py`, `train/hub.py`, `drafters/registry.py`, `eval/run.py` and
-`eval/llama_cpp_drafters.py` read the descriptors from here: a new kind is its drafter, its recipe, its descriptor,
+`eval/engines/llama_cpp_drafters.py` read the descriptors from here: a new kind is its drafter, its recipe, its descriptor,
 its YAML and its tests (docs/architecture.md).
 
 Kinds outside this package (a team's own) are found through the `draftsmith.kinds` entry points: each names a module
@@ -81,14 +81,14 @@ class Kind:
     layers: Optional[Callable[[int], list[int]]] = None
     aliases: tuple[str, ...] = ()  # other names of the kind where layers are asked for (prepare's hidden_states.kind)
     formats: tuple[str, ...] = ()  # the export formats (train/export.py)
-    # What writes them: "module:function", (eval/formats/writing.py ExportJob, formats, directory) -> {format: path};
+    # What writes them: "module:function", (eval/engines/formats/writing.py ExportJob, formats, directory) -> {format: path};
     # named, not imported, as eval/ sits above the drafters
     exporter: Optional[str] = None
     no_format: Optional[str] = None  # no formats: why no engine loads this kind
     hub_root: Optional[str] = None  # the format at the root of its Hub repository (train/hub.py)
     engines: Engines = field(default_factory=Engines)
     # A head llama.cpp serves: "module:function" converting a saved one to its GGUF, (directory, target, target's
-    # name, out file, dtype) -> path (eval/llama_cpp_drafters.py)
+    # name, out file, dtype) -> path (eval/engines/llama_cpp_drafters.py)
     llama_cpp_gguf: Optional[str] = None
     tag: Optional[str] = None  # the Hub tag of the kind
     library: Optional[str] = None  # the Hub card's library_name: the library that loads the root format
@@ -144,6 +144,6 @@ def of_lm(config) -> Kind:
 
 def function(ref: str) -> Callable:
     """The function a descriptor names as "module:function" (its exporter, its GGUF converter): named, not imported,
-    where it lives above the drafters (eval/formats/)."""
+    where it lives above the drafters (eval/engines/formats/)."""
     module, name = ref.split(":")
     return getattr(importlib.import_module(module), name)

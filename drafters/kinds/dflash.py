@@ -38,8 +38,8 @@ def dflash_layers(num_layers: int) -> list[int]:
 
 KIND = Kind(
     name="dflash", schema=DFlashConfig, recipe="train.dflash", summary="a DFlash drafter (a block in one forward)",
-    head=dflash.HEAD, parallel=True, layers=dflash_layers, llama_cpp_gguf="eval.formats.dflash:dflash_gguf",
-    exporter="eval.formats.dflash:export_dflash",
+    head=dflash.HEAD, parallel=True, layers=dflash_layers, llama_cpp_gguf="eval.engines.formats.dflash:dflash_gguf",
+    exporter="eval.engines.formats.dflash:export_dflash",
     formats=("dflash", "gguf"), hub_root="dflash",
     tag="dflash", library="vllm", engines=Engines(vllm="dflash", gguf="dflash.gguf", llama_cpp="draft-dflash"),
     describe=lambda target, d, layers: (f"A DFlash drafter for `{target}`: {d.get('num_layers')} decoder layer(s) "

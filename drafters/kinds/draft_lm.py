@@ -56,7 +56,7 @@ def lm_rows(d: dict, cfg: dict) -> list[list]:
 
 KIND = Kind(
     name="draft_lm", schema=DraftLMConfig, recipe="train.distill", summary="a standalone draft LM", lm=DraftLM,
-    exporter="eval.formats.writing:export_lm",
+    exporter="eval.engines.formats.writing:export_lm",
     formats=("hf", "gguf"), hub_root="hf", tag="draft-model", library="transformers",
     engines=Engines(vllm="draft_model", sglang="STANDALONE", gguf="draft.gguf", llama_cpp="draft-simple"),
     describe=lambda target, d, layers: f"A standalone draft model for `{target}`, sharing its tokenizer.",

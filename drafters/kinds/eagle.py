@@ -76,8 +76,8 @@ def _rows(d: dict, best: dict) -> list[list]:
 KIND = Kind(
     name="eagle", schema=EagleConfig, recipe="train.eagle3", summary="an EAGLE-3 head", head=eagle.HEAD,
     reads=ENGINE_EAGLE3, load_export=eagle_export.load_engine_eagle3,
-    llama_cpp_gguf="eval.formats.eagle3:eagle3_gguf",
-    layers=eagle3_layers, aliases=("eagle3",), exporter="eval.formats.eagle3:export_eagle3",
+    llama_cpp_gguf="eval.engines.formats.eagle3:eagle3_gguf",
+    layers=eagle3_layers, aliases=("eagle3",), exporter="eval.engines.formats.eagle3:export_eagle3",
     formats=("sglang", "speculators", "gguf"), hub_root="sglang",
     tag="eagle3", library="sglang",
     engines=Engines(vllm="eagle3", sglang="EAGLE3", gguf="eagle3.gguf", llama_cpp="draft-eagle3"),

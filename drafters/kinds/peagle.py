@@ -33,7 +33,7 @@ KIND = Kind(
     name="peagle", schema=PEagleConfig, recipe="train.peagle", summary="a P-EAGLE head (k guesses in one forward)",
     head=peagle.HEAD, reads=ENGINE_PEAGLE,
     load_export=peagle.load_engine_peagle, parallel=True, layers=eagle3_layers,
-    exporter="eval.formats.eagle3:export_eagle3", formats=("speculators",), hub_root="speculators", tag="p-eagle",
+    exporter="eval.engines.formats.eagle3:export_eagle3", formats=("speculators",), hub_root="speculators", tag="p-eagle",
     library="vllm",
     engines=Engines(vllm="eagle3", vllm_extra=', "parallel_drafting": true',
                     llama_cpp_cannot="a P-EAGLE head drafts k tokens in one forward from mask entries, which "

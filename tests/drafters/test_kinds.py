@@ -23,7 +23,7 @@ from train.hidden_states import default_layers
 ROOT = Path(__file__).resolve().parents[2]
 # The modules that read the descriptors: not one of them names a kind.
 READERS = ["train/config.py", "train/export.py", "train/hidden_states.py", "train/hub.py", "drafters/registry.py",
-           "eval/run.py", "eval/llama_cpp_drafters.py"]
+           "eval/run.py", "eval/engines/llama_cpp_drafters.py"]
 
 
 @pytest.mark.parametrize("name", sorted(kinds.kinds()))
@@ -87,7 +87,7 @@ class TeamConfig(HeadConfig):
 
 
 KIND = Kind(name="team", schema=TeamConfig, recipe="train.heads", summary="a team's own head", head=eagle1.HEAD,
-            layers=lambda n: [n], exporter="eval.formats.eagle1:export_eagle1", formats=("vllm",), hub_root="vllm",
+            layers=lambda n: [n], exporter="eval.engines.formats.eagle1:export_eagle1", formats=("vllm",), hub_root="vllm",
             tag="team", library="vllm", engines=Engines(vllm="eagle"),
             describe=lambda target, d, layers: f"The team's head for {target}.")
 '''

@@ -69,7 +69,7 @@ def test_a_self_draft_of_the_first_layers_drafts_losslessly(directory, converted
 
 
 def test_llama_cpp_converts_and_serves_the_converted_model_as_transformers_runs_it(directory, converted, tmp_path):
-    from eval import llama_cpp
+    from eval.engines import llama_cpp
 
     if not llama_cpp.available():
         pytest.skip(f"llama.cpp is not built at {llama_cpp.home()}: `make llama-cpp` (make test builds it)")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eval import llama_cpp
+from eval.engines import llama_cpp
 from helpers import load_script
 from traffic.records import load_records
 

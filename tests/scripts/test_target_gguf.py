@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval import llama_cpp
+from eval.engines import llama_cpp
 from eval.run import load_target
 from helpers import load_script
 from traffic import toyworld

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval import llama_cpp
+from eval.engines import llama_cpp
 from eval.run import load_target, target_source
 from traffic import models, toyworld
 

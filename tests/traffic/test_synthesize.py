@@ -5,7 +5,7 @@ import zlib
 import pytest
 from transformers import AutoTokenizer
 
-from eval.endpoint import EndpointAnswer
+from eval.engines.endpoint import EndpointAnswer
 from traffic.records import load_records, render
 from traffic.synthesize import normalized, synthesize, user_turn_prefix
 

@@ -1,5 +1,5 @@
 """`python -m train.export`: the engine formats' contents, the collapse guard, and the round trip back
-into `python -m eval`. (llama.cpp loading and serving the exports: tests/eval/test_llama_cpp.py.)"""
+into `python -m eval`. (llama.cpp loading and serving the exports: tests/eval/engines/test_llama_cpp.py.)"""
 
 import json
 import shutil
@@ -17,8 +17,8 @@ from drafters.registry import load_head
 from drafters.sampling import Sampling
 from helpers import train_tiny_deep
 from eval import config as eval_config
-from eval.formats.checks import EAGLE3_OWN, ExportRefused
-from eval.formats.writing import target_directory
+from eval.engines.formats.checks import EAGLE3_OWN, ExportRefused
+from eval.engines.formats.writing import target_directory
 from eval.run import build_drafter, load_target
 from eval.speculative import speculative_generate
 from train import config as train_config
@@ -440,7 +440,7 @@ def test_an_eagle1_head_at_chance_is_refused_unless_forced(eagle1_run, tmp_path)
 def test_a_norm_output_head_is_not_sent_to_llama_cpp(eagle31_run, tmp_path):
     """llama.cpp's EAGLE-3 graph hands the un-normed state to its next draft step: an EAGLE-3.1 head with
     norm_output would draft other tokens there, so neither the gguf export nor `python -m eval` sends it."""
-    from eval.llama_cpp_drafters import llama_cpp_drafter
+    from eval.engines.llama_cpp_drafters import llama_cpp_drafter
 
     with pytest.raises(ExportRefused, match="norm_output"):
         export(eagle31_run, tmp_path / "out", ExportSettings(formats=["speculators", "gguf"]))
@@ -673,7 +673,7 @@ def test_vllm_serves_the_pard_export_as_a_parallel_draft_model_and_drafts_what_d
 def test_llama_cpp_rows_say_why_it_cannot_serve_p_eagle_or_pard(peagle_run, pard_run, tmp_path):
     """llama.cpp drafts neither in one forward from mask entries: `python -m eval engine=llamacpp` converts neither
     (its draft-simple would run a PARD draft one token at a time, another drafter) and the row says why."""
-    from eval.llama_cpp_drafters import llama_cpp_drafter
+    from eval.engines.llama_cpp_drafters import llama_cpp_drafter
 
     target, _ = load_target(TARGET, device=torch.device("cpu"))
     peagle = llama_cpp_drafter({"name": "p", "kind": "head", "path": str(peagle_run / "best")}, target, TARGET,

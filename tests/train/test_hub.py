@@ -8,7 +8,7 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 
-from eval import llama_cpp
+from eval.engines import llama_cpp
 from fake_hub import FakeHub
 from helpers import train_tiny_deep
 from train.export import ExportSettings, export

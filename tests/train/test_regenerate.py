@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from drafters.sampling import Sampling
 from helpers import CHAT, TOOL_TEMPLATE, TOOLS
 from traffic.records import load_records, prompt_ids
-from eval import llama_cpp
-from eval.endpoint import Endpoint, EndpointError
+from eval.engines import llama_cpp
+from eval.engines.endpoint import Endpoint, EndpointError
 from train.regenerate import answer_writer, regenerate, write_records
 
 N_RECORDS = 10

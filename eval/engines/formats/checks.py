@@ -3,8 +3,8 @@ from (the field's most reported export failure).
 
 It refuses `d2t`/`t2d` that disagree, a draft vocabulary without the target's EOS, aux layer ids an engine cannot
 capture, or a missing `fc` / output head, never overridable; a head whose recorded held-out top-1 agreement is at
-chance is refused unless `force=true`. `check_eagle3` guards the EAGLE-3 exports (eval/formats/eagle3.py),
-`check_eagle1` the EAGLE-1 one (eval/formats/eagle1.py); the DFlash export's checks (eval/formats/dflash.py) share
+chance is refused unless `force=true`. `check_eagle3` guards the EAGLE-3 exports (eval/engines/formats/eagle3.py),
+`check_eagle1` the EAGLE-1 one (eval/engines/formats/eagle1.py); the DFlash export's checks (eval/engines/formats/dflash.py) share
 `_refuse_activation` and `_refuse_at_chance`.
 """
 

@@ -3,8 +3,8 @@
 - `hf` (draft LM): plain Hugging Face weights and the target's tokenizer, LoRA already merged: what
   vLLM's and SGLang's draft-model speculation and transformers' `assistant_model` load (the model's own
   `save_pretrained`, in train/export.py).
-- `gguf`: llama.cpp's own converter (eval/llama_cpp.py) on the `hf`, `sglang` (eval/formats/eagle3.py) or `dflash`
-  (eval/formats/dflash.py) export; an EAGLE-3 or DFlash GGUF is converted with the target's directory, as llama.cpp
+- `gguf`: llama.cpp's own converter (eval/engines/llama_cpp.py) on the `hf`, `sglang` (eval/engines/formats/eagle3.py) or `dflash`
+  (eval/engines/formats/dflash.py) export; an EAGLE-3 or DFlash GGUF is converted with the target's directory, as llama.cpp
   requires, and a draft LM's takes the tokenizer of a target given as a GGUF file (`with_tokenizer_of`).
 
 Shared: the target's local directory (`target_directory`), the RoPE fields of an engine's config (`_rope`), a
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from eval.formats.checks import ExportRefused
+from eval.engines.formats.checks import ExportRefused
 
-from eval.llama_cpp import convert_to_gguf
+from eval.engines.llama_cpp import convert_to_gguf
 from traffic import models
 
 log = logging.getLogger(__name__)

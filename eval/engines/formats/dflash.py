@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eval.formats.checks import ExportRefused, _refuse_activation, _refuse_at_chance
-from eval.formats.writing import ExportJob, _rope, copy_tokenizer, target_directory, write_dir, write_gguf
+from eval.engines.formats.checks import ExportRefused, _refuse_activation, _refuse_at_chance
+from eval.engines.formats.writing import ExportJob, _rope, copy_tokenizer, target_directory, write_dir, write_gguf
 
 DFLASH_OWN = ("fc.weight", "hidden_norm.weight", "norm.weight")
 DFLASH_LAYER = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",

@@ -5,7 +5,7 @@ The team serves the same model twice, with the drafter (`engine.spec_url`) and w
 For each batch size B of `batch_sizes` and each category of the traffic, both servers get the same prompts
 (token ids, greedy, the same `max_new_tokens`), streamed, B requests in flight: a client per slot sends the next
 prompt as soon as its answer is back, and extra requests keep B in flight until every prompt is answered
-(eval/endpoint.py's `stream`, what `engine=llamacpp` does with llama-server's slots). Per category and B:
+(eval/engines/endpoint.py's `stream`, what `engine=llamacpp` does with llama-server's slots). Per category and B:
 
 - τ from the server's own counters, read from its Prometheus `/metrics` before and after the category: vLLM's
   `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens` and
@@ -39,9 +39,9 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from eval.compare import Timings, compare, verdict
-from eval.costs import FIELDS as ENGINE_FIELDS
-from eval.costs import tau_to_pay
-from eval.endpoint import Endpoint, Streamed, stream
+from eval.engines.costs import FIELDS as ENGINE_FIELDS
+from eval.engines.costs import tau_to_pay
+from eval.engines.endpoint import Endpoint, Streamed, stream
 from eval.evaluate import ALL
 from eval.metrics import predicted_speedup
 

@@ -1,6 +1,6 @@
 """The engine's cost model: c (one draft step over one target step) and β (one verification of k+1 positions
 over one target step, minus 1) turn an acceptance length τ into a speed-up, τ / (1 + n̄·c + f·β)
-(eval/metrics.py `predicted_speedup`). llama.cpp's c and β are measured here (eval/llama_cpp_measure.py); a team
+(eval/metrics.py `predicted_speedup`). llama.cpp's c and β are measured here (eval/engines/llama_cpp_measure.py); a team
 whose engine cannot run here (vLLM or SGLang on GPUs) measures them there and enters them (`engine_costs.c`,
 `engine_costs.beta`, a drafter's own `engine_c`), and `predict` turns draftsmith's τ into a per-category
 predicted speed-up and verdict for that engine, labelled a prediction. `ceilings` and `tau_to_pay` say what the

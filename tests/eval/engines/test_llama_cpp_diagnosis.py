@@ -1,4 +1,4 @@
-"""What a user reads when llama-server dies while loading (eval/llama_cpp.py): the signal by name, the likely
+"""What a user reads when llama-server dies while loading (eval/engines/llama_cpp.py): the signal by name, the likely
 cause and the way around it. The server is a stand-in script in a build directory made here, which dies the
 way the real one does, so these run on every machine, with or without llama.cpp built."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from eval import llama_cpp
+from eval.engines import llama_cpp
 
 AMX_CPU = "flags\t\t: fpu sse2 avx512f avx512_vnni amx_bf16 avx512_fp16 amx_tile amx_int8\n"
 OTHER_CPU = "flags\t\t: fpu sse2 avx2 avx512f avx512_vnni avx512_bf16\n"

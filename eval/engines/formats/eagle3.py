@@ -1,5 +1,5 @@
 """The exports of an EAGLE-3 head (and of a P-EAGLE head, built on EAGLE-3's), each guarded by `check_eagle3`
-(eval/formats/checks.py) before anything is written:
+(eval/engines/formats/checks.py) before anything is written:
 
 - `sglang`: SGLang's `LlamaForCausalLMEagle3` (SpecForge's format): `midlayer.*`, `fc`, `norm`, `lm_head` (the
   head's own output head, or the target's rows of the draft vocabulary it drafts through), `d2t` (offsets), `t2d`
@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 
 from drafters import kinds
 from drafters.eagle import NORM_FLAGS
-from eval.formats.checks import EAGLE3_OWN, ExportRefused, check_eagle3
-from eval.formats.writing import ExportJob, _rope, copy_tokenizer, target_directory, write_dir, write_gguf
+from eval.engines.formats.checks import EAGLE3_OWN, ExportRefused, check_eagle3
+from eval.engines.formats.writing import ExportJob, _rope, copy_tokenizer, target_directory, write_dir, write_gguf
 
 
 def drafts_in_one_forward(head_config: dict) -> bool:

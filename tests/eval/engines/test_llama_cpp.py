@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafters.sampling import Sampling
-from eval import llama_cpp
-from eval.formats.writing import draft_lm_gguf, target_directory
-from eval.llama_cpp_drafters import llama_cpp_drafter
-from eval.llama_cpp_measure import DraftCounters
+from eval.engines import llama_cpp
+from eval.engines.formats.writing import draft_lm_gguf, target_directory
+from eval.engines.llama_cpp_drafters import llama_cpp_drafter
+from eval.engines.llama_cpp_measure import DraftCounters
 from eval.run import build_drafter, load_target
 from eval.speculative import autoregressive_generate, speculative_generate
 from traffic import models, toyworld
@@ -150,7 +150,7 @@ def test_a_head_in_an_engines_format_is_served_as_it_is(world, eagle_run, form):
 
 
 def test_llama_cpps_confidence_stop_is_the_drop_rule_of_draftsmiths_loop(world, eagle_run):
-    """The head served with --spec-draft-p-min (eval/llama_cpp_drafters.py passes a drafter's stop_below with stop_rule
+    """The head served with --spec-draft-p-min (eval/engines/llama_cpp_drafters.py passes a drafter's stop_below with stop_rule
     drop): lossless, some rounds draft nothing, and τ per round (its draft calls) is draftsmith's loop's with
     the same stop, which llama.cpp's f16 head reproduces but for a decision near the threshold."""
     written = export(eagle_run, world["out"] / "stop", ExportSettings(formats=["gguf"]))
@@ -230,7 +230,7 @@ def test_a_collapsed_export_fails_the_engine_check(world, eagle_run, plant):
 
 
 def test_a_gemma3_target_serves_an_eagle3_head_in_llama_cpp_as_in_draftsmith(tiny_world, tmp_path):
-    """The build's patch (eval/llama_cpp_patches/gemma3-layer-inputs.patch): llama.cpp's Gemma-3 graph hands its
+    """The build's patch (eval/engines/llama_cpp_patches/gemma3-layer-inputs.patch): llama.cpp's Gemma-3 graph hands its
     layers' inputs to an EAGLE-3 drafter, as its Llama graph does (unpatched, llama-server aborts at the first
     decode). A tiny Gemma-3 target (transformers' config class, the toy world's tokenizer) and a head trained on
     its outputs for a few seconds, both through llama.cpp's converter: lossless, and llama.cpp's τ is
@@ -238,7 +238,7 @@ def test_a_gemma3_target_serves_an_eagle3_head_in_llama_cpp_as_in_draftsmith(tin
     from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
     from drafters.registry import build_head, save_head
-    from eval.formats.eagle3 import eagle3_gguf
+    from eval.engines.formats.eagle3 import eagle3_gguf
     from helpers import _common
     from train.hidden_states import capture, default_layers
 
@@ -291,7 +291,7 @@ def test_a_gemma3_target_serves_an_eagle3_head_in_llama_cpp_as_in_draftsmith(tin
 
 
 def test_eagle3_keeps_its_guesses_when_requests_draft_together(world, eagle_run):
-    """eval/llama_cpp_patches/eagle3-backend-sampler-outputs.patch: unpatched, llama-server's EAGLE-3 drafts of
+    """eval/engines/llama_cpp_patches/eagle3-backend-sampler-outputs.patch: unpatched, llama-server's EAGLE-3 drafts of
     requests decoded together read the last request's candidate tokens (τ 1.37 at one slot, 1.11 at four on
     SmolLM2). Four slots with the requests sent together keep what one slot keeps, outputs unchanged."""
     from concurrent.futures import ThreadPoolExecutor

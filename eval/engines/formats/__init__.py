@@ -1,7 +1,7 @@
 """A drafter in the formats the serving engines load, and the collapse guard that refuses, before anything is
 written, a head an engine would load and then accept nothing from (the field's most reported export failure).
 `python -m train.export` (train/export.py) writes a training run's drafter in them; `python -m eval engine=llamacpp`
-(eval/engine.py) serves a trained head in llama.cpp through them. One module per format, and what they share:
+(eval/engines/engine.py) serves a trained head in llama.cpp through them. One module per format, and what they share:
 
 - `checks.py`: the collapse guard (`check_eagle3`, `check_eagle1`, `ExportRefused`);
 - `eagle3.py`: `sglang` and `speculators` (EAGLE-3, P-EAGLE), and an EAGLE-3 head's GGUF;

@@ -1,7 +1,7 @@
 """The `vllm` export of an EAGLE-1 head: vLLM's `EagleLlamaForCausalLM` (`"method": "eagle"`, the EAGLE authors'
 layout): `fc` (2d -> d, embedding first), `layers.0.*` without an input norm, no embedding or output head (vLLM
 shares the target's), a Llama config of the one layer with the target's vocabulary and RoPE. Neither SGLang nor
-llama.cpp reads this layout from a draftsmith directory: vLLM only. Guarded by `check_eagle1` (eval/formats/checks.py)
+llama.cpp reads this layout from a draftsmith directory: vLLM only. Guarded by `check_eagle1` (eval/engines/formats/checks.py)
 before it is written.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eval.formats.checks import EAGLE1_OWN, check_eagle1
-from eval.formats.writing import ExportJob, _rope, copy_tokenizer, write_dir
+from eval.engines.formats.checks import EAGLE1_OWN, check_eagle1
+from eval.engines.formats.writing import ExportJob, _rope, copy_tokenizer, write_dir
 
 
 def vllm_eagle1(head_dir: Path, target, target_dir: Path, *, best: dict | None, force: bool, dtype: torch.dtype):

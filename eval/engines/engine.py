@@ -4,13 +4,13 @@ so one draft step costs it relatively more, and a drafter that pays in one engin
 interface, `Engine`, for the three ways draftsmith knows an engine's costs:
 
 - `LlamaCpp` (`engine=llamacpp`): llama.cpp runs here. The drafters are converted to its formats
-  (eval/llama_cpp_drafters.py), served by llama-server beside draftsmith's loop on the same prompts, k and budget
-  (eval/llama_cpp_measure.py), and the engine's τ, speed-up, costs, ceilings and verdict added to the report's
-  rows (eval/llama_cpp_figures.py).
+  (eval/engines/llama_cpp_drafters.py), served by llama-server beside draftsmith's loop on the same prompts, k and budget
+  (eval/engines/llama_cpp_measure.py), and the engine's τ, speed-up, costs, ceilings and verdict added to the report's
+  rows (eval/engines/llama_cpp_figures.py).
 - `Deployment` (`engine=openai`): a team's own OpenAI-compatible servers, with and without the drafter, measured
-  from outside (eval/deployment.py).
+  from outside (eval/engines/deployment.py).
 - `EnteredCosts` (`engine_costs.c`, `engine_costs.beta`): c and β a team measured in an engine that cannot run
-  here turn draftsmith's τ into a predicted speed-up and verdict there (eval/costs.py).
+  here turn draftsmith's τ into a predicted speed-up and verdict there (eval/engines/costs.py).
 
 `engine_for` is the one place an engine is chosen by its name. `python -m eval` and a training run's final
 evaluation call `check` before anything is loaded, `connect` and `convert` before anything is measured, and
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eval import deployment, llama_cpp
-from eval.costs import EngineCosts, predict
-from eval.llama_cpp_drafters import Converted, convert_for_llama_cpp
-from eval.llama_cpp_figures import CHAINS_ONLY, run_llama_cpp
+from eval.engines import deployment, llama_cpp
+from eval.engines.costs import EngineCosts, predict
+from eval.engines.llama_cpp_drafters import Converted, convert_for_llama_cpp
+from eval.engines.llama_cpp_figures import CHAINS_ONLY, run_llama_cpp
 
 ENGINES = ("llamacpp", "openai")  # the engines draftsmith runs or reaches: conf/engine/<name>.yaml
 

@@ -16,9 +16,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from drafters import kinds
-from eval import llama_cpp
-from eval.formats.eagle3 import llama_cpp_cannot_serve
-from eval.formats.writing import GGUF_OUTTYPE, draft_lm_gguf, target_directory
+from eval.engines import llama_cpp
+from eval.engines.formats.eagle3 import llama_cpp_cannot_serve
+from eval.engines.formats.writing import GGUF_OUTTYPE, draft_lm_gguf, target_directory
 from traffic import models
 
 

@@ -2,7 +2,7 @@
 same prompts, k and budget (greedy):
 
 - every drafter that has an engine format (a draft LM, an EAGLE-3 head) served by llama-server on
-  127.0.0.1 (eval/llama_cpp.py), the plain server and every speculative one up together, each prompt sent to
+  127.0.0.1 (eval/engines/llama_cpp.py), the plain server and every speculative one up together, each prompt sent to
   each in turn (the machine's speed drifts over minutes; prompts seconds apart see the same machine);
 - the engine's acceptance length from its own counters (1 + accepted drafts per round, its draft calls, from
   the drafting statistics llama-server logs for each request; per verification at B > 1), its
@@ -43,10 +43,10 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from eval import llama_cpp
+from eval.engines import llama_cpp
 from eval.compare import Timings
-from eval.endpoint import stream
-from eval.llama_cpp_drafters import Served
+from eval.engines.endpoint import stream
+from eval.engines.llama_cpp_drafters import Served
 
 _STATS = re.compile(r"statistics\s+\S+: #calls\(b,g,a\) =\s*\d+\s+(\d+)\s+(\d+),.*#gen tokens =\s*(\d+), "
                     r"#acc tokens =\s*(\d+).*dur\(b,g,a\) = [\d.]+, ([\d.]+), [\d.]+ ms")

@@ -5,7 +5,7 @@ by `scripts/build_llama_cpp.sh` (`make llama-cpp`) into `$DRAFTSMITH_LLAMA_CPP`,
 `~/.cache/draftsmith/llama.cpp/llama-cpp-python-<version>/` (bin/llama-server, src/ with
 convert_hf_to_gguf.py and gguf-py/). Nothing of llama.cpp is reimplemented here: conversion runs its own
 script, serving its own server, and what it reports (`timings.draft_n`, `draft_n_accepted`) is read as it
-reports it. Its source is built as vendored but for the patches in eval/llama_cpp_patches/, each with its
+reports it. Its source is built as vendored but for the patches in eval/engines/llama_cpp_patches/, each with its
 reason at its head (`PATCHES`); a build made with other patches is rebuilt (`make llama-cpp`).
 """
 
@@ -122,7 +122,7 @@ def convert_to_gguf(model_dir: str | Path, out_file: str | Path, *, outtype: str
     args = [str(model_dir), "--outfile", str(out_file), "--outtype", outtype]
     if target_dir is not None:
         args += ["--target-model-dir", str(target_dir)]
-    proc = subprocess.run([sys.executable, "-m", "eval.llama_cpp", "convert", str(src), pre, *args],
+    proc = subprocess.run([sys.executable, "-m", "eval.engines.llama_cpp", "convert", str(src), pre, *args],
                           capture_output=True, text=True)
     if proc.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"llama.cpp's converter failed on {model_dir} (exit {proc.returncode}):\n"
@@ -283,7 +283,7 @@ class LlamaServer:
     stops early at its first guess below `p_min`, which it drops: llama.cpp's confidence stop). Greedy, deterministic; `parallel` slots of `ctx_size` tokens each, whose
     requests the server decodes together (one slot: a request at a time). Use as a context manager.
 
-    log_verbosity 4 makes it log its drafting statistics (eval/llama_cpp_measure.py reads its drafting timer there).
+    log_verbosity 4 makes it log its drafting statistics (eval/engines/llama_cpp_measure.py reads its drafting timer there).
     `accept_none=True` is llama.cpp's synthetic acceptance for benchmarking (`--spec-synth-len 1`): every
     round drafts and verifies as usual but keeps none of the drafts, so each round emits the target's own
     token (the output stays the plain output) and costs what a round costs, whatever the drafter's skill."""
@@ -421,5 +421,5 @@ class LlamaServer:
 
 if __name__ == "__main__":  # what convert_to_gguf runs, in a process of its own
     if len(sys.argv) < 4 or sys.argv[1] != "convert":
-        sys.exit("usage: python -m eval.llama_cpp convert LLAMA_CPP_SRC TOKENIZER_PRE CONVERTER_ARGS...")
+        sys.exit("usage: python -m eval.engines.llama_cpp convert LLAMA_CPP_SRC TOKENIZER_PRE CONVERTER_ARGS...")
     _convert_main(sys.argv[2], sys.argv[3], sys.argv[4:])

@@ -1,4 +1,4 @@
-"""A team's own deployment measured through its OpenAI-compatible API (eval/deployment.py): real llama-servers on
+"""A team's own deployment measured through its OpenAI-compatible API (eval/engines/deployment.py): real llama-servers on
 127.0.0.1 with a drafter and without, and vLLM's own speculative-decoding counters."""
 
 import http.server
@@ -11,12 +11,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import eval.__main__ as entry
-from eval import deployment, llama_cpp
-from eval.deployment import SpecCounters
-from eval.endpoint import Endpoint, EndpointError
+from eval.engines import deployment, llama_cpp
+from eval.engines.deployment import SpecCounters
+from eval.engines.endpoint import Endpoint, EndpointError
 from traffic import toyworld
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 VLLM_DIR = ROOT / ".venv" / "vllm"
 needs_llama_cpp = pytest.mark.skipif(not llama_cpp.available(), reason=(
     f"llama.cpp is not built at {llama_cpp.home()}: `make llama-cpp` (make test builds it)"))
@@ -113,7 +113,7 @@ def test_a_server_without_speculative_counters_has_none_and_a_missing_metrics_en
 def test_figures_pool_decode_time_and_catch_a_different_answer():
     """The speed-up is tokens after the first over first-to-last-token time, pooled over prompts and repeats; one
     answer that differs from the plain server's makes the row not lossless; τ sums the categories' counters."""
-    from eval.endpoint import Streamed
+    from eval.engines.endpoint import Streamed
 
     def served(decode, texts, counters=None):
         out = deployment.Answers()
@@ -137,7 +137,7 @@ def test_figures_pool_decode_time_and_catch_a_different_answer():
     assert deployment.figures({"spec": spec, "plain": plain}, "chat", repeats=2, pays_off_at=1.05)[
         "engine_lossless"] is False
     # The rows of the named drafter at its k get the figures, and with costs entered, draftsmith's prediction.
-    from eval.costs import EngineCosts
+    from eval.engines.costs import EngineCosts
 
     rows = [{"drafter": d, "k": k, "batch_size": 1, "temperature": 0.0, "category": c, "acceptance_length": 3.0,
              "mean_proposed": 4.0} for d, k in (("head", 4), ("head", 2), ("ngram", 4)) for c in ("code", "chat", "all")]

@@ -8,12 +8,12 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from eval import llama_cpp
+from eval.engines import llama_cpp
 from eval.compare import compare, verdict
-from eval.costs import FIELDS, ceilings, tau_to_pay, verified_width
+from eval.engines.costs import FIELDS, ceilings, tau_to_pay, verified_width
 from eval.evaluate import ALL
-from eval.llama_cpp_drafters import Converted, Served
-from eval.llama_cpp_measure import DraftStats, generation_timings, measure_llama_cpp
+from eval.engines.llama_cpp_drafters import Converted, Served
+from eval.engines.llama_cpp_measure import DraftStats, generation_timings, measure_llama_cpp
 from eval.metrics import PartingGaps, parting_note, predicted_speedup
 
 NAME = "llama.cpp"  # what the report calls it

@@ -1,7 +1,7 @@
 """A client for the OpenAI-compatible completions API that serving engines expose (vLLM, SGLang, llama-server,
 or a gateway in front of them): what draftsmith uses to have a team's own deployment write answers
 (train/regenerate.py), and to measure it with its drafter and without (`stream`, timed as a client sees it, and
-the server's Prometheus `metrics`: eval/deployment.py).
+the server's Prometheus `metrics`: eval/engines/deployment.py).
 
 Prompts go out as token ids (`/v1/completions` takes a list of ids in vLLM, SGLang and llama-server), so no
 second tokenizer stands between draftsmith's chat template and the server. The API key, when the server

@@ -3,16 +3,16 @@ engine, and the report of `engine.only` runs (eval/report.py)."""
 
 from __future__ import annotations
 
-from eval.deployment import NAME
-from eval.formats.writing import GGUF_OUTTYPE
+from eval.engines.deployment import NAME
+from eval.engines.formats.writing import GGUF_OUTTYPE
 from eval.evaluate import EvalPlan, base_drafter
-from eval.llama_cpp import NGRAM_TYPES
+from eval.engines.llama_cpp import NGRAM_TYPES
 from eval.report_tables import (DEPLOYMENT_COLUMNS, ENGINE_COLUMNS, PREDICTED_COLUMNS, TRAFFIC_KEYS, batch_sizes,
                                 fmt_interval, fmt_latency, table, traffic_lines)
 
 
 def deployment_section(rows: list[dict], name: str) -> list[str]:
-    """report.md's section for a team's deployment measured through its OpenAI-compatible API (eval/deployment.py)."""
+    """report.md's section for a team's deployment measured through its OpenAI-compatible API (eval/engines/deployment.py)."""
     out = ["", f"## In {name}", "",
            "The same prompts, greedy and with the same budget, sent to the deployment with its drafter and without it,"
            " streamed, B requests in flight (a new one sent as one returns). τ engine = 1 + accepted drafts per"
@@ -102,7 +102,7 @@ def engine_alone_markdown(report: dict) -> str:
 
 def engine_section(rows: list[dict], report_plots: list[str] = ()) -> list[str]:
     """report.md's engine section: measured in llama.cpp beside draftsmith's loop, in a team's deployment through
-    its API, or predicted for a team's own engine from the c and β it measured there (eval/engine.py)."""
+    its API, or predicted for a team's own engine from the c and β it measured there (eval/engines/engine.py)."""
 
     rows = [r for r in rows if r.get("engine")]
     if not rows:
