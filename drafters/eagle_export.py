@@ -61,6 +61,13 @@ def load_engine_eagle3(path, raw: dict, target, dtype: torch.dtype | None = None
     if (raw.get("target_hidden_size") or target.config.hidden_size) != target.config.hidden_size:  # null: the draft's
         raise ValueError(f"{path}/config.json: target_hidden_size {raw['target_hidden_size']} is not the target's "
                          f"{target.config.hidden_size}")
+    if "d2t" not in state:  # a head over the whole vocabulary: vLLM's form carries no maps (identity)
+        size = raw.get("draft_vocab_size") or layer.get("vocab_size") or target.config.vocab_size
+        if size != target.config.vocab_size:
+            raise ValueError(f"{path}/model.safetensors: no d2t, but its draft vocabulary of {size} tokens is not the "
+                             f"target's {target.config.vocab_size}: the maps between draft and target ids are missing")
+        state["d2t"] = torch.zeros(size, dtype=torch.long)
+        state["t2d"] = torch.ones(size, dtype=torch.bool)
     draft_vocab = state["d2t"].numel()
     lm_head = state.get("lm_head.weight")
     if lm_head is None:

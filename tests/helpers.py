@@ -197,8 +197,9 @@ def trained_to_self(target, head, steps: int = 60):
     return head.eval()
 
 
-def train_tiny_deep(out, *overrides):
-    """A `python -m train` run on the tiny_deep world (a 4-layer target), a few steps, no final evaluation."""
+def train_tiny_deep(out, *overrides, target: str = "tiny_deep"):
+    """A `python -m train` run on the tiny_deep world (a 4-layer target; or `target`), a few steps, no final
+    evaluation."""
     from hydra import compose, initialize_config_dir
 
     from train.__main__ import train
@@ -207,7 +208,7 @@ def train_tiny_deep(out, *overrides):
     register()
     conf = str(Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["experiment=smoke", "target=tiny_deep", "progress=false",
+        cfg = compose(config_name="train", overrides=["experiment=smoke", f"target={target}", "progress=false",
                                                       "evaluate.enabled=false", f"out_dir={out}",
                                                       f"data_cache={out.parent / 'data'}", *overrides])
     train(cfg)

@@ -133,6 +133,10 @@ PRESETS["toy_wiki"] = dataclasses.replace(
 # head on layers an engine captures (the inputs of layers 1..n-1) and for layer ids off by one to differ.
 PRESETS["tiny_deep"] = dataclasses.replace(
     PRESETS["tiny"], target=dataclasses.replace(PRESETS["tiny"].target, layers=4, steps=400))
+# For the vLLM server tests: tiny_deep with attention heads of 32 dimensions, the smallest vLLM's CPU attention takes.
+PRESETS["tiny_vllm"] = dataclasses.replace(
+    PRESETS["tiny_deep"], target=dataclasses.replace(PRESETS["tiny_deep"].target, heads=2, kv_heads=1),
+    draft=dataclasses.replace(PRESETS["tiny_deep"].draft, heads=1, kv_heads=1))
 # Agent traffic: the default world's shapes, and a fourth category of tool-calling conversations (the
 # assistant calls one of the company's tools, reads its result, answers), as gateways log them.
 PRESETS["toy_agent"] = dataclasses.replace(PRESETS["toy"], agent=True)

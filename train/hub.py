@@ -151,9 +151,7 @@ def model_card(run, written: dict[str, Path], *, repo_id: str, license: str | No
     engines = described.engines
     sglang, gguf, spec_type = engines.sglang, engines.gguf, engines.llama_cpp
     out += ["", "## Serving", "", "```bash",
-            f"vllm serve {target} --speculative-config "
-            f"'{{\"method\": \"{engines.vllm}\", \"model\": \"{repo_id}\", \"num_speculative_tokens\": {k}"
-            f"{engines.vllm_extra}}}'"]
+            f"vllm serve {target} --speculative-config '{json.dumps(engines.vllm_config(repo_id, k))}'"]
     if sglang:
         out.append(f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {sglang} "
                    f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "

@@ -15,6 +15,7 @@ with a `KIND`.
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from dataclasses import dataclass, field
 from functools import cache
@@ -53,10 +54,19 @@ class Engines:
 
     vllm: Optional[str] = None  # vLLM's speculative method
     vllm_extra: str = ""  # further keys of vLLM's --speculative-config (JSON, each with its leading comma)
+    vllm_format: Optional[str] = None  # the export format vLLM reads (a vLLM server serves it: eval/engines/vllm.py)
     sglang: Optional[str] = None  # SGLang's --speculative-algorithm
     gguf: Optional[str] = None  # the export's GGUF file name
     llama_cpp: Optional[str] = None  # llama-server's --spec-type for that file
     llama_cpp_cannot: Optional[str] = None  # why llama.cpp cannot serve this kind, where it cannot
+
+
+    def vllm_config(self, model: str, k: int) -> dict:
+        """vLLM's `--speculative-config` for the export at `model`, drafting k tokens a round."""
+        if self.vllm is None:
+            raise ValueError("vLLM serves no export of this kind")
+        return {"method": self.vllm, "model": model, "num_speculative_tokens": k,
+                **json.loads("{" + self.vllm_extra.lstrip(", ") + "}")}
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ KIND = Kind(
     head=dflash.HEAD, parallel=True, layers=dflash_layers, llama_cpp_gguf="eval.engines.formats.dflash:dflash_gguf",
     exporter="eval.engines.formats.dflash:export_dflash",
     formats=("dflash", "gguf"), hub_root="dflash",
-    tag="dflash", library="vllm", engines=Engines(vllm="dflash", gguf="dflash.gguf", llama_cpp="draft-dflash"),
+    tag="dflash", library="vllm",
+    engines=Engines(vllm="dflash", vllm_format="dflash", gguf="dflash.gguf", llama_cpp="draft-dflash"),
     describe=lambda target, d, layers: (f"A DFlash drafter for `{target}`: {d.get('num_layers')} decoder layer(s) "
                                         f"reading the target's hidden states at layers {layers} (inputs of those "
                                         f"layers) that draft a block of {d.get('block_size', 1) - 1} tokens in one "

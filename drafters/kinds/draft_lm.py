@@ -58,6 +58,7 @@ KIND = Kind(
     name="draft_lm", schema=DraftLMConfig, recipe="train.distill", summary="a standalone draft LM", lm=DraftLM,
     exporter="eval.engines.formats.writing:export_lm",
     formats=("hf", "gguf"), hub_root="hf", tag="draft-model", library="transformers",
-    engines=Engines(vllm="draft_model", sglang="STANDALONE", gguf="draft.gguf", llama_cpp="draft-simple"),
+    engines=Engines(vllm="draft_model", vllm_format="hf",
+                    sglang="STANDALONE", gguf="draft.gguf", llama_cpp="draft-simple"),
     describe=lambda target, d, layers: f"A standalone draft model for `{target}`, sharing its tokenizer.",
     card_rows=lambda d, cfg, best: lm_rows(d, cfg))

@@ -80,7 +80,8 @@ KIND = Kind(
     layers=eagle3_layers, aliases=("eagle3",), exporter="eval.engines.formats.eagle3:export_eagle3",
     formats=("sglang", "speculators", "gguf"), hub_root="sglang",
     tag="eagle3", library="sglang",
-    engines=Engines(vllm="eagle3", sglang="EAGLE3", gguf="eagle3.gguf", llama_cpp="draft-eagle3"),
+    engines=Engines(vllm="eagle3", vllm_format="speculators",
+                    sglang="EAGLE3", gguf="eagle3.gguf", llama_cpp="draft-eagle3"),
     describe=lambda target, d, layers: (f"An EAGLE-3 draft head for `{target}`: one decoder layer reading the target's "
                                         f"hidden states at layers {layers} (inputs of those layers), drafting through "
                                         "the target's output head restricted to its draft vocabulary."),

@@ -27,7 +27,7 @@ KIND = Kind(
     name="eagle1", schema=Eagle1Config, recipe="train.heads", summary="an EAGLE-1 head", head=eagle1.HEAD,
     reads=ENGINE_EAGLE1, load_export=eagle1.load_engine_eagle1,
     layers=last_layer, exporter="eval.engines.formats.eagle1:export_eagle1",
-    formats=("vllm",), hub_root="vllm", tag="eagle", library="vllm", engines=Engines(vllm="eagle"),
+    formats=("vllm",), hub_root="vllm", tag="eagle", library="vllm", engines=Engines(vllm="eagle", vllm_format="vllm"),
     describe=lambda target, d, layers: (f"An EAGLE-1 draft head for `{target}`: one decoder layer extrapolating the "
                                         "target's last (normed) hidden state from it and the next token's embedding, "
                                         "drafting through the target's own embedding and output head."),

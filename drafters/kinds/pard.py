@@ -37,7 +37,7 @@ KIND = Kind(
     name="pard", schema=PardConfig, recipe="train.pard", summary="PARD, a draft LM guessing k tokens in one forward",
     lm=PardLM, recognizes=lambda config: pard_settings(config) is not None, parallel=True,
     exporter="eval.engines.formats.writing:export_lm", formats=("hf",), hub_root="hf", tag="pard", library="transformers",
-    engines=Engines(vllm="draft_model", vllm_extra=', "parallel_drafting": true',
+    engines=Engines(vllm="draft_model", vllm_format="hf", vllm_extra=', "parallel_drafting": true',
                     llama_cpp_cannot="a PARD draft guesses k tokens in one forward from mask tokens, which llama.cpp "
                                      "does not do (its draft-simple would run it one token at a time, another drafter "
                                      "than the one measured); vLLM serves it (draft_model with parallel_drafting)"),

@@ -35,7 +35,7 @@ KIND = Kind(
     load_export=peagle.load_engine_peagle, parallel=True, layers=eagle3_layers,
     exporter="eval.engines.formats.eagle3:export_eagle3", formats=("speculators",), hub_root="speculators", tag="p-eagle",
     library="vllm",
-    engines=Engines(vllm="eagle3", vllm_extra=', "parallel_drafting": true',
+    engines=Engines(vllm="eagle3", vllm_format="speculators", vllm_extra=', "parallel_drafting": true',
                     llama_cpp_cannot="a P-EAGLE head drafts k tokens in one forward from mask entries, which "
                                      "llama.cpp's EAGLE-3 graph does not do; vLLM serves it (eagle3 with "
                                      "parallel_drafting)"),

@@ -169,11 +169,17 @@ def sglang_writer(tensors: dict[str, torch.Tensor], head_config: dict, target_co
 def speculators_writer(tensors: dict[str, torch.Tensor], head_config: dict, target, verifier: str, target_dir: Path,
                        dtype: str, k: int):
     """The writer of the `speculators` export of an EAGLE-3 head (`eagle3_tensors`): its layer renamed to
-    speculators' `layers.0.*`, the target's embedding, and a config naming `verifier` and the draft length k."""
+    speculators' `layers.0.*`, the target's embedding, and a config naming `verifier` and the draft length k; the
+    vocabulary maps only where the draft vocabulary is not the target's whole one."""
     def write(tmp: Path) -> None:
         config = speculators_config(head_config, target.config, verifier, dtype, k)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         renamed = {name.replace("midlayer.", "layers.0.", 1): t for name, t in tensors.items()}
+        if tensors["d2t"].numel() == target.config.vocab_size:
+            # A head drafting over the whole vocabulary has no maps between draft and target ids: vLLM builds no
+            # parameter for them then and refuses a checkpoint that carries `d2t` (llama_eagle3.py load_weights,
+            # seen serving one), and speculators' loader does not miss them.
+            renamed = {name: t for name, t in renamed.items() if name not in ("d2t", "t2d")}
         # speculators keeps the embedding in the checkpoint: absent, its loader neither reports it nor fills it
         # from the verifier (it stays uninitialised memory), so the target's is written.
         renamed["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().to(tensors["fc.weight"].dtype)

