@@ -33,7 +33,7 @@ def a_build(dest: Path) -> dict[Path, bytes]:
 def a_current_build(dest: Path) -> None:
     """`a_build`, but made with this clone's patches (the digest the script computes, in the shell, itself)."""
     a_build(dest)
-    patches = SCRIPT.parents[1] / "eval" / "llama_cpp_patches"
+    patches = SCRIPT.parents[1] / "eval" / "engines" / "llama_cpp_patches"
     digest = subprocess.run(f"cat {patches}/*.patch | sha256sum", shell=True, capture_output=True, text=True,
                             env={**os.environ, "LC_ALL": "C"}).stdout.split()[0]
     (dest / "bin" / "patches.sha256").write_text(digest + "\n")
