@@ -169,9 +169,10 @@ def checked_spec(entry: Mapping) -> dict:
 class EngineConfig:
     """`engine=llamacpp`: the drafters served by llama-server here (eval/engines/engine.py). `engine=openai`: a team's own
     OpenAI-compatible deployment (vLLM, SGLang, llama-server, a gateway), the same model served with its drafter at
-    `spec_url` and without at `plain_url`, measured from outside (eval/engines/deployment.py)."""
+    `spec_url` and without at `plain_url`, measured from outside (eval/engines/deployment.py). `engine=vllm`: vLLM run
+    here, the target served with `drafter` at `k` and without, measured as a deployment (eval/engines/vllm.py)."""
 
-    name: str = MISSING  # llamacpp | openai
+    name: str = MISSING  # llamacpp | openai | vllm
     # llamacpp: measure in the engine alone, without draftsmith's PyTorch loop (no τ, speed-up or verdict of its
     # own): the engine's τ, speed-up, costs and verdict per category and k, in the time the engine takes
     only: bool = False
@@ -187,6 +188,7 @@ class EngineConfig:
     retries: int = 2  # openai: tries after a failed request before the run stops with the server's error
     # openai: fields added to every request (the server's own extensions), e.g. {cache_prompt: false} for llama-server
     extra_body: Any = None  # a mapping (Any: the keys are the server's, not draftsmith's)
+    kv_cache_gib: float = 1.0  # vllm: each server's KV cache on a CPU, in GiB (VLLM_CPU_KVCACHE_SPACE)
 
 
 @dataclass

@@ -299,14 +299,18 @@ SKIPPED = [
     (r"PIP_EXTRA_INDEX_URL=", "needs PyTorch's own index (download.pytorch.org), which CI cannot reach"),
     (r"LLAMA_CPP_BACKEND=cuda", "needs nvcc and an NVIDIA GPU"),
     (r"LLAMA_CPP_SOURCE=", "needs a copy of llama.cpp's source at the path it names"),
-    (r"^make (install|test|llama-cpp)$", "CI itself: `make test` runs `make install` and `make llama-cpp` first"),
+    (r"^make (install|test|llama-cpp|vllm)$", "CI itself: `make test` runs `make install`, `make llama-cpp` and "
+     "`make vllm` first"),
     (r"-m pytest\b", "the test suite itself"),
     (r"accelerate launch --multi_gpu|experiment=llama3_8b_eagle|trainer=gpu",
      "needs NVIDIA GPUs (and an 8B model): composed as written by test_every_gpu_command_composes_as_written; "
      "tests/train/test_gpu_recipe.py trains two steps of the GPU recipe on a tiny model of its architecture; "
      "tests/train/test_launch.py launches --multi_gpu on CPUs, killed and launched again"),
-    (r"^(vllm serve|python -m sglang|llama-server )", "an engine serving the user's model: the engines' own code "
-     "loads every export in tests/train/test_export.py, and llama-server serves them in tests/eval/engines/test_llama_cpp.py"),
+    (r"^(vllm serve|python -m sglang|llama-server )|vllm\.entrypoints", "an engine serving the user's model: the "
+     "engines' own code loads every export in tests/train/test_export.py, llama-server serves them in "
+     "tests/eval/engines/test_llama_cpp.py and a vLLM server in tests/eval/engines/test_vllm.py"),
+    (r"engine=vllm", "vLLM serving the user's model: tests/eval/engines/test_vllm.py runs engine=vllm on the tiny_vllm "
+     "world (vLLM's CPU attention takes heads of 32 dimensions and up, the tiny world's have 16)"),
     (r"scripts/synthesize_prompts\.py", "samples SmolLM2 through llama-server for minutes: "
                                         "tests/scripts/test_synthesize_prompts.py runs it on the tiny world"),
     (r"scripts/bench_data_scaling\.py", "trains the recipe on several shares of real answers for hours: "

@@ -9,6 +9,9 @@ interface, `Engine`, for the three ways draftsmith knows an engine's costs:
   rows (eval/engines/llama_cpp_figures.py).
 - `Deployment` (`engine=openai`): a team's own OpenAI-compatible servers, with and without the drafter, measured
   from outside (eval/engines/deployment.py).
+- `Vllm` (`engine=vllm`): vLLM's CPU build runs here (eval/engines/vllm.py). draftsmith serves the target twice, with
+  the drafter `engine.drafter` in vLLM's format and without it, and measures the two servers as `engine=openai`
+  measures a deployment.
 - `EnteredCosts` (`engine_costs.c`, `engine_costs.beta`): c and β a team measured in an engine that cannot run
   here turn draftsmith's τ into a predicted speed-up and verdict there (eval/engines/costs.py).
 
@@ -19,14 +22,17 @@ evaluation call `check` before anything is loaded, `connect` and `convert` befor
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
-from eval.engines import deployment, llama_cpp
+from omegaconf import OmegaConf
+
+from eval.engines import deployment, llama_cpp, vllm
 from eval.engines.costs import EngineCosts, predict
 from eval.engines.llama_cpp_drafters import Converted, convert_for_llama_cpp
 from eval.engines.llama_cpp_figures import CHAINS_ONLY, run_llama_cpp
 
-ENGINES = ("llamacpp", "openai")  # the engines draftsmith runs or reaches: conf/engine/<name>.yaml
+ENGINES = ("llamacpp", "openai", "vllm")  # the engines draftsmith runs or reaches: conf/engine/<name>.yaml
 
 
 class Engine:
@@ -138,6 +144,62 @@ class Deployment(Engine):
                               self.config, self.costs, progress=progress)
 
 
+class Vllm(Deployment):
+    """vLLM run here (`engine=vllm`, conf/engine/vllm.yaml): the target served by two vLLM servers, one drafting with
+    `engine.drafter` at `engine.k`, measured as a deployment is."""
+
+    name = "vllm"
+
+    def __init__(self, config, costs: EngineCosts) -> None:
+        super().__init__(config, costs)
+        self.servers = contextlib.ExitStack()
+        self.asked: tuple[list[int], list[str]] | None = None
+        self.speculative: dict | None = None  # the --speculative-config the drafting server runs
+
+    def check(self, plan, alone: bool = False) -> None:
+        super().check(plan, alone)
+        if not vllm.available():
+            raise ValueError(f"engine=vllm needs vLLM's environment at {vllm.ENVIRONMENT}: `make vllm` installs it")
+        if self.config.drafter is None or self.config.k is None:
+            raise ValueError("engine=vllm needs engine.drafter (which of `drafters` the server drafts with) and engine.k")
+
+    def connect(self, ks, drafters) -> None:
+        self.asked = (ks, drafters)  # the servers start once the drafter is in vLLM's format (convert)
+
+    def convert(self, specs, target, target_name_or_path, work, alone=False) -> None:
+        """The drafter exported in vLLM's format, both servers started and checked, before draftsmith measures."""
+        spec = next((s for s in specs if s["name"] == self.config.drafter), None)
+        if spec is None:
+            raise ValueError(f"engine.drafter={self.config.drafter!r} is not one of drafters {self.asked[1]}")
+        model, self.speculative = vllm.served_drafter(spec, target, target_name_or_path, Path(work), self.config.k)
+        dtype = str(target.dtype).removeprefix("torch.")
+        try:
+            plain = self.servers.enter_context(vllm.VllmServer(model, dtype=dtype, kv_cache_gib=self.config.kv_cache_gib,
+                                                               log_file=Path(work) / "vllm-plain.log"))
+            drafting = self.servers.enter_context(vllm.VllmServer(
+                model, speculative_config=self.speculative, dtype=dtype, kv_cache_gib=self.config.kv_cache_gib,
+                log_file=Path(work) / f"vllm-{spec['name']}.log"))
+            self.config = OmegaConf.merge(self.config, {"spec_url": drafting.url, "plain_url": plain.url,
+                                                        "model": str(model)})
+            self.endpoints = deployment.connect(self.config, *self.asked)
+        except BaseException:
+            self.servers.close()
+            raise
+
+    def add_figures(self, rows, specs, target, target_name_or_path, prompts, plan, *, threads, work, progress=True,
+                    alone=False) -> dict:
+        try:
+            settings = super().add_figures(rows, specs, target, target_name_or_path, prompts, plan, threads=threads,
+                                           work=work, progress=progress, alone=alone)
+        finally:
+            self.servers.close()
+        served = f"vLLM {vllm.VERSION} (its CPU build, here)"
+        for row in [*rows, *settings["engine_only"]]:
+            if row.get("engine") == deployment.NAME:
+                row["engine"] = served
+        return {**settings, "name": served, "speculative_config": self.speculative}
+
+
 def engine_for(name: str | None, costs: EngineCosts, config=None, runs: tuple[str, ...] = ENGINES) -> Engine:
     """The engine `name` (`engine.name`; None: costs entered, or none), among those a caller `runs` (a training
     run's final evaluation runs llama.cpp only); `config` is the `engine` group (a deployment's URLs)."""
@@ -146,4 +208,5 @@ def engine_for(name: str | None, costs: EngineCosts, config=None, runs: tuple[st
     if name not in runs:
         raise ValueError(f"engine={name!r} is not one draftsmith runs here; known: {sorted(runs)} (for "
                          "another engine, measure c and beta there and set engine_costs.c / engine_costs.beta)")
-    return LlamaCpp(costs) if name == "llamacpp" else Deployment(config, costs)
+    return {"llamacpp": lambda: LlamaCpp(costs), "vllm": lambda: Vllm(config, costs)}.get(
+        name, lambda: Deployment(config, costs))()

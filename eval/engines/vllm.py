@@ -144,3 +144,42 @@ class VllmServer:
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=self.timeout) as r:
             return json.loads(r.read())["choices"][0]["token_ids"]
+
+
+def served_drafter(spec: dict, target, target_name_or_path: str, work: Path, k: int) -> tuple[Path, dict]:
+    """The target's directory and vLLM's `--speculative-config` for the drafter `spec` (a `python -m eval` entry):
+    a draft LM (PARD's included) as its directory is, a draftsmith head exported into `work` in the format vLLM reads
+    (its kind's `Engines.vllm_format`), an engine's export of a head as it is. A kind vLLM does not serve is an error
+    naming it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from drafters import kinds
+    from eval.engines.formats.writing import ExportJob, target_directory
+    from traffic import models
+
+    target_dir = target_directory(target_name_or_path)
+    if spec["kind"] == "draft_lm":
+        path = Path(models.resolve(spec["path"]))
+        if not path.is_dir():
+            raise ValueError(f"engine=vllm: drafter {spec['name']!r} is a GGUF file ({spec['path']}); vLLM serves a "
+                             "draft model in Hugging Face's layout")
+        kind = kinds.of_lm(AutoConfig.from_pretrained(path))
+    elif spec["kind"] == "head":
+        path = Path(spec["path"])
+        raw = json.loads((path / "config.json").read_text())
+        kind = kinds.of_head(raw)
+        if kind is not None and raw.get("draftsmith_kind") and kind.engines.vllm is not None:
+            best = path / "best.json"
+            job = ExportJob(best=path, best_record=json.loads(best.read_text()) if best.exists() else None,
+                            target=target.cpu() if target.device.type != "cpu" else target,
+                            tokenizer=AutoTokenizer.from_pretrained(target_dir), target_name=target_name_or_path,
+                            dtype=target.dtype, k=k, force=False)
+            fmt = kind.engines.vllm_format
+            path = kinds.function(kind.exporter)(job, [fmt], work / "vllm" / spec["name"])[fmt]
+    else:
+        kind = None
+    if kind is None or kind.engines.vllm is None:
+        raise ValueError(f"engine=vllm: vLLM serves no drafter of drafter {spec['name']!r} (kind {spec['kind']}"
+                         + (f", {kind.name}" if kind else "") + "); it serves draft LMs, PARD, EAGLE-3, EAGLE-1, "
+                         "P-EAGLE and DFlash")
+    return target_dir, kind.engines.vllm_config(str(path), k)

@@ -48,10 +48,10 @@ def test_the_log_reader_keeps_its_own_position_and_decodes_utf8_split_between_re
 def test_unknown_engine_and_engine_with_costs_are_errors_before_anything_loads(tmp_path):
     from hydra.errors import MissingConfigException
 
-    with pytest.raises(MissingConfigException, match=r"(?s)Could not find 'engine/vllm'.*llamacpp\n\topenai"):
-        make_cfg("engine=vllm", "data.path=/nonexistent.jsonl", f"out_dir={tmp_path}")
-    with pytest.raises(ValueError, match="engine='vllm' is not one draftsmith runs"):  # the library's own check
-        engine_for("vllm", EngineCosts())
+    with pytest.raises(MissingConfigException, match=r"(?s)Could not find 'engine/sglang'.*llamacpp\n\topenai\n\tvllm"):
+        make_cfg("engine=sglang", "data.path=/nonexistent.jsonl", f"out_dir={tmp_path}")
+    with pytest.raises(ValueError, match="engine='sglang' is not one draftsmith runs"):  # the library's own check
+        engine_for("sglang", EngineCosts())
     with pytest.raises(ValueError, match="set one or the other"):
         entry.run(make_cfg("engine=llamacpp", "engine_costs.beta=0.1", "data.path=/nonexistent.jsonl",
                            f"out_dir={tmp_path}"))

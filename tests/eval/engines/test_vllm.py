@@ -7,13 +7,17 @@ a minute to start, so the module starts each one once."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+import eval.__main__ as entry
 from conftest import built_once
+from hydra import compose, initialize_config_dir
+
 from drafters import kinds
 from drafters.sampling import Sampling
 from eval.engines import vllm
@@ -146,3 +150,29 @@ def test_every_other_export_vllm_serves_is_served_as_draftsmith_drafts_it(world,
     ours, theirs = draftsmith_tau(world, drafter), counters.tau
     assert ours > 1.05, ours
     assert abs(theirs / ours - 1) <= TAU_TOLERANCE, (ours, theirs)
+
+
+def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths_loop(world, shared_dir, tmp_path):
+    """`python -m eval engine=vllm`: draftsmith exports the head, serves the target with it and without it, and
+    reports vLLM's τ (its counters), speed-up, latency and losslessness beside the loop's rows, per category."""
+    run = eagle_run(shared_dir, "eagle_vllm_draft_vocabulary")
+    conf = str(Path(__file__).resolve().parents[3] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=[
+            "target=tiny_vllm", f"ks=[{K}]", "repeats=1", f"max_new_tokens={NEW_TOKENS}",
+            "data.max_prompts_per_category=2", "progress=false", "threads=1", "engine=vllm", "engine.drafter=head",
+            f"engine.k={K}", f"drafters=[{{name: head, kind: head, path: {run / 'best'}}}]", f"out_dir={tmp_path}"])
+    report = entry.run(cfg)
+    settings = report["settings"]["engine"]
+    assert settings["name"].startswith("vLLM 0.32.0") and settings["speculative_config"]["method"] == "eagle3"
+    rows = [r for r in report["results"] if r["drafter"] == "head"]
+    assert rows and {r["engine"] for r in rows} == {settings["name"]}
+    for r in rows:
+        assert r["engine_lossless"] is True, r["category"]
+        assert r["engine_acceptance_length"] == pytest.approx(r["acceptance_length"], rel=TAU_TOLERANCE), r["category"]
+        assert r["engine_speedup"] > 0
+    assert "## In vLLM 0.32.0" in (tmp_path / "report.md").read_text()
+    logs = sorted(p.name for p in (tmp_path / "engine").glob("vllm-*.log"))
+    assert logs == ["vllm-head.log", "vllm-plain.log"]
+    # Both servers ended with the run: no process of this module's is left serving.
+    assert subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True).returncode == 1
