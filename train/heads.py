@@ -29,8 +29,11 @@ from omegaconf import DictConfig
 from drafters.layers import finish_logits
 from drafters.registry import KINDS, build_head, load_head, save_head
 from drafters.kinds import HeadConfig
+from eval.engines import vllm
+from eval.engines.formats.writing import target_directory
+from eval.run import target_source
 from train.config import drafter_keys
-from train.hidden_states import ShardReader, capture, default_layers, write_shards
+from train.hidden_states import ShardReader, capture, default_layers, write_shards, write_shards_from_vllm
 from train.heldout import HeldoutScores
 from train.launch import rank0_first
 from train.recipe import Recipe
@@ -59,8 +62,10 @@ class HeadRecipe(Recipe):
         d = self.cfg.drafter
         if d.kind not in KINDS:
             raise ValueError(f"this recipe trains drafter.kind in {sorted(KINDS)}, got {d.kind!r}")
-        if d.hidden_states not in ("online", "offline"):
-            raise ValueError(f"drafter.hidden_states must be online or offline, got {d.hidden_states!r}")
+        if d.hidden_states not in ("online", "offline", "vllm"):
+            raise ValueError(f"drafter.hidden_states must be online, offline or vllm, got {d.hidden_states!r}")
+        if d.hidden_states == "vllm" and not vllm.available():
+            raise ValueError(f"drafter.hidden_states=vllm needs vLLM's environment at {vllm.ENVIRONMENT}: `make vllm`")
         if not d.label_temperature >= 0:
             raise ValueError(f"drafter.label_temperature must be >= 0 (0 = the target's argmax), "
                              f"got {d.label_temperature}")
@@ -131,15 +136,22 @@ class HeadRecipe(Recipe):
         super()._setup_data()
         self._resolve_layers()
         self.shards = None
-        if self.cfg.drafter.hidden_states != "offline":
+        if self.cfg.drafter.hidden_states == "online":
             return
         t, d, layers = self.cfg.trainer, self.cfg.drafter, self.capture_layers
-        directory = self._cache_dir("hidden", layers, t.max_length, d.offline_dtype)
+        from_vllm = d.hidden_states == "vllm"  # a cache of its own: the engine's numerics are not PyTorch's
+        directory = self._cache_dir("hidden-vllm" if from_vllm else "hidden", layers, t.max_length, d.offline_dtype)
         with rank0_first(self.acc, lambda: complete(directory), "the feature cache"):
             if not complete(directory):
                 max_bytes = None if d.offline_max_gib is None else int(d.offline_max_gib * 2**30)
-                write_shards(self._training_examples(), self.target, layers, directory, dtype=d.offline_dtype,
-                             batch_size=t.batch_size, max_bytes=max_bytes, progress=self.cfg.progress and self.is_main)
+                options = dict(dtype=d.offline_dtype, batch_size=t.batch_size, max_bytes=max_bytes,
+                               progress=self.cfg.progress and self.is_main)
+                if from_vllm:
+                    write_shards_from_vllm(self._training_examples(), self.target,
+                                           target_directory(target_source(self.cfg.target)), layers, directory,
+                                           served_dtype=str(self.target.dtype).removeprefix("torch."), **options)
+                else:
+                    write_shards(self._training_examples(), self.target, layers, directory, **options)
         self.shards = ShardReader(directory)
 
     # --- data -------------------------------------------------------------------------------------

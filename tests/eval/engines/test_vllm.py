@@ -26,8 +26,10 @@ from eval.run import build_drafter, load_target
 from eval.speculative import autoregressive_generate, speculative_generate
 from helpers import train_tiny_deep
 from traffic import toyworld
+from traffic.records import Example
 from train.config import ExportSettings
 from train.export import export
+from train.hidden_states import ShardReader, write_shards, write_shards_from_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm"), pytest.mark.skipif(not vllm.available(), reason=(
     f"vLLM is not installed at {vllm.ENVIRONMENT}: `make vllm` (make test installs it)"))]
@@ -176,3 +178,34 @@ def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths
     assert logs == ["vllm-head.log", "vllm-plain.log"]
     # Both servers ended with the run: no process of this module's is left serving.
     assert subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True).returncode == 1
+
+
+def test_features_from_vllm_are_pytorchs(world, tmp_path):
+    """The hidden states a vLLM server computes (extract_hidden_states, its connector on a CPU) written into
+    draftsmith's feature cache equal PyTorch's within 1e-4 relative in float32, the last layer's after the final
+    norm, record by record, with each record's token ids checked; the cache records the engine."""
+    examples = [Example(f"r{i}", "c", p + a, [0] * len(p) + [1] * len(a))
+                for i, (p, a) in enumerate(zip(world["prompts"], world["greedy"]))]
+    layers = [1, 2, 4]  # an EAGLE-3 head's inputs and the last layer, whose state gives the labels
+    ours = ShardReader(write_shards(examples, world["target"], layers, tmp_path / "torch", dtype="float32",
+                                    shard_tokens=256).parent)
+    theirs = ShardReader(write_shards_from_vllm(examples, world["target"], world["dir"], layers, tmp_path / "vllm",
+                                                dtype="float32", batch_size=4, shard_tokens=256).parent)
+    assert len(theirs) == len(ours) == len(examples) and theirs.meta["engine"] == f"vllm {vllm.VERSION}"
+    for i in range(len(examples)):
+        a, b = theirs[i]["hidden"], ours[i]["hidden"]
+        assert theirs[i]["input_ids"].tolist() == examples[i].input_ids
+        for j, layer in enumerate(layers):
+            error = float((a[:, j] - b[:, j]).norm() / b[:, j].norm())
+            assert error <= 1e-4, (i, layer, error)
+
+
+def test_a_head_trained_on_vllms_features_keeps_what_one_trained_on_pytorchs_keeps(shared_dir):
+    """drafter.hidden_states=vllm: the recipe has vLLM compute the feature cache; the head trained on it reaches the
+    held-out τ of the same recipe on PyTorch's cache (float32 caches, so the two differ by vLLM's numerics only)."""
+    common = ("drafter.offline_dtype=float32", "trainer.max_steps=60", "trainer.eval_every=30")
+    runs = {source: eagle_run(shared_dir, f"eagle_features_{source}", f"drafter.hidden_states={source}", *common)
+            for source in ("offline", "vllm")}
+    best = {source: json.loads((run / "best" / "best.json").read_text()) for source, run in runs.items()}
+    assert best["vllm"]["tau_greedy"] > 1.5
+    assert best["vllm"]["tau_greedy"] == pytest.approx(best["offline"]["tau_greedy"], rel=0.02), best
