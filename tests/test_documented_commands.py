@@ -309,6 +309,8 @@ SKIPPED = [
     (r"^(vllm serve|python -m sglang|llama-server )|vllm\.entrypoints", "an engine serving the user's model: the "
      "engines' own code loads every export in tests/train/test_export.py, llama-server serves them in "
      "tests/eval/engines/test_llama_cpp.py and a vLLM server in tests/eval/engines/test_vllm.py"),
+    (r"hidden_states=vllm", "vLLM computing the user's target's features: tests/eval/engines/test_vllm.py trains a "
+     "head on them on the tiny_vllm world (vLLM's CPU attention takes heads of 32 dimensions and up)"),
     (r"engine=vllm", "vLLM serving the user's model: tests/eval/engines/test_vllm.py runs engine=vllm on the tiny_vllm "
      "world (vLLM's CPU attention takes heads of 32 dimensions and up, the tiny world's have 16)"),
     (r"scripts/synthesize_prompts\.py", "samples SmolLM2 through llama-server for minutes: "
