@@ -112,6 +112,7 @@ class VllmServer:
             fd, path = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
             os.close(fd)
             self._temporary_log = Path(path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
                                             env=self.environment(), start_new_session=True)
