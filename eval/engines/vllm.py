@@ -14,6 +14,7 @@ OpenAI-compatible client (eval/engines/endpoint.py) and its Prometheus counters 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -142,13 +143,26 @@ class VllmServer:
         return "\n".join((errors[-3:] if errors else []) + text[-lines:])
 
     def __exit__(self, *exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # its engine core and workers are in its process group
+        if self.process is not None:
+            group = self.process.pid  # its engine core and workers are in its process group, and outlive it a moment
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGTERM)
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
                 self.process.wait()
+            # Until no process of the group is left; killed after 30 s, and given up on 5 s later (a zombie that no
+            # parent reaps stays a member of the group, and answers signals, until its parent goes).
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline + 5:
+                try:
+                    os.killpg(group, signal.SIGKILL if time.monotonic() > deadline else 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            self.process = None
         if self._temporary_log is not None:
             self._temporary_log.unlink(missing_ok=True)
             self._temporary_log = None

@@ -254,7 +254,7 @@ def test_resume_continues_exactly(tiny_world, tmp_path):
 
 
 def test_head_config_errors_are_clear(tiny_world, tmp_path):
-    with pytest.raises(ValueError, match="drafter.hidden_states must be online or offline"):
+    with pytest.raises(ValueError, match="drafter.hidden_states must be online, offline or vllm"):
         train(smoke(tmp_path, "drafter=eagle", "drafter.hidden_states=disk"))
     with pytest.raises(ValueError, match="layer indices must be in 0..2"):
         train(smoke(tmp_path, "drafter=eagle", "drafter.layers=[0,1,3]"))
