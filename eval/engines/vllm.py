@@ -236,7 +236,7 @@ def served_drafter(spec: dict, target, target_name_or_path: str, work: Path, k: 
     else:
         kind = None
     if kind is None or kind.engines.vllm is None:
+        served = ", ".join(sorted(k.name for k in kinds.kinds().values() if k.engines.vllm is not None))
         raise ValueError(f"engine=vllm: vLLM serves no drafter of drafter {spec['name']!r} (kind {spec['kind']}"
-                         + (f", {kind.name}" if kind else "") + "); it serves draft LMs, PARD, EAGLE-3, EAGLE-1, "
-                         "P-EAGLE and DFlash")
+                         + (f", {kind.name}" if kind else "") + f"); the kinds it serves: {served}")
     return target_dir, kind.engines.vllm_config(str(path), k)
