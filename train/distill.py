@@ -30,7 +30,7 @@ from traffic import models
 from train.heldout import HeldoutScores
 from train.launch import rank0_first
 from train.logit_cache import LogitCache, write_logit_cache
-from train.losses import DIVERGENCES, acceptance_estimate, divergence, divergence_topk, greedy_agreement, sft
+from train.losses import DIVERGENCES, acceptance_estimate, divergence, divergence_topk, sft
 from train.data import pad_rows
 from train.recipe import Recipe
 from train.recipe import run as run_recipe
@@ -169,8 +169,8 @@ class DraftLMRecipe(Recipe):
         q = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         p = self.target(input_ids=ids, attention_mask=attn).logits[:, :-1]
         n = float(mask.sum())
-        accept, top1 = float(acceptance_estimate(q, p, mask)) * n, float(greedy_agreement(q, p, mask)) * n
         agree = (q.argmax(-1) == p.argmax(-1)) & mask.bool()  # (B, T - 1): position t's guess of token t + 1
+        accept, top1 = float(acceptance_estimate(q, p, mask)) * n, float(agree.sum())
         depths = max(self.cfg.evaluate.ks, default=1)
         hits = [torch.nn.functional.pad(agree[:, d + 1:], (0, d + 2)) for d in range(depths)]
         return HeldoutScores(accept=[accept] * depths, top1=[top1] * depths, count=[n] * depths, hits=hits)

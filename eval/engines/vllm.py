@@ -227,12 +227,15 @@ def served_drafter(spec: dict, target, target_name_or_path: str, work: Path, k: 
         kind = kinds.of_head(raw)
         if kind is not None and raw.get("draftsmith_kind") and kind.engines.vllm is not None:
             best = path / "best.json"
+            device = target.device  # the exporters read the target on the CPU; draftsmith's loop runs it after
             job = ExportJob(best=path, best_record=json.loads(best.read_text()) if best.exists() else None,
-                            target=target.cpu() if target.device.type != "cpu" else target,
-                            tokenizer=AutoTokenizer.from_pretrained(target_dir), target_name=target_name_or_path,
-                            dtype=target.dtype, k=k, force=False)
+                            target=target.cpu(), tokenizer=AutoTokenizer.from_pretrained(target_dir),
+                            target_name=target_name_or_path, dtype=target.dtype, k=k, force=False)
             fmt = kind.engines.vllm_format
-            path = kinds.function(kind.exporter)(job, [fmt], work / "vllm" / spec["name"])[fmt]
+            try:
+                path = kinds.function(kind.exporter)(job, [fmt], work / "vllm" / spec["name"])[fmt]
+            finally:
+                target.to(device)  # Module.cpu() moved it in place
     else:
         kind = None
     if kind is None or kind.engines.vllm is None:
