@@ -135,3 +135,23 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+
+
+UNGROUPED = "this pytest and pytest-xdist do not keep an xdist_group on one worker: constraints.txt pins a pair that does"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    # `--dist loadgroup` keeps an xdist_group's tests on one worker by suffixing their node ids with the group's name
+    # (the llama.cpp and vLLM modules start their servers once per worker). pytest 9.2 keeps node ids where
+    # pytest-xdist 3.8 no longer writes, and the groups split silently; a worker's collection error reaches the
+    # controller as a bare INTERNALERROR, so each ungrouped test fails with the reason instead.
+    if getattr(config.option, "loadgroup", False):
+        for item in items:
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+                item.add_marker(pytest.mark.ungrouped)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("ungrouped"):
+        pytest.fail(UNGROUPED, pytrace=False)

@@ -7,7 +7,7 @@ a minute to start, so the module starts each one once."""
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 from pathlib import Path
 
 import pytest
@@ -163,13 +163,22 @@ def test_every_other_export_vllm_serves_is_served_as_draftsmith_drafts_it(world,
 
 @pytest.mark.parametrize("drafter", ["head", "draft"])
 def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths_loop(world, shared_dir, drafter,
-                                                                                      tmp_path):
+                                                                                      tmp_path, monkeypatch):
     """`python -m eval engine=vllm`: draftsmith exports the head (or serves the draft LM's directory as it is), serves
     the target with it and without it, and reports vLLM's τ (its counters), speed-up, latency and losslessness beside
     the loop's rows, per category."""
     run = eagle_run(shared_dir, "eagle_vllm_draft_vocabulary")
     spec = (f"{{name: head, kind: head, path: {run / 'best'}}}" if drafter == "head"
             else f"{{name: draft, kind: draft_lm, path: {DRAFT}}}")
+    groups = []  # the process group of every server this run starts (other workers' servers are not ours to count)
+    enter = vllm.VllmServer.__enter__
+
+    def recorded(server):
+        started = enter(server)
+        groups.append(server.process.pid)
+        return started
+
+    monkeypatch.setattr(vllm.VllmServer, "__enter__", recorded)
     conf = str(Path(__file__).resolve().parents[3] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         cfg = compose(config_name="eval", overrides=[
@@ -189,8 +198,11 @@ def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths
     assert "## In vLLM 0.32.0" in (tmp_path / "report.md").read_text()
     logs = sorted(p.name for p in (tmp_path / "engine").glob("vllm-*.log"))
     assert logs == sorted([f"vllm-{drafter}.log", "vllm-plain.log"])
-    # Both servers ended with the run: no process of this module's is left serving.
-    assert subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True).returncode == 1
+    # Both servers ended with the run, each with its whole process group (its engine core and workers).
+    assert len(groups) == 2
+    for group in groups:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
 
 
 def test_features_from_vllm_are_pytorchs(world, tmp_path):
