@@ -97,10 +97,11 @@ PREDICTED_COLUMNS = [
 DEPLOYMENT_COLUMNS = [
     ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("B", "batch_size"), ("τ", "acceptance_length"),
     ("τ engine", "engine_acceptance_length"), ("by position", "engine_acceptance_by_position"),
-    ("plain tok/s", "engine_ar_tokens_per_s"), ("spec tok/s", "engine_sd_tokens_per_s"),
+    ("prop engine", "engine_mean_proposed"), ("plain tok/s", "engine_ar_tokens_per_s"), ("spec tok/s", "engine_sd_tokens_per_s"),
     ("speed-up ×", "engine_speedup"), ("95 % interval", "engine_speedup_ci"), ("throughput ×", "engine_throughput_ratio"),
-    ("pred ×", "engine_predicted_speedup"), ("τ to pay", "engine_tau_to_pay"), ("lossless", "engine_lossless"),
-    ("verdict here", "verdict"), ("verdict in the engine", "engine_verdict"),
+    ("c", "engine_cost_ratio"), ("β", "engine_verify_overhead"), ("pred ×", "engine_predicted_speedup"),
+    ("ceiling ×", "engine_ceiling"), ("τ ceiling ×", "engine_tau_ceiling"), ("τ to pay", "engine_tau_to_pay"),
+    ("lossless", "engine_lossless"), ("verdict here", "verdict"), ("verdict in the engine", "engine_verdict"),
 ]
 
 

@@ -223,6 +223,7 @@ def figures(measured: dict[str, Answers], category: str, *, repeats: int, pays_o
 
     out = {**dict.fromkeys(FIELDS), "engine": NAME,
            "engine_acceptance_length": counters.tau if counters else None,
+           "engine_mean_proposed": counters.draft_tokens / counters.drafts if counters and counters.drafts else None,
            "engine_acceptance_by_position": [round(p, 4) for p in counters.by_position] if counters else None,
            "engine_ttft_ms": {"spec": ttft(spec)}, "engine_tpot_ms": {"spec": tpot(spec)}}
     spec_t, strata = decode_timings(spec, keys, repeats)

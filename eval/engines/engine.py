@@ -28,7 +28,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from eval.engines import deployment, llama_cpp, vllm
-from eval.engines.costs import EngineCosts, predict
+from eval.engines.costs import EngineCosts, ceilings, predict, tau_to_pay
 from eval.engines.llama_cpp_drafters import Converted, convert_for_llama_cpp
 from eval.engines.llama_cpp_figures import CHAINS_ONLY, run_llama_cpp
 
@@ -155,6 +155,7 @@ class Vllm(Deployment):
         self.servers = contextlib.ExitStack()
         self.asked: tuple[list[int], list[str]] | None = None
         self.speculative: dict | None = None  # the --speculative-config the drafting server runs
+        self.plain: vllm.VllmServer | None = None  # the plain server, whose own clock gives β
 
     def check(self, plan, alone: bool = False) -> None:
         super().check(plan, alone)
@@ -174,8 +175,8 @@ class Vllm(Deployment):
         model, self.speculative = vllm.served_drafter(spec, target, target_name_or_path, Path(work), self.config.k)
         dtype = str(target.dtype).removeprefix("torch.")
         try:
-            plain = self.servers.enter_context(vllm.VllmServer(model, dtype=dtype, kv_cache_gib=self.config.kv_cache_gib,
-                                                               log_file=Path(work) / "vllm-plain.log"))
+            plain = self.plain = self.servers.enter_context(vllm.VllmServer(
+                model, dtype=dtype, kv_cache_gib=self.config.kv_cache_gib, log_file=Path(work) / "vllm-plain.log"))
             drafting = self.servers.enter_context(vllm.VllmServer(
                 model, speculative_config=self.speculative, dtype=dtype, kv_cache_gib=self.config.kv_cache_gib,
                 log_file=Path(work) / f"vllm-{spec['name']}.log"))
@@ -191,13 +192,33 @@ class Vllm(Deployment):
         try:
             settings = super().add_figures(rows, specs, target, target_name_or_path, prompts, plan, threads=threads,
                                            work=work, progress=progress, alone=alone)
+            # β at the width the drafting server verifies, on the longest prompt (the context a round sees).
+            longest = max((p.tolist() for ps in prompts.values() for p in ps), key=len)
+            steps = self.plain.step_costs(longest, [self.config.k + 1])
         finally:
             self.servers.close()
-        served = f"vLLM {vllm.VERSION} (its CPU build, here)"
         for row in [*rows, *settings["engine_only"]]:
             if row.get("engine") == deployment.NAME:
-                row["engine"] = served
-        return {**settings, "name": served, "speculative_config": self.speculative}
+                row["engine"] = vllm.SERVED
+                add_costs(row, steps.beta(self.config.k + 1), self.config.k, plan.pays_off_at)
+        return {**settings, "name": vllm.SERVED, "speculative_config": self.speculative,
+                "step_costs": {"decode_step_ms": steps.step_s * 1000, "cached_prefix": steps.cached,
+                               "forward_ms": {w: t * 1000 for w, t in steps.forward_s.items()}}}
+
+
+def add_costs(row: dict, beta: float, k: int, pays_off_at: float) -> None:
+    """A vLLM row's costs: β from the plain server's clock (`vllm.StepCosts.beta`), and from it the engine's ceiling,
+    the τ ceiling and, at batch 1, c: what the drafting server's round spends beyond that verification per drafted
+    token, read off its measured speed-up S through the cost model (S = τ / (1 + n̄·c + β), n̄ its drafted tokens
+    per round), and the τ that round cost would need to pay. A batch-1 figure, as llama.cpp's are."""
+    if row.get("batch_size", 1) != 1:
+        return
+    tau, speedup = row.get("engine_acceptance_length"), row.get("engine_speedup")
+    row.update(ceilings(k, tau, beta), engine_verify_overhead=beta)
+    proposed = row.get("engine_mean_proposed") or k
+    if tau and speedup:
+        c = (tau / speedup - 1 - beta) / proposed
+        row.update(engine_cost_ratio=c, engine_tau_to_pay=tau_to_pay(proposed, c, beta, pays_off_at))
 
 
 def engine_for(name: str | None, costs: EngineCosts, config=None, runs: tuple[str, ...] = ENGINES) -> Engine:

@@ -3,6 +3,7 @@ engine, and the report of `engine.only` runs (eval/report.py)."""
 
 from __future__ import annotations
 
+from eval.engines import vllm
 from eval.engines.deployment import NAME
 from eval.engines.formats.writing import GGUF_OUTTYPE
 from eval.evaluate import EvalPlan, base_drafter
@@ -11,18 +12,34 @@ from eval.report_tables import (DEPLOYMENT_COLUMNS, ENGINE_COLUMNS, PREDICTED_CO
                                 fmt_interval, fmt_latency, table, traffic_lines)
 
 
+VLLM_COSTS = (" vLLM's costs, at B = 1: β = what the plain server's forward over k+1 new positions after a cached prefix"
+              " costs beyond its forward over one, in decode steps, by its own clock (vllm:request_prefill_time_seconds"
+              " and vllm:request_decode_time_seconds, medians of 5 requests on the longest prompt); ceiling × = (k+1) / (1"
+              " + β), what a drafter that cost nothing and kept every guess could reach in this engine on this hardware,"
+              " τ ceiling × = τ engine / (1 + β), what the τ it measured allows at no draft cost (a speed-up far below"
+              " it: the draft costs too much); c = what the drafting server's round spends beyond that verification"
+              " per drafted token (drafting, and whatever else its rounds add), in decode steps, read off the measured"
+              " speed-up through the cost model: (τ engine / speed-up − 1 − β) / prop engine; τ to pay = pays_off_at ·"
+              " (1 + prop·c + β), the τ a round of that cost would need to pay.")
+
+
 def deployment_section(rows: list[dict], name: str) -> list[str]:
-    """report.md's section for a team's deployment measured through its OpenAI-compatible API (eval/engines/deployment.py)."""
+    """report.md's section for a team's deployment measured through its OpenAI-compatible API (eval/engines/deployment.py),
+    or for vLLM's servers that `engine=vllm` starts here (with the costs it measures on them)."""
+    served_here = name == vllm.SERVED
     out = ["", f"## In {name}", "",
-           "The same prompts, greedy and with the same budget, sent to the deployment with its drafter and without it,"
-           " streamed, B requests in flight (a new one sent as one returns). τ engine = 1 + accepted drafts per"
+           ("draftsmith served the target twice in vLLM (engine=vllm), with the drafter and without it, and sent both the"
+            " same prompts, greedy and with the same budget," if served_here else
+            "The same prompts, greedy and with the same budget, sent to the deployment with its drafter and without it,")
+           + " streamed, B requests in flight (a new one sent as one returns). τ engine = 1 + accepted drafts per"
            " verification from the server's own counters at /metrics (the server's: other clients' traffic counts"
            " too), by position = the share of verifications that kept the guess at each position; tok/s = tokens"
            " after the first over the time from the first token to the last, the median over repeats; speed-up ×"
            " pooled over repeats and prompts, with a 95 % interval over prompts; throughput × = the stream's tokens"
-           " over its wall-clock time, with the drafter over without; with engine_costs given, pred × = τ / (1 +"
-           " prop·c + β) and τ to pay = pays_off_at · (1 + prop·c + β), the τ the drafter must keep there to pay;"
-           " lossless = its greedy answer equals the plain server's, text for text.", "",
+           " over its wall-clock time, with the drafter over without; prop engine = tokens drafted per verification;"
+           + (VLLM_COSTS if served_here else " with engine_costs given, pred × = τ / (1 + prop·c + β) and τ to pay ="
+              " pays_off_at · (1 + prop·c + β), the τ the drafter must keep there to pay;")
+           + " lossless = its greedy answer equals the plain server's, text for text.", "",
            table(rows, [c for c in DEPLOYMENT_COLUMNS if any(r.get(c[1]) is not None for r in rows)]),
            "", "Latency as a user sees it (ms, p50 / p90 over answers): time to first token, and time per output token"
            " after it.", "",
@@ -109,7 +126,7 @@ def engine_section(rows: list[dict], report_plots: list[str] = ()) -> list[str]:
         return []
     name = rows[0]["engine"]
     notes = sorted({f"{r['drafter']}: {r['engine_note']}" for r in rows if r.get("engine_note")})
-    if name == NAME:
+    if name in (NAME, vllm.SERVED):
         return deployment_section(rows, name) + (["", *(f"- {n}" for n in notes)] if notes else [])
     if name.endswith("(predicted)"):
         out = ["", f"## Predicted for {name.removesuffix(' (predicted)')}", "",

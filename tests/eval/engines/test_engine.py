@@ -12,7 +12,8 @@ from eval.engines import llama_cpp
 from eval.engines.costs import EngineCosts
 from eval.engines.llama_cpp_drafters import llama_cpp_drafter
 from eval.engines.llama_cpp_figures import CHAINS_ONLY, NOTHING_DRAFTED
-from eval.engines.engine import LlamaCpp, engine_for
+from eval.engines.engine import LlamaCpp, add_costs, engine_for
+from eval.metrics import predicted_speedup
 from eval.compare import verdict
 
 
@@ -344,3 +345,22 @@ def test_the_device_llama_server_runs_on_comes_from_its_log():
     assert llama_cpp.served_on(GPU_LOG.replace("31/31", "0/31")) == "CPU"
     two = GPU_LOG + "llama_model_load_from_file_impl: using device CUDA1 (NVIDIA H200) (0000:00:06.0) - 1 MiB free\n"
     assert llama_cpp.served_on(two) == "NVIDIA H200 (CUDA0), NVIDIA H200 (CUDA1), 31/31 layers"
+
+
+def test_vllms_costs_read_the_round_off_the_measured_speedup_through_the_cost_model():
+    """engine=vllm's costs: β from the plain server's clock gives the ceilings; c is what makes the cost model return
+    the measured speed-up, so τ to pay is the pay-off line times τ over that speed-up; B > 1 rows get none."""
+    row = {"batch_size": 1, "engine_acceptance_length": 3.0, "engine_speedup": 1.2, "engine_mean_proposed": 4.0}
+    add_costs(row, beta=0.5, k=4, pays_off_at=1.05)
+    assert row["engine_verify_overhead"] == 0.5
+    assert row["engine_ceiling"] == pytest.approx(5 / 1.5) and row["engine_tau_ceiling"] == pytest.approx(3 / 1.5)
+    assert row["engine_cost_ratio"] == pytest.approx((3 / 1.2 - 1.5) / 4)
+    assert predicted_speedup(3.0, 4.0, row["engine_cost_ratio"], 0.5) == pytest.approx(1.2)
+    assert row["engine_tau_to_pay"] == pytest.approx(1.05 * 3 / 1.2)
+    busy = {"batch_size": 4, "engine_acceptance_length": 3.0, "engine_speedup": 1.2}
+    add_costs(busy, beta=0.5, k=4, pays_off_at=1.05)
+    assert "engine_ceiling" not in busy and "engine_cost_ratio" not in busy
+    # No speed-up measured (no plain server): the ceilings, but no c.
+    alone = {"batch_size": 1, "engine_acceptance_length": 3.0, "engine_speedup": None}
+    add_costs(alone, beta=0.5, k=4, pays_off_at=1.05)
+    assert alone["engine_ceiling"] == pytest.approx(5 / 1.5) and "engine_cost_ratio" not in alone

@@ -22,6 +22,7 @@ from drafters import kinds
 from drafters.sampling import Sampling
 from eval.engines import vllm
 from eval.engines.deployment import SpecCounters
+from eval.evaluate import EvalPlan
 from eval.run import build_drafter, load_target
 from eval.speculative import autoregressive_generate, speculative_generate
 from helpers import train_tiny_deep
@@ -90,10 +91,57 @@ def assert_as_the_loop(counters: SpecCounters, ours: tuple[float, list[float]]) 
     assert counters.by_position == pytest.approx(by_position, abs=0.05), (by_position, counters.by_position)
 
 
-def test_vllm_decodes_as_draftsmiths_loop_does(world):
-    answers, counters = serve(world)
+def test_vllm_decodes_as_draftsmiths_loop_does_and_times_its_steps_by_its_own_clock(world):
+    with vllm.VllmServer(world["dir"]) as server:
+        answers = [server.complete(p, NEW_TOKENS) for p in world["prompts"]]
+        counters = SpecCounters.parse(server.metrics())
+        costs = server.step_costs(max(world["prompts"], key=len), [K + 1], repeats=3)
     assert answers == world["greedy"]
     assert counters is None  # no drafter, no speculative counters
+    # The forwards ran after a prefix of whole KV-cache blocks (128 tokens on a CPU) served from the cache (checked by
+    # its hit counter inside step_costs), at the width asked and at one.
+    assert costs.cached >= 128 and costs.cached % 128 == 0
+    assert set(costs.forward_s) == {1, K + 1} and costs.step_s > 0 and min(costs.forward_s.values()) > 0
+    assert costs.beta(1) == 0
+
+
+class ClockedServer(vllm.VllmServer):
+    """A vLLM server's /metrics, simulated: a forward over n new positions costs 10 ms + 2 ms·n, a decode step 5 ms,
+    and its prefix cache serves whole 16-token blocks of prompts it has seen (none with `caching` off)."""
+
+    def __init__(self, caching=True):
+        super().__init__("model")
+        self.caching, self.seen = caching, set()
+        self.hits = self.prefill = self.decode = 0.0
+
+    def metrics(self):
+        return (f'vllm:cache_config_info{{block_size="16",engine="0"}} 1.0\n'
+                f'vllm:prefix_cache_hits_total{{engine="0"}} {self.hits}\n'
+                f'vllm:request_prefill_time_seconds_sum{{engine="0"}} {self.prefill}\n'
+                f'vllm:request_decode_time_seconds_sum{{engine="0"}} {self.decode}\n')
+
+    def _request(self, prompt, max_tokens):
+        cached = 0
+        while self.caching and cached + 16 <= len(prompt) and tuple(prompt[:cached + 16]) in self.seen:
+            cached += 16
+        self.seen |= {tuple(prompt[:n]) for n in range(16, len(prompt) + 1, 16)}
+        self.hits += cached
+        self.prefill += 0.010 + 0.002 * (len(prompt) - cached)
+        self.decode += 0.005 * (max_tokens - 1)
+
+
+def test_step_costs_time_the_forward_over_the_new_positions_alone_and_refuse_an_uncached_prefix():
+    prompt = list(range(100, 150))  # 50 tokens: a prefix of three 16-token blocks
+    costs = ClockedServer().step_costs(prompt, [5, 9], repeats=3)
+    assert costs.cached == 48
+    assert costs.step_s == pytest.approx(0.005)
+    assert costs.forward_s == pytest.approx({1: 0.012, 5: 0.020, 9: 0.028})
+    assert costs.beta(5) == pytest.approx(0.008 / 0.005) and costs.beta(9) == pytest.approx(0.016 / 0.005)
+    assert vllm.StepCosts(0.005, {1: 0.012, 5: 0.011}, 48).beta(5) == 0  # noise on a model too small to tell
+    with pytest.raises(RuntimeError, match="served 0 of the 48 prefix tokens from its cache"):
+        ClockedServer(caching=False).step_costs(prompt, [5])
+    with pytest.raises(ValueError, match="distinct tokens"):
+        ClockedServer().step_costs([7] * 300, [5])
 
 
 @pytest.mark.parametrize("vocabulary", VOCABULARIES)
@@ -195,7 +243,17 @@ def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths
         assert r["engine_lossless"] is True, r["category"]
         assert r["engine_acceptance_length"] == pytest.approx(r["acceptance_length"], rel=TAU_TOLERANCE), r["category"]
         assert r["engine_speedup"] > 0
-    assert "## In vLLM 0.32.0" in (tmp_path / "report.md").read_text()
+        # vLLM's costs: β from the plain server's clock, the ceilings from it, c from the measured speed-up.
+        beta, tau = r["engine_verify_overhead"], r["engine_acceptance_length"]
+        assert r["engine_ceiling"] == pytest.approx((K + 1) / (1 + beta))
+        assert r["engine_tau_ceiling"] == pytest.approx(tau / (1 + beta))
+        assert r["engine_mean_proposed"] == K
+        pays_off_at = report["settings"].get("pays_off_at", EvalPlan.pays_off_at)
+        assert r["engine_tau_to_pay"] == pytest.approx(pays_off_at * tau / r["engine_speedup"])
+    assert settings["step_costs"]["cached_prefix"] >= 128 and set(settings["step_costs"]["forward_ms"]) == {1, K + 1}
+    markdown = (tmp_path / "report.md").read_text()
+    assert "## In vLLM 0.32.0" in markdown and "vLLM's costs, at B = 1" in markdown
+    assert "synthetic acceptance" not in markdown.split("## In vLLM 0.32.0")[1]  # llama.cpp's legend is llama.cpp's
     logs = sorted(p.name for p in (tmp_path / "engine").glob("vllm-*.log"))
     assert logs == sorted([f"vllm-{drafter}.log", "vllm-plain.log"])
     # Both servers ended with the run, each with its whole process group (its engine core and workers).
