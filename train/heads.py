@@ -8,9 +8,9 @@ The recipe every kind shares, reused as is (train/recipe.py): Accelerate, the re
 tokenized data, the seeded per-step data order, checkpoints and exact resume, W&B, the final
 evaluation. What changes: the model is a head (drafters/heads.py) sharing the target's embedding and
 output head; the target runs frozen to give the features (`drafter.hidden_states=online`, inside the
-step) or they are precomputed once to fp16 shards (`offline`, train/hidden_states.py); the target's
-next-token distribution, the label of every head, comes from its last-layer feature through its own
-output head, so it is always captured with the head's layers. The held-out evaluation scores each
+step) or they are precomputed once to fp16 shards (`offline`, train/hidden_states.py; computed by vLLM, `vllm`;
+read from an engine's files, `files`); the target's next-token distribution, the label of every head, comes from
+its last-layer feature through its own output head, so it is always captured with the head's layers. The held-out evaluation scores each
 draft step against the target's own distribution, and the best checkpoint is chosen as for every kind
 (train/heldout.py).
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -33,7 +34,8 @@ from eval.engines import vllm
 from eval.engines.formats.writing import target_directory
 from eval.run import target_source
 from train.config import drafter_keys
-from train.hidden_states import ShardReader, capture, default_layers, write_shards, write_shards_from_vllm
+from train.hidden_states import (ShardReader, capture, default_layers, write_shards, write_shards_from_files,
+                                 write_shards_from_vllm)
 from train.heldout import HeldoutScores
 from train.launch import rank0_first
 from train.recipe import Recipe
@@ -62,10 +64,13 @@ class HeadRecipe(Recipe):
         d = self.cfg.drafter
         if d.kind not in KINDS:
             raise ValueError(f"this recipe trains drafter.kind in {sorted(KINDS)}, got {d.kind!r}")
-        if d.hidden_states not in ("online", "offline", "vllm"):
-            raise ValueError(f"drafter.hidden_states must be online, offline or vllm, got {d.hidden_states!r}")
+        if d.hidden_states not in ("online", "offline", "vllm", "files"):
+            raise ValueError(f"drafter.hidden_states must be online, offline, vllm or files, got {d.hidden_states!r}")
         if d.hidden_states == "vllm" and not vllm.available():
             raise ValueError(f"drafter.hidden_states=vllm needs vLLM's environment at {vllm.ENVIRONMENT}: `make vllm`")
+        if (d.hidden_states == "files") != (d.hidden_states_dir is not None):
+            raise ValueError("drafter.hidden_states=files reads drafter.hidden_states_dir (the folder of an engine's "
+                             "hs_{i}.safetensors files), and only it does: set both or neither")
         if not d.label_temperature >= 0:
             raise ValueError(f"drafter.label_temperature must be >= 0 (0 = the target's argmax), "
                              f"got {d.label_temperature}")
@@ -139,14 +144,19 @@ class HeadRecipe(Recipe):
         if self.cfg.drafter.hidden_states == "online":
             return
         t, d, layers = self.cfg.trainer, self.cfg.drafter, self.capture_layers
-        from_vllm = d.hidden_states == "vllm"  # a cache of its own: the engine's numerics are not PyTorch's
-        directory = self._cache_dir("hidden-vllm" if from_vllm else "hidden", layers, t.max_length, d.offline_dtype)
+        # An engine's features get a cache of their own: its numerics are not PyTorch's.
+        engine = {"vllm": "hidden-vllm", "files": "hidden-files"}.get(d.hidden_states, "hidden")
+        files = str(Path(d.hidden_states_dir).resolve()) if d.hidden_states == "files" else None
+        directory = self._cache_dir(engine, layers, t.max_length, d.offline_dtype, *([files] if files else []))
         with rank0_first(self.acc, lambda: complete(directory), "the feature cache"):
             if not complete(directory):
                 max_bytes = None if d.offline_max_gib is None else int(d.offline_max_gib * 2**30)
                 options = dict(dtype=d.offline_dtype, batch_size=t.batch_size, max_bytes=max_bytes,
                                progress=self.cfg.progress and self.is_main)
-                if from_vllm:
+                if files:
+                    write_shards_from_files(self._training_examples(), self.target, files, layers, directory,
+                                            **options)
+                elif d.hidden_states == "vllm":
                     write_shards_from_vllm(self._training_examples(), self.target,
                                            target_directory(target_source(self.cfg.target)), layers, directory,
                                            served_dtype=str(self.target.dtype).removeprefix("torch."), **options)

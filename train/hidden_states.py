@@ -17,7 +17,13 @@ Three ways to get them:
   size estimated and checked against free disk and a cap, resumable shard by shard); `ShardReader`
   reads them back one example at a time, memory-mapped;
 - from vLLM: `write_shards_from_vllm` has a vLLM server compute them (its `extract_hidden_states` method,
-  eval/engines/vllm.py), as a target beyond one GPU is served, into the same cache.
+  eval/engines/vllm.py), as a target beyond one GPU is served, into the same cache;
+- from files an engine already wrote: `write_shards_from_files` reads a folder of `hs_{i}.safetensors` files (what
+  speculators' data generation has vLLM's hidden-states connector write: `hidden_states` (T, layers, d) and
+  `token_ids` (T)), each record found by its token ids, into the same cache.
+
+An engine's layer id n is the last layer's output before the final norm: both engine paths put it through the
+target's final norm (`final_norm`), so every cache holds Hugging Face's convention.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from drafters import kinds
 from drafters.heads import check_layers, features_of
@@ -116,6 +124,17 @@ def final_norm(target):
     return norm
 
 
+def engine_layers(h: torch.Tensor, layers: list[int], n: int, norm) -> torch.Tensor:
+    """An engine's (T, layers, d) states in float32 in this module's convention: layer n, the engine's last layer output
+    before the final norm, through `norm` (the target's final norm; None: n is not among `layers`)."""
+    h = h.float()
+    if norm is not None:
+        last = layers.index(n)
+        with torch.no_grad():
+            h[:, last] = norm(h[:, last].to(next(norm.parameters()).device)).float().cpu()
+    return h
+
+
 def write_shards_from_vllm(
     examples: list[Example],
     target,
@@ -145,15 +164,7 @@ def write_shards_from_vllm(
     def compute(batch, ids, mask):
         with ThreadPoolExecutor(max_workers=batch_size) as pool:
             states = list(pool.map(lambda e: server.hidden_states(list(e.input_ids)), batch))
-        out = []
-        for e, h in zip(batch, states):  # (T, L, d)
-            h = h.float()
-            if norm is not None:
-                last = layers.index(n)
-                with torch.no_grad():
-                    h[:, last] = norm(h[:, last].to(next(norm.parameters()).device)).float().cpu()
-            out.append({"hidden": h.to(DTYPES[dtype])})
-        return out
+        return [{"hidden": engine_layers(h, layers, n, norm).to(DTYPES[dtype])} for h in states]
 
     with vllm.VllmServer(target_dir, dtype=served_dtype, features=(layers, out_dir.with_name(out_dir.name + ".vllm")),
                          log_file=out_dir.with_name(out_dir.name + ".vllm.log")) as server:
@@ -163,3 +174,81 @@ def write_shards_from_vllm(
                                     bytes_per_token=bytes_per_token(target.config.hidden_size, len(layers), dtype),
                                     device=torch.device("cpu"), what="hidden states (vLLM)", batch_size=batch_size,
                                     shard_tokens=shard_tokens, max_bytes=max_bytes, progress=progress)
+
+
+def index_files(folder: str | Path) -> dict[tuple[int, ...], Path]:
+    """The `hs_{i}.safetensors` files of `folder` by their token ids (only `token_ids` is read of each)."""
+    folder = Path(folder)
+    files = sorted(folder.glob("hs_*.safetensors"), key=lambda p: (len(p.name), p.name))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no hs_*.safetensors files (speculators' data generation writes them into "
+                                "its output's hidden_states/ folder)")
+    index: dict[tuple[int, ...], Path] = {}
+    for path in files:
+        if path.with_name(path.name + ".lock").exists():
+            raise ValueError(f"{path}: its .lock is still there: the engine is writing it, or was killed while it did")
+        try:
+            f = safe_open(path, "pt")
+        except Exception as error:  # safetensors' header checks: a file cut short by an interrupted copy
+            raise ValueError(f"{path}: not a whole safetensors file ({error}); delete it and generate it again") from None
+        with f:
+            if "token_ids" not in f.keys() or "hidden_states" not in f.keys():
+                raise ValueError(f"{path}: holds {sorted(f.keys())}, not hidden_states and token_ids")
+            index.setdefault(tuple(f.get_tensor("token_ids").tolist()), path)
+    return index
+
+
+def write_shards_from_files(
+    examples: list[Example],
+    target,
+    folder: str | Path,
+    layers: list[int],
+    out_dir: str | Path,
+    *,
+    dtype: str = "float16",
+    batch_size: int = 8,
+    shard_tokens: int = 65536,
+    max_bytes: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """`write_shards`, the features read from `folder`'s `hs_{i}.safetensors` files (an engine's, `index_files`): each
+    example's from the file whose token ids start with the example's own (a record cut at trainer.max_length reads
+    the first positions of its file). The files' layers must be `layers` in order, as the engine was started with
+    them (vLLM's `eagle_aux_hidden_state_layer_ids`, the same convention); layer n goes through the target's final
+    norm. A record no file holds is an error naming it, before anything is written."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    n, hidden = target.config.num_hidden_layers, target.config.hidden_size
+    check_layers(layers, n)
+    index = index_files(folder)
+    found: dict[str, Path] = {}
+    missing = []
+    for e in examples:
+        ids = tuple(e.input_ids)
+        path = index.get(ids) or next((p for key, p in index.items() if key[: len(ids)] == ids), None)
+        if path is None:
+            missing.append(e.id)
+        else:
+            found[e.id] = path
+    if missing:
+        raise ValueError(f"{folder}: no hs_*.safetensors file holds the token ids of {len(missing)} of the "
+                         f"{len(examples)} training records (first: {missing[0]!r}); the files were written for other "
+                         f"records, another chat template or tokenizer ({len(index)} files read)")
+    norm = final_norm(target) if n in layers else None
+
+    def compute(batch, ids, mask):
+        out = []
+        for e in batch:
+            h = load_file(found[e.id])["hidden_states"]
+            if h.dim() != 3 or h.shape[1:] != (len(layers), hidden):
+                raise ValueError(f"{found[e.id]}: hidden_states of shape {tuple(h.shape)}; this target and layers "
+                                 f"{list(layers)} take (T, {len(layers)}, {hidden}): start the engine with these layers")
+            out.append({"hidden": engine_layers(h[: len(e.input_ids)], layers, n, norm).to(DTYPES[dtype])})
+        return out
+
+    return write_example_shards(examples, compute, out_dir,
+                                meta={"layers": list(layers), "dtype": dtype, "hidden_size": hidden,
+                                      "engine": f"files {Path(folder).resolve()}"},
+                                bytes_per_token=bytes_per_token(hidden, len(layers), dtype),
+                                device=torch.device("cpu"), what="hidden states (files)", batch_size=batch_size,
+                                shard_tokens=shard_tokens, max_bytes=max_bytes, progress=progress)

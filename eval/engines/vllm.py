@@ -224,9 +224,10 @@ class VllmServer:
         with urllib.request.urlopen(request, timeout=self.timeout) as r:
             r.read()
 
-    def hidden_states(self, prompt: list[int]) -> torch.Tensor:
-        """The hidden states of the layers the server was started with at every position of `prompt` (token ids),
-        (T, layers, d) in the served dtype, from the file its connector writes (checked to hold `prompt`'s ids)."""
+    def hidden_states_file(self, prompt: list[int]) -> Path:
+        """The file the server's connector wrote for `prompt` (token ids): `hidden_states` (T, layers, d) in the
+        served dtype and `token_ids` (T), whole once returned (the connector holds its `.lock` until then). What
+        speculators' data generation moves to `hs_{i}.safetensors`."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
         request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -237,9 +238,16 @@ class VllmServer:
                                "extract_hidden_states (features=...)?")
         with open(path + ".lock") as lock:  # the connector holds it exclusively until the file is whole
             fcntl.flock(lock, fcntl.LOCK_SH)
-            data = load_file(path)
-        os.remove(path)
         os.remove(path + ".lock")
+        return Path(path)
+
+    def hidden_states(self, prompt: list[int]) -> torch.Tensor:
+        """The hidden states of the layers the server was started with at every position of `prompt` (token ids),
+        (T, layers, d) in the served dtype, from the file its connector writes (checked to hold `prompt`'s ids, and
+        removed)."""
+        path = self.hidden_states_file(prompt)
+        data = load_file(path)
+        os.remove(path)
         if data["token_ids"].tolist() != list(prompt):
             raise RuntimeError(f"vLLM wrote the hidden states of other tokens than the {len(prompt)} sent ({path})")
         return data["hidden_states"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from drafters.registry import build_head
 from drafters.sampling import Sampling
@@ -16,7 +16,7 @@ from eval.speculative import autoregressive_generate, speculative_generate
 from helpers import tiny_llama, trained_to_self
 from train.__main__ import train
 from train.heldout import greedy_rounds
-from train.hidden_states import capture, default_layers
+from train.hidden_states import ShardReader, capture, default_layers
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 KINDS = ["eagle", "eagle1", "mtp", "medusa", "dflash", "peagle"]
@@ -233,6 +233,24 @@ def test_offline_hidden_states_train_like_online(tiny_world, tmp_path):
     stamp = shards[0].stat().st_mtime_ns
     train(smoke(tmp_path, *common, "drafter.hidden_states=offline", run="offline2"))
     assert shards[0].stat().st_mtime_ns == stamp  # reused, not recomputed
+    # drafter.hidden_states=files: the same features as an engine writes them (the last layer before the final norm),
+    # one hs_{i}.safetensors file per record, train as the shards did, from a cache of their own.
+    target, _ = load_target("toyworld://tiny/target", device=torch.device("cpu"))
+    cached = ShardReader(shards[0].parent)
+    folder = tmp_path / "engine" / "hidden_states"
+    folder.mkdir(parents=True)
+    n = target.config.num_hidden_layers
+    for i in range(len(cached)):
+        ids = cached[i]["input_ids"]
+        seen = {}
+        hook = target.model.norm.register_forward_hook(lambda module, args, out: seen.update(pre=args[0]))
+        states = capture(target, ids[None], None, cached.layers)[0]
+        hook.remove()
+        states[:, cached.layers.index(n)] = seen["pre"][0]
+        save_file({"hidden_states": states, "token_ids": ids}, folder / f"hs_{i}.safetensors")
+    train(smoke(tmp_path, *common, "drafter.hidden_states=files", f"drafter.hidden_states_dir={folder}", run="files"))
+    assert metrics(tmp_path / "files")[0]["loss"] == pytest.approx(offline[0]["loss"], rel=1e-5)
+    assert len(list((tmp_path / "data").glob("hidden-files-*/manifest.json"))) == 1
 
 
 def test_resume_continues_exactly(tiny_world, tmp_path):
@@ -254,8 +272,10 @@ def test_resume_continues_exactly(tiny_world, tmp_path):
 
 
 def test_head_config_errors_are_clear(tiny_world, tmp_path):
-    with pytest.raises(ValueError, match="drafter.hidden_states must be online, offline or vllm"):
+    with pytest.raises(ValueError, match="drafter.hidden_states must be online, offline, vllm or files"):
         train(smoke(tmp_path, "drafter=eagle", "drafter.hidden_states=disk"))
+    with pytest.raises(ValueError, match="drafter.hidden_states=files reads drafter.hidden_states_dir"):
+        train(smoke(tmp_path, "drafter=eagle", "drafter.hidden_states=files"))
     with pytest.raises(ValueError, match="layer indices must be in 0..2"):
         train(smoke(tmp_path, "drafter=eagle", "drafter.layers=[0,1,3]"))
     with pytest.raises(ValueError, match="drafter.label_temperature must be >= 0"):

@@ -1,4 +1,5 @@
-"""Hidden-state capture: layer-index convention, offline shards equal the online computation."""
+"""Hidden-state capture: layer-index convention, offline shards equal the online computation, and the same cache
+read from an engine's hs_{i}.safetensors files."""
 
 import json
 
@@ -7,8 +8,9 @@ import torch
 
 from helpers import tiny_llama
 from traffic.records import Example
+from safetensors.torch import save_file
 from train.hidden_states import (ShardReader, bytes_per_token, capture, default_layers, estimate_bytes,
-                                 write_shards)
+                                 write_shards, write_shards_from_files)
 
 LAYERS = 4
 
@@ -109,3 +111,60 @@ def test_states_beyond_float16_are_an_error_not_inf_shards(tmp_path):
         write_shards(examples(3), big, [1, 2], tmp_path / "fp16", dtype="float16", progress=False)
     write_shards(examples(3), big, [1, 2], tmp_path / "bf16", dtype="bfloat16", progress=False)
     assert torch.isfinite(ShardReader(tmp_path / "bf16")[0]["hidden"].float()).all()
+
+
+def engine_states(target, ids: list[int], layers: list[int]) -> torch.Tensor:
+    """(T, layers, d) as an engine's connector writes them: layer n is the last layer's output before the final norm."""
+    seen = {}
+    hook = target.model.norm.register_forward_hook(lambda module, args, out: seen.update(pre=args[0]))
+    try:
+        states = capture(target, torch.tensor([ids]), None, layers)[0].clone()
+    finally:
+        hook.remove()
+    states[:, layers.index(LAYERS)] = seen["pre"][0]
+    return states
+
+
+def test_an_engines_files_are_read_into_the_cache_pytorch_would_write(target, tmp_path):
+    """drafter.hidden_states=files: hs_{i}.safetensors files in any order, each record found by its token ids (a record
+    cut at max_length reads its file's first positions), the last layer through the final norm: the shards PyTorch's
+    capture writes, and the manifest names the folder."""
+    exs, layers = examples(), [1, 2, LAYERS]
+    folder = tmp_path / "hidden_states"
+    folder.mkdir()
+    for i, e in enumerate(reversed(exs)):  # the files' order is not the records'
+        save_file({"hidden_states": engine_states(target, e.input_ids, layers), "token_ids": torch.tensor(e.input_ids)},
+                  folder / f"hs_{i}.safetensors")
+    cut = [Example(e.id, e.category, e.input_ids[:5], e.loss_mask[:5]) for e in exs]  # trainer.max_length=5
+    for name, records in (("whole", exs), ("cut", cut)):
+        manifest = write_shards_from_files(records, target, folder, layers, tmp_path / name, dtype="float32",
+                                           batch_size=3, shard_tokens=40, progress=False)
+        assert json.loads(manifest.read_text())["meta"]["engine"] == f"files {folder.resolve()}"
+        reader = ShardReader(tmp_path / name)
+        for i, e in enumerate(records):
+            torch.testing.assert_close(reader[i]["hidden"], capture(target, torch.tensor([e.input_ids]), None, layers)[0])
+            assert reader[i]["input_ids"].tolist() == e.input_ids
+
+
+def test_files_that_do_not_hold_the_records_are_errors_naming_the_file_or_the_record(target, tmp_path):
+    exs, layers = examples(3), [1, 2, LAYERS]
+    folder = tmp_path / "hs"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match="no hs_\\*.safetensors files"):
+        write_shards_from_files(exs, target, folder, layers, tmp_path / "out", progress=False)
+    for i, e in enumerate(exs[:2]):
+        save_file({"hidden_states": engine_states(target, e.input_ids, layers), "token_ids": torch.tensor(e.input_ids)},
+                  folder / f"hs_{i}.safetensors")
+    with pytest.raises(ValueError, match="token ids of 1 of the 3 training records \\(first: '2'\\)"):
+        write_shards_from_files(exs, target, folder, layers, tmp_path / "out", progress=False)
+    with pytest.raises(ValueError, match=r"hs_0.safetensors: hidden_states of shape \(\d+, 3, 32\); this target and "
+                                         r"layers \[1, 2, 3, 4\] take \(T, 4, 32\)"):
+        write_shards_from_files(exs[:2], target, folder, [1, 2, 3, LAYERS], tmp_path / "other", progress=False)
+    (folder / "hs_1.safetensors.lock").touch()  # the engine still writing it
+    with pytest.raises(ValueError, match="hs_1.safetensors: its .lock is still there"):
+        write_shards_from_files(exs[:2], target, folder, layers, tmp_path / "out", progress=False)
+    (folder / "hs_1.safetensors.lock").unlink()
+    whole = (folder / "hs_1.safetensors").read_bytes()
+    (folder / "hs_1.safetensors").write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    with pytest.raises(ValueError, match="hs_1.safetensors: not a whole safetensors file"):
+        write_shards_from_files(exs[:2], target, folder, layers, tmp_path / "out", progress=False)

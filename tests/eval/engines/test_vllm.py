@@ -30,7 +30,7 @@ from traffic import toyworld
 from traffic.records import Example
 from train.config import ExportSettings
 from train.export import export
-from train.hidden_states import ShardReader, write_shards, write_shards_from_vllm
+from train.hidden_states import ShardReader, write_shards, write_shards_from_files, write_shards_from_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm"), pytest.mark.skipif(not vllm.available(), reason=(
     f"vLLM is not installed at {vllm.ENVIRONMENT}: `make vllm` (make test installs it)"))]
@@ -281,6 +281,35 @@ def test_features_from_vllm_are_pytorchs(world, tmp_path):
         for j, layer in enumerate(layers):
             error = float((a[:, j] - b[:, j]).norm() / b[:, j].norm())
             assert error <= 1e-4, (i, layer, error)
+
+
+def test_speculators_files_that_vllm_wrote_read_into_pytorchs_feature_cache(world, tmp_path):
+    """A folder as speculators' data generation leaves it: each request's file from vLLM's connector moved to
+    hs_{i}.safetensors (speculators' own FileTransfer reads each back), read by drafter.hidden_states=files into a cache
+    equal to PyTorch's within 1e-4 relative in float32, the last layer's after the final norm."""
+    import shutil
+    import sys
+
+    sys.path.append(str(Path(vllm.ROOT) / ".venv" / "speculators"))
+    from hs_connectors import FileTransfer
+
+    examples = [Example(f"r{i}", "c", p + a, [0] * len(p) + [1] * len(a))
+                for i, (p, a) in enumerate(zip(world["prompts"], world["greedy"]))]
+    layers = [1, 2, 4]
+    folder = tmp_path / "hidden_states"
+    folder.mkdir()
+    with vllm.VllmServer(world["dir"], features=(layers, tmp_path / "staging")) as server:
+        for i, e in enumerate(examples):
+            shutil.move(server.hidden_states_file(list(e.input_ids)), folder / f"hs_{i}.safetensors")
+    for i, e in enumerate(examples):
+        assert FileTransfer(folder).get_cached(i)["token_ids"].tolist() == e.input_ids
+    ours = ShardReader(write_shards(examples, world["target"], layers, tmp_path / "torch", dtype="float32").parent)
+    theirs = ShardReader(write_shards_from_files(examples, world["target"], folder, layers, tmp_path / "files",
+                                                 dtype="float32").parent)
+    for i in range(len(examples)):
+        for j, layer in enumerate(layers):
+            a, b = theirs[i]["hidden"][:, j], ours[i]["hidden"][:, j]
+            assert float((a - b).norm() / b.norm()) <= 1e-4, (i, layer)
 
 
 def test_a_head_trained_on_vllms_features_keeps_what_one_trained_on_pytorchs_keeps(shared_dir):
