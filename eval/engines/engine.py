@@ -194,16 +194,20 @@ class Vllm(Deployment):
                                            work=work, progress=progress, alone=alone)
             # β at the width the drafting server verifies, on the longest prompt (the context a round sees).
             longest = max((p.tolist() for ps in prompts.values() for p in ps), key=len)
-            steps = self.plain.step_costs(longest, [self.config.k + 1])
+            steps, why = vllm.measured_step_costs(self.plain, longest, self.config.k + 1)
         finally:
             self.servers.close()
         for row in [*rows, *settings["engine_only"]]:
             if row.get("engine") == deployment.NAME:
                 row["engine"] = vllm.SERVED
-                add_costs(row, steps.beta(self.config.k + 1), self.config.k, plan.pays_off_at)
+                if steps is not None:
+                    add_costs(row, steps.beta(self.config.k + 1), self.config.k, plan.pays_off_at)
+                else:
+                    row["engine_note"] = "; ".join(filter(None, [row.get("engine_note"), f"no β: {why}"]))
         return {**settings, "name": vllm.SERVED, "speculative_config": self.speculative,
-                "step_costs": {"decode_step_ms": steps.step_s * 1000, "cached_prefix": steps.cached,
-                               "forward_ms": {w: t * 1000 for w, t in steps.forward_s.items()}}}
+                "step_costs": None if steps is None else {
+                    "decode_step_ms": steps.step_s * 1000, "cached_prefix": steps.cached,
+                    "forward_ms": {w: t * 1000 for w, t in steps.forward_s.items()}}}
 
 
 def add_costs(row: dict, beta: float, k: int, pays_off_at: float) -> None:

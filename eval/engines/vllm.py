@@ -280,6 +280,15 @@ class StepCosts:
         return max(0.0, (self.forward_s[width] - self.forward_s[1]) / self.step_s)
 
 
+def measured_step_costs(server: VllmServer, prompt: list[int], width: int) -> tuple[StepCosts | None, str | None]:
+    """`server.step_costs(prompt, [width])`, or None and why where it cannot time them (prefix caching off, a prompt
+    of too few distinct tokens): what the servers measured stands without β then."""
+    try:
+        return server.step_costs(prompt, [width]), None
+    except (RuntimeError, ValueError) as error:
+        return None, str(error)
+
+
 def _sums(exposition: str) -> dict[str, float]:
     """Every sample of a Prometheus exposition by name, summed over its label sets (vLLM labels each engine)."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -142,6 +142,10 @@ def test_step_costs_time_the_forward_over_the_new_positions_alone_and_refuse_an_
         ClockedServer(caching=False).step_costs(prompt, [5])
     with pytest.raises(ValueError, match="distinct tokens"):
         ClockedServer().step_costs([7] * 300, [5])
+    # engine=vllm keeps what the servers measured where β cannot be timed, and says why.
+    costs, why = vllm.measured_step_costs(ClockedServer(caching=False), prompt, 5)
+    assert costs is None and "served 0 of the 48 prefix tokens" in why
+    assert vllm.measured_step_costs(ClockedServer(), prompt, 5)[0].beta(5) == pytest.approx(1.6)
 
 
 @pytest.mark.parametrize("vocabulary", VOCABULARIES)
