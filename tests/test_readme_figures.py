@@ -39,7 +39,7 @@ DRAFTERS = {"head": r"\bhead\b", "PARD": r"\bPARD\b", "P-EAGLE": r"\bP-EAGLE\b",
 class Key:
     page: str  # docs/benchmarks/<name>.md, without the anchor: one page, one set of runs
     target: str | None  # "toy", "SmolLM2"; None where a headline row does not say
-    engine: str  # "llama.cpp" or "loop"
+    engine: str  # "llama.cpp", "vLLM" or "loop"
     machine: str  # "H200" or "CPU"
     drafter: str | None
     k: int
@@ -80,6 +80,10 @@ def target_of(text: str) -> str | None:
     return "SmolLM2" if "SmolLM2" in text else None
 
 
+def engine_of(text: str) -> str:
+    return "llama.cpp" if "llama.cpp" in text else "vLLM" if "vLLM" in text else "loop"
+
+
 def drafter_of(text: str, last: bool = False) -> str | None:
     found = [(m.start(), name) for name, pattern in DRAFTERS.items() for m in re.finditer(pattern, text)]
     return (max(found) if last else min(found))[1] if found else None
@@ -91,7 +95,7 @@ def readme_rows(text: str) -> list[tuple[dict[str, str], Key]]:
         where, found = row["where it ran"], ks(" ".join(row.values()))
         k = found[0] if len(set(found)) == 1 else -1  # -1: test_each_readme_row_names_one_k says why
         rows.append((row, Key(page=page_of(row["verdict"]), target=target_of(row["target, machine"]),
-                              engine="llama.cpp" if "llama.cpp" in where else "loop",
+                              engine=engine_of(where),
                               machine="H200" if "H200" in row["target, machine"] else "CPU",
                               drafter=drafter_of(row["drafter"]), k=k)))
     return rows
@@ -108,7 +112,7 @@ def headline_claims(text: str) -> list[tuple[str, Key, float, str]]:
         described = question + " " + what
         row_k = ks(what)
         base = dict(page=page, target=target_of(described),
-                    engine="llama.cpp" if "llama.cpp" in what else "loop",
+                    engine=engine_of(what),
                     machine="H200" if row["machine"] == "H200" else "CPU",
                     drafter=drafter_of(what))
         if len(set(row_k)) == 1:
