@@ -197,6 +197,21 @@ def trained_to_self(target, head, steps: int = 60):
     return head.eval()
 
 
+def engine_states(target, ids: list[int], layers: list[int]) -> torch.Tensor:
+    """(T, layers, d) as an engine's connector writes them (vLLM's, into the files speculators' data generation keeps):
+    Hugging Face's hidden states but layer n, the last layer's output before the final norm."""
+    from train.hidden_states import capture
+
+    seen = {}
+    hook = target.model.norm.register_forward_hook(lambda module, args, out: seen.update(pre=args[0]))
+    try:
+        states = capture(target, torch.tensor([ids]), None, layers)[0].clone()
+    finally:
+        hook.remove()
+    states[:, layers.index(target.config.num_hidden_layers)] = seen["pre"][0]
+    return states
+
+
 def train_tiny_deep(out, *overrides, target: str = "tiny_deep"):
     """A `python -m train` run on the tiny_deep world (a 4-layer target; or `target`), a few steps, no final
     evaluation."""

@@ -221,15 +221,18 @@ def write_shards_from_files(
     n, hidden = target.config.num_hidden_layers, target.config.hidden_size
     check_layers(layers, n)
     index = index_files(folder)
-    found: dict[str, Path] = {}
-    missing = []
-    for e in examples:
-        ids = tuple(e.input_ids)
-        path = index.get(ids) or next((p for key, p in index.items() if key[: len(ids)] == ids), None)
-        if path is None:
-            missing.append(e.id)
-        else:
-            found[e.id] = path
+    found = {e.id: index[tuple(e.input_ids)] for e in examples if tuple(e.input_ids) in index}
+    # The rest were cut (at trainer.max_length: one length, or a few): looked up by the files' first positions, one
+    # index per length, not by scanning every file for every record.
+    cut = [e for e in examples if e.id not in found]
+    for length in {len(e.input_ids) for e in cut}:
+        starts: dict[tuple[int, ...], Path] = {}
+        for key, path in index.items():
+            if len(key) > length:
+                starts.setdefault(key[:length], path)
+        found.update((e.id, starts[tuple(e.input_ids)]) for e in cut
+                     if len(e.input_ids) == length and tuple(e.input_ids) in starts)
+    missing = [e.id for e in examples if e.id not in found]
     if missing:
         raise ValueError(f"{folder}: no hs_*.safetensors file holds the token ids of {len(missing)} of the "
                          f"{len(examples)} training records (first: {missing[0]!r}); the files were written for other "

@@ -195,13 +195,13 @@ class VllmServer:
         if len(tail) < max(widths) + repeats + 1:
             raise ValueError(f"step_costs: the prompt has {len(tail)} distinct tokens; widths up to {max(widths)} "
                              f"with {repeats} repeats take {max(widths) + repeats + 1}")
-        self._request(prefix + tail[:1], 1)  # caches the prefix's blocks
+        self._completion(prefix + tail[:1], 1)  # caches the prefix's blocks
         forward: dict[int, list[float]] = {w: [] for w in widths}
         step: list[float] = []
         for rep in range(repeats):
             for w in widths:
                 before = _sums(self.metrics())
-                self._request(prefix + tail[rep + 1: rep + 1 + w], 1)
+                self._completion(prefix + tail[rep + 1: rep + 1 + w], 1)
                 after = _sums(self.metrics())
                 hits = after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"]
                 if hits != len(prefix):
@@ -210,29 +210,25 @@ class VllmServer:
                 forward[w].append(after["vllm:request_prefill_time_seconds_sum"]
                                   - before["vllm:request_prefill_time_seconds_sum"])
             before = _sums(self.metrics())
-            self._request(prefix + tail[rep + 1: rep + 2], steps + 1)
+            self._completion(prefix + tail[rep + 1: rep + 2], steps + 1, ignore_eos=True)
             after = _sums(self.metrics())
             step.append((after["vllm:request_decode_time_seconds_sum"]
                          - before["vllm:request_decode_time_seconds_sum"]) / steps)
         return StepCosts(statistics.median(step), {w: statistics.median(v) for w, v in forward.items()}, len(prefix))
 
-    def _request(self, prompt: list[int], max_tokens: int) -> None:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True}
+    def _completion(self, prompt: list[int], max_tokens: int, **fields) -> dict:
+        """One greedy request to `/v1/completions` (token ids in, `fields` added to its body): its JSON answer."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **fields}
         request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=self.timeout) as r:
-            r.read()
+            return json.loads(r.read())
 
     def hidden_states_file(self, prompt: list[int]) -> Path:
         """The file the server's connector wrote for `prompt` (token ids): `hidden_states` (T, layers, d) in the
         served dtype and `token_ids` (T), whole once returned (the connector holds its `.lock` until then). What
         speculators' data generation moves to `hs_{i}.safetensors`."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
-        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=self.timeout) as r:
-            path = (json.loads(r.read()).get("kv_transfer_params") or {}).get("hidden_states_path")
+        path = (self._completion(prompt, 1).get("kv_transfer_params") or {}).get("hidden_states_path")
         if path is None:
             raise RuntimeError(f"vLLM at {self.url} returned no hidden_states_path: is it serving with "
                                "extract_hidden_states (features=...)?")
@@ -255,12 +251,7 @@ class VllmServer:
     def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
         """The greedy continuation of `prompt` (token ids), `max_tokens` long whatever it draws (end of sequence
         ignored, as draftsmith's loop measures), as token ids."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True}
-        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=self.timeout) as r:
-            return json.loads(r.read())["choices"][0]["token_ids"]
+        return self._completion(prompt, max_tokens, ignore_eos=True, return_token_ids=True)["choices"][0]["token_ids"]
 
 
 @dataclass

@@ -13,7 +13,7 @@ from drafters.registry import build_head
 from drafters.sampling import Sampling
 from eval.run import build_drafter, load_target
 from eval.speculative import autoregressive_generate, speculative_generate
-from helpers import tiny_llama, trained_to_self
+from helpers import engine_states, tiny_llama, trained_to_self
 from train.__main__ import train
 from train.heldout import greedy_rounds
 from train.hidden_states import ShardReader, capture, default_layers
@@ -239,15 +239,10 @@ def test_offline_hidden_states_train_like_online(tiny_world, tmp_path):
     cached = ShardReader(shards[0].parent)
     folder = tmp_path / "engine" / "hidden_states"
     folder.mkdir(parents=True)
-    n = target.config.num_hidden_layers
     for i in range(len(cached)):
         ids = cached[i]["input_ids"]
-        seen = {}
-        hook = target.model.norm.register_forward_hook(lambda module, args, out: seen.update(pre=args[0]))
-        states = capture(target, ids[None], None, cached.layers)[0]
-        hook.remove()
-        states[:, cached.layers.index(n)] = seen["pre"][0]
-        save_file({"hidden_states": states, "token_ids": ids}, folder / f"hs_{i}.safetensors")
+        save_file({"hidden_states": engine_states(target, ids.tolist(), cached.layers), "token_ids": ids},
+                  folder / f"hs_{i}.safetensors")
     train(smoke(tmp_path, *common, "drafter.hidden_states=files", f"drafter.hidden_states_dir={folder}", run="files"))
     assert metrics(tmp_path / "files")[0]["loss"] == pytest.approx(offline[0]["loss"], rel=1e-5)
     assert len(list((tmp_path / "data").glob("hidden-files-*/manifest.json"))) == 1

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import engine_states, tiny_llama
 from traffic.records import Example
 from safetensors.torch import save_file
 from train.hidden_states import (ShardReader, bytes_per_token, capture, default_layers, estimate_bytes,
@@ -111,18 +111,6 @@ def test_states_beyond_float16_are_an_error_not_inf_shards(tmp_path):
         write_shards(examples(3), big, [1, 2], tmp_path / "fp16", dtype="float16", progress=False)
     write_shards(examples(3), big, [1, 2], tmp_path / "bf16", dtype="bfloat16", progress=False)
     assert torch.isfinite(ShardReader(tmp_path / "bf16")[0]["hidden"].float()).all()
-
-
-def engine_states(target, ids: list[int], layers: list[int]) -> torch.Tensor:
-    """(T, layers, d) as an engine's connector writes them: layer n is the last layer's output before the final norm."""
-    seen = {}
-    hook = target.model.norm.register_forward_hook(lambda module, args, out: seen.update(pre=args[0]))
-    try:
-        states = capture(target, torch.tensor([ids]), None, layers)[0].clone()
-    finally:
-        hook.remove()
-    states[:, layers.index(LAYERS)] = seen["pre"][0]
-    return states
 
 
 def test_an_engines_files_are_read_into_the_cache_pytorch_would_write(target, tmp_path):

@@ -120,7 +120,7 @@ class ClockedServer(vllm.VllmServer):
                 f'vllm:request_prefill_time_seconds_sum{{engine="0"}} {self.prefill}\n'
                 f'vllm:request_decode_time_seconds_sum{{engine="0"}} {self.decode}\n')
 
-    def _request(self, prompt, max_tokens):
+    def _completion(self, prompt, max_tokens, **fields):
         cached = 0
         while self.caching and cached + 16 <= len(prompt) and tuple(prompt[:cached + 16]) in self.seen:
             cached += 16
@@ -128,6 +128,7 @@ class ClockedServer(vllm.VllmServer):
         self.hits += cached
         self.prefill += 0.010 + 0.002 * (len(prompt) - cached)
         self.decode += 0.005 * (max_tokens - 1)
+        return {}
 
 
 def test_step_costs_time_the_forward_over_the_new_positions_alone_and_refuse_an_uncached_prefix():
