@@ -61,7 +61,8 @@ esac
 PATCHES="$(cd "$(dirname "$0")/.." && pwd)/eval/engines/llama_cpp_patches"
 DIGEST="$(cat "$PATCHES"/*.patch | sha256sum | cut -d' ' -f1)"
 
-if [ -x "$DEST/bin/llama-server" ] && [ -x "$DEST/bin/llama-quantize" ] && [ -f "$DEST/src/convert_hf_to_gguf.py" ] \
+if [ -x "$DEST/bin/llama-server" ] && [ -x "$DEST/bin/llama-quantize" ] && [ -x "$DEST/bin/llama-hidden-states" ] \
+        && [ -f "$DEST/src/convert_hf_to_gguf.py" ] \
         && [ "$(cat "$DEST/bin/patches.sha256" 2>/dev/null)" = "$DIGEST" ] \
         && [ "$(cat "$DEST/bin/backend" 2>/dev/null || echo cpu)" = "$BACKEND" ] && [ "$BUILT_AMX" = "$AMX" ]; then
     echo "$DEST"
@@ -99,15 +100,16 @@ for p in "$PATCHES"/*.patch; do
     fi
 done
 
-# No network at run time (no curl, no OpenSSL); the server and the quantizer (which writes the quantized GGUFs
-# the tests serve), no tests or examples.
+# No network at run time (no curl, no OpenSSL); the server, the quantizer (which writes the quantized GGUFs the
+# tests serve) and llama-hidden-states (hidden-states-tool.patch: a target's features, drafter.hidden_states=llamacpp),
+# no tests or examples.
 echo "llama.cpp: building llama-server and llama-quantize for $BACKEND, AMX kernels $AMX (about 5 minutes on 2 cores)" >&2
 cmake -S "$work/src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
     ${BACKEND_FLAGS[@]+"${BACKEND_FLAGS[@]}"} ${AMX_FLAGS[@]+"${AMX_FLAGS[@]}"} ${LLAMA_CPP_CMAKE_ARGS:-} >&2
-cmake --build "$work/build" --target llama-server llama-quantize -j "$(nproc)" >&2
+cmake --build "$work/build" --target llama-server llama-quantize llama-hidden-states -j "$(nproc)" >&2
 mkdir -p "$work/bin"
-cp "$work/build/bin/llama-server" "$work/build/bin/llama-quantize" "$work/bin/"
+cp "$work/build/bin/llama-server" "$work/build/bin/llama-quantize" "$work/build/bin/llama-hidden-states" "$work/bin/"
 echo "$DIGEST" > "$work/bin/patches.sha256"
 echo "$BACKEND" > "$work/bin/backend"
 echo "$AMX" > "$work/bin/amx"

@@ -313,6 +313,8 @@ SKIPPED = [
      "head on them on the tiny_vllm world (vLLM's CPU attention takes heads of 32 dimensions and up)"),
     (r"evaluate\.enabled=false", "trains without its final evaluation, so no report names the file it measured: "
      "tests/train/ train with evaluate.enabled=false throughout"),
+    (r"hidden_states=llamacpp", "llama.cpp computing the user's target's features: "
+     "tests/eval/engines/test_llama_cpp_features.py trains a head on them on the tiny world's target"),
     (r"hidden_states=files", "reads the user's engine's files (a folder the docs name): tests/train/test_heads.py "
      "trains on such files, and tests/eval/engines/test_vllm.py reads files vLLM wrote"),
     (r"engine=vllm", "vLLM serving the user's model: tests/eval/engines/test_vllm.py runs engine=vllm on the tiny_vllm "

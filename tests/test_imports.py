@@ -75,6 +75,8 @@ ACROSS = {
     "drafters/test_families.py": "every drafter kind on every model family the tests build",
     "eval/engines/test_llama_cpp_diagnosis.py": "llama_cpp.py's diagnosis of a dying server, run without the build "
                                                "that tests/eval/engines/test_llama_cpp.py needs",
+    "eval/engines/test_llama_cpp_features.py": "train/hidden_states.py's llama.cpp path and the llama-hidden-states "
+                                              "tool its patch adds, beside the other tests that need llama.cpp's build",
     "train/test_gpu_recipe.py": "conf/experiment/llama3_8b_eagle.yaml, the GPU recipe, composed and run",
 }
 

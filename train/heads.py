@@ -30,16 +30,17 @@ from omegaconf import DictConfig
 from drafters.layers import finish_logits
 from drafters.registry import KINDS, build_head, load_head, save_head
 from drafters.kinds import HeadConfig
-from eval.engines import vllm
+from eval.engines import llama_cpp, vllm
 from eval.engines.formats.writing import target_directory
 from eval.run import target_source
 from train.config import drafter_keys
 from train.hidden_states import (ShardReader, capture, default_layers, write_shards, write_shards_from_files,
-                                 write_shards_from_vllm)
+                                 write_shards_from_llama_cpp, write_shards_from_vllm)
 from train.heldout import HeldoutScores
 from train.launch import rank0_first
 from train.recipe import Recipe
 from train.recipe import run as run_recipe
+from train.regenerate import target_gguf
 from train.shards import complete
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,14 @@ class HeadRecipe(Recipe):
         d = self.cfg.drafter
         if d.kind not in KINDS:
             raise ValueError(f"this recipe trains drafter.kind in {sorted(KINDS)}, got {d.kind!r}")
-        if d.hidden_states not in ("online", "offline", "vllm", "files"):
-            raise ValueError(f"drafter.hidden_states must be online, offline, vllm or files, got {d.hidden_states!r}")
+        if d.hidden_states not in ("online", "offline", "vllm", "llamacpp", "files"):
+            raise ValueError(f"drafter.hidden_states must be online, offline, vllm, llamacpp or files, "
+                             f"got {d.hidden_states!r}")
         if d.hidden_states == "vllm" and not vllm.available():
             raise ValueError(f"drafter.hidden_states=vllm needs vLLM's environment at {vllm.ENVIRONMENT}: `make vllm`")
+        if d.hidden_states == "llamacpp" and not llama_cpp.available():
+            raise ValueError(f"drafter.hidden_states=llamacpp needs llama.cpp's build at {llama_cpp.home()} (with "
+                             "llama-hidden-states): `make llama-cpp`")
         if (d.hidden_states == "files") != (d.hidden_states_dir is not None):
             raise ValueError("drafter.hidden_states=files reads drafter.hidden_states_dir (the folder of an engine's "
                              "hs_{i}.safetensors files), and only it does: set both or neither")
@@ -145,9 +150,12 @@ class HeadRecipe(Recipe):
             return
         t, d, layers = self.cfg.trainer, self.cfg.drafter, self.capture_layers
         # An engine's features get a cache of their own: its numerics are not PyTorch's.
-        engine = {"vllm": "hidden-vllm", "files": "hidden-files"}.get(d.hidden_states, "hidden")
+        engine = {"vllm": "hidden-vllm", "llamacpp": "hidden-llamacpp", "files": "hidden-files"}.get(d.hidden_states,
+                                                                                                     "hidden")
         files = str(Path(d.hidden_states_dir).resolve()) if d.hidden_states == "files" else None
-        directory = self._cache_dir(engine, layers, t.max_length, d.offline_dtype, *([files] if files else []))
+        gguf = self._target_gguf() if d.hidden_states == "llamacpp" else None
+        source = files or (str(gguf.resolve()) if gguf else None)  # llama.cpp's features are its file's
+        directory = self._cache_dir(engine, layers, t.max_length, d.offline_dtype, *([source] if source else []))
         with rank0_first(self.acc, lambda: complete(directory), "the feature cache"):
             if not complete(directory):
                 max_bytes = None if d.offline_max_gib is None else int(d.offline_max_gib * 2**30)
@@ -156,6 +164,9 @@ class HeadRecipe(Recipe):
                 if files:
                     write_shards_from_files(self._training_examples(), self.target, files, layers, directory,
                                             **options)
+                elif gguf:
+                    write_shards_from_llama_cpp(self._training_examples(), self.target, gguf, layers, directory,
+                                                **options)
                 elif d.hidden_states == "vllm":
                     write_shards_from_vllm(self._training_examples(), self.target,
                                            target_directory(target_source(self.cfg.target)), layers, directory,
@@ -163,6 +174,11 @@ class HeadRecipe(Recipe):
                 else:
                     write_shards(self._training_examples(), self.target, layers, directory, **options)
         self.shards = ShardReader(directory)
+
+    def _target_gguf(self) -> Path:
+        """The GGUF llama.cpp computes the features on: the target's own file where it was given as one (the quantized
+        file a team serves), else the target converted by llama.cpp's converter in float32, once, beside the caches."""
+        return target_gguf(target_source(self.cfg.target), Path(self.cfg.data_cache) / "llama.cpp")
 
     # --- data -------------------------------------------------------------------------------------
 

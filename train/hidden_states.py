@@ -11,7 +11,7 @@ Face's `output_hidden_states` tuple of a model with n decoder layers, so
 vLLM's `eagle_aux_hidden_state_layer_ids` use this same convention; SGLang's are one lower (0-based
 layer outputs). Exporters convert at the boundary; nothing inside draftsmith does.
 
-Three ways to get them:
+Ways to get them:
 - online: `capture` inside the training step (memory bounded by the batch);
 - offline: `write_shards` precomputes them to sharded safetensors in fp16/bf16 (train/shards.py: the
   size estimated and checked against free disk and a cap, resumable shard by shard); `ShardReader`
@@ -20,26 +20,36 @@ Three ways to get them:
   eval/engines/vllm.py), as a target beyond one GPU is served, into the same cache;
 - from files an engine already wrote: `write_shards_from_files` reads a folder of `hs_{i}.safetensors` files (what
   speculators' data generation has vLLM's hidden-states connector write: `hidden_states` (T, layers, d) and
-  `token_ids` (T)), each record found by its token ids, into the same cache.
+  `token_ids` (T)), each record found by its token ids, into the same cache;
+- from llama.cpp: `write_shards_from_llama_cpp` has llama.cpp's `llama-hidden-states` (a tool the project's patch
+  adds, eval/engines/llama_cpp_patches/hidden-states-tool.patch) compute them on the target's GGUF, the quantized file
+  a team serves, into such files, read into the same cache.
 
-An engine's layer id n is the last layer's output before the final norm: both engine paths put it through the
+An engine's layer id n is the last layer's output before the final norm: every engine path puts it through the
 target's final norm (`final_norm`), so every cache holds Hugging Face's convention.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tqdm import tqdm
 
 from drafters import kinds
 from drafters.heads import check_layers, features_of
 from eval.run import DTYPES
 from traffic.records import Example
 from train.shards import ExampleShards, write_example_shards
+
+log = logging.getLogger(__name__)
 
 
 def default_layers(kind: str, num_layers: int) -> list[int]:
@@ -129,9 +139,9 @@ def engine_layers(h: torch.Tensor, layers: list[int], n: int, norm) -> torch.Ten
     before the final norm, through `norm` (the target's final norm; None: n is not among `layers`)."""
     h = h.float()
     if norm is not None:
-        last = layers.index(n)
         with torch.no_grad():
-            h[:, last] = norm(h[:, last].to(next(norm.parameters()).device)).float().cpu()
+            for j in (j for j, layer in enumerate(layers) if layer == n):  # twice where a head's own layers end at n
+                h[:, j] = norm(h[:, j].to(next(norm.parameters()).device)).float().cpu()
     return h
 
 
@@ -210,12 +220,15 @@ def write_shards_from_files(
     shard_tokens: int = 65536,
     max_bytes: int | None = None,
     progress: bool = True,
+    engine: str | None = None,
+    what: str = "hidden states (files)",
 ) -> Path:
     """`write_shards`, the features read from `folder`'s `hs_{i}.safetensors` files (an engine's, `index_files`): each
     example's from the file whose token ids start with the example's own (a record cut at trainer.max_length reads
     the first positions of its file). The files' layers must be `layers` in order, as the engine was started with
     them (vLLM's `eagle_aux_hidden_state_layer_ids`, the same convention); layer n goes through the target's final
-    norm. A record no file holds is an error naming it, before anything is written."""
+    norm. A record no file holds is an error naming it, before anything is written. `engine` names what wrote the
+    files in the cache's manifest (None: the folder); `what` names the work in its progress and log."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     n, hidden = target.config.num_hidden_layers, target.config.hidden_size
@@ -251,7 +264,63 @@ def write_shards_from_files(
 
     return write_example_shards(examples, compute, out_dir,
                                 meta={"layers": list(layers), "dtype": dtype, "hidden_size": hidden,
-                                      "engine": f"files {Path(folder).resolve()}"},
+                                      "engine": engine or f"files {Path(folder).resolve()}"},
                                 bytes_per_token=bytes_per_token(hidden, len(layers), dtype),
-                                device=torch.device("cpu"), what="hidden states (files)", batch_size=batch_size,
+                                device=torch.device("cpu"), what=what, batch_size=batch_size,
                                 shard_tokens=shard_tokens, max_bytes=max_bytes, progress=progress)
+
+
+def write_shards_from_llama_cpp(
+    examples: list[Example],
+    target,
+    gguf: str | Path,
+    layers: list[int],
+    out_dir: str | Path,
+    *,
+    dtype: str = "float16",
+    batch_size: int = 8,
+    shard_tokens: int = 65536,
+    max_bytes: int | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """`write_shards`, the features computed by llama.cpp on `gguf` (the target's file as it is served, quantized or
+    not), with `threads` threads (None: every core). llama.cpp's `llama-hidden-states` writes one `hs_{i}.safetensors`
+    a record into `out_dir`.llama.cpp/ (a killed run resumes there: finished records are not computed again), read into
+    the cache by `write_shards_from_files`, which finds each record by its token ids; the folder goes once the cache
+    is whole. Its disk for each 1,000 records is logged."""
+    from eval.engines import llama_cpp  # only with drafter.hidden_states=llamacpp
+
+    out_dir = Path(out_dir)
+    folder = out_dir.with_name(out_dir.name + ".llama.cpp")
+    folder.mkdir(parents=True, exist_ok=True)
+    records = folder / "records.txt"
+    text = "".join(" ".join(map(str, e.input_ids)) + "\n" for e in examples)
+    if not records.exists() or records.read_text() != text:  # other records: files of a line number are stale
+        for stale in folder.glob("hs_*.safetensors*"):
+            stale.unlink()
+        records.write_text(text)
+    command = [str(llama_cpp.binary("llama-hidden-states")), "-m", str(gguf), "-l", ",".join(map(str, layers)),
+               "-i", str(records), "-o", str(folder), "-t", str(threads or os.cpu_count() or 1)]
+    log_file = folder / "llama-hidden-states.log"
+    with open(log_file, "w") as err, tqdm(total=len(examples), unit="ex", desc="hidden states (llama.cpp)",
+                                          disable=not progress) as bar:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)
+        for line in proc.stdout:
+            if line.startswith(("done ", "skip ")):
+                bar.update(1)
+        proc.wait()
+    if proc.returncode != 0:
+        tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"llama.cpp's llama-hidden-states failed on {gguf} ({llama_cpp.died(proc.returncode)}); "
+                           f"{log_file}:\n{tail}")
+    files = list(folder.glob("hs_*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    log.info("llama.cpp's features: %d files, %.1f MB, %.2f GB for each 1,000 records (float32, %d layers)",
+             len(files), size / 1e6, size / len(files) * 1000 / 1e9, len(layers))
+    written = write_shards_from_files(examples, target, folder, layers, out_dir, dtype=dtype, batch_size=batch_size,
+                                      shard_tokens=shard_tokens, max_bytes=max_bytes, progress=progress,
+                                      engine=f"llama.cpp {llama_cpp.VERSION} ({Path(gguf).name})",
+                                      what="hidden states (llama.cpp's files)")
+    shutil.rmtree(folder)
+    return written

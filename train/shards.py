@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import shutil
 import sys
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from traffic.records import Example
+
+log = logging.getLogger(__name__)
 
 # compute(examples, input_ids (B, T), attention_mask (B, T)) -> one dict of tensors per example
 Compute = Callable[[list[Example], torch.Tensor, torch.Tensor], list[dict[str, torch.Tensor]]]
@@ -99,6 +102,9 @@ def write_example_shards(
             tmp.replace(manifest_path)
             tensors, first, tokens = {}, b + len(batch), 0
     bar.close()
+    size = sum((out / shard["file"]).stat().st_size for shard in manifest["shards"])
+    log.info("%s: %s holds %d examples in %.1f MB, %.2f GB for each 1,000", what, out, len(examples), size / 1e6,
+             size / max(1, len(examples)) / 1e6)
     return manifest_path
 
 

@@ -43,13 +43,14 @@ class HeadConfig(DrafterConfig):
 
     layers: Optional[list[int]] = None  # indices into output_hidden_states; null = the kind's default
     # online: the frozen target runs inside each step | offline: shards, computed once | vllm: the same shards, computed
-    # by a vLLM server on the target (`make vllm`; train/hidden_states.py write_shards_from_vllm) | files: the same
-    # shards, read from the hs_{i}.safetensors files an engine wrote into hidden_states_dir (speculators' data
+    # by a vLLM server on the target (`make vllm`; train/hidden_states.py write_shards_from_vllm) | llamacpp: computed
+    # by llama.cpp on the target's GGUF, quantized as it is served (`make llama-cpp`; write_shards_from_llama_cpp) |
+    # files: read from the hs_{i}.safetensors files an engine wrote into hidden_states_dir (speculators' data
     # generation; the files' layers are the head's `layers` and the last one, as the engine was started)
     hidden_states: str = "online"
     hidden_states_dir: Optional[str] = None  # files: the folder of hs_{i}.safetensors files
-    offline_dtype: str = "float16"  # offline, vllm: the shards' dtype
-    offline_max_gib: Optional[float] = 20.0  # offline, vllm: refuse to start when the shards' estimate is larger
+    offline_dtype: str = "float16"  # every cached way: the shards' dtype
+    offline_max_gib: Optional[float] = 20.0  # every cached way: refuse to start when the shards' estimate is larger
     label_temperature: float = 1.0  # token-loss label: softmax(target logits / T); 0 = the target's argmax (greedy serving)
 
 

@@ -38,7 +38,7 @@ def home() -> Path:
     return Path.home() / ".cache" / "draftsmith" / "llama.cpp" / f"llama-cpp-python-{VERSION}"
 
 
-BINARIES = ("llama-server", "llama-quantize")
+BINARIES = ("llama-server", "llama-quantize", "llama-hidden-states")
 PATCHES = Path(__file__).resolve().parent / "llama_cpp_patches"  # applied by scripts/build_llama_cpp.sh, in name order
 
 

@@ -267,7 +267,7 @@ def test_resume_continues_exactly(tiny_world, tmp_path):
 
 
 def test_head_config_errors_are_clear(tiny_world, tmp_path):
-    with pytest.raises(ValueError, match="drafter.hidden_states must be online, offline, vllm or files"):
+    with pytest.raises(ValueError, match="drafter.hidden_states must be online, offline, vllm, llamacpp or files"):
         train(smoke(tmp_path, "drafter=eagle", "drafter.hidden_states=disk"))
     with pytest.raises(ValueError, match="drafter.hidden_states=files reads drafter.hidden_states_dir"):
         train(smoke(tmp_path, "drafter=eagle", "drafter.hidden_states=files"))

@@ -237,10 +237,7 @@ def test_a_gemma3_target_serves_an_eagle3_head_in_llama_cpp_as_in_draftsmith(tin
     draftsmith's on the same prompts, so it drafts from the same features (Gemma's scaled embedding included)."""
     from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
-    from drafters.registry import build_head, save_head
-    from eval.engines.formats.eagle3 import eagle3_gguf
     from helpers import _common
-    from train.hidden_states import capture, default_layers
 
     tok = AutoTokenizer.from_pretrained(toyworld.resolve(TARGET))
     # Six layers: the head's default features [1, 3, 5] are layer inputs (helpers.tiny's three would read index n,
@@ -250,19 +247,47 @@ def test_a_gemma3_target_serves_an_eagle3_head_in_llama_cpp_as_in_draftsmith(tin
     config = Gemma3TextConfig(**{**_common(len(tok)), "head_dim": 8, "num_hidden_layers": 6, "query_pre_attn_scalar": 8,
                                  "rope_parameters": {"sliding_attention": rope, "full_attention": rope}})
     torch.manual_seed(0)
-    target = Gemma3ForCausalLM(config).eval().requires_grad_(False)
+    serves_eagle3_as_draftsmith(Gemma3ForCausalLM(config), tok, tmp_path)
+
+
+def test_a_qwen2_target_serves_an_eagle3_head_in_llama_cpp_as_in_draftsmith(tiny_world, tmp_path):
+    """The build's patch (eval/engines/llama_cpp_patches/qwen2-layer-inputs.patch): llama.cpp's Qwen2 graph hands its
+    layers' inputs to an EAGLE-3 drafter (Qwen2.5-Coder's architecture, docs/benchmarks/qwen-coder.md). A tiny Qwen2
+    target with the attention biases Llama lacks, as the Gemma-3 test does it: lossless, and llama.cpp's τ is
+    draftsmith's. Its vocabulary has room to spare: llama.cpp's converter loads the toy tokenizer as Qwen2's, which
+    adds <|endoftext|>."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from helpers import _common
+
+    tok = AutoTokenizer.from_pretrained(toyworld.resolve(TARGET))
+    config = Qwen2Config(**{**_common(len(tok) + 16), "num_hidden_layers": 6})
+    torch.manual_seed(0)
+    # 400 steps: at 150 this random target's head keeps τ 1.1, too near chance to show a wrong feature
+    serves_eagle3_as_draftsmith(Qwen2ForCausalLM(config), tok, tmp_path, steps=400)
+
+
+def serves_eagle3_as_draftsmith(target, tok, tmp_path, steps: int = 150) -> None:
+    """A head trained on `target`'s outputs for a few seconds, target and head through llama.cpp's converter, served
+    by llama-server: lossless, and its τ is draftsmith's on the same prompts."""
+    from drafters.registry import build_head, save_head
+    from eval.engines.formats.eagle3 import eagle3_gguf
+    from train.hidden_states import capture, default_layers
+
+    target = target.eval().requires_grad_(False)
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(4.0)  # random init is near uniform: decisive argmaxes
-    target_dir = tmp_path / "gemma3"
+    target_dir = tmp_path / "target"
     target.save_pretrained(target_dir)
     tok.save_pretrained(target_dir)
-    layers = default_layers("eagle", 6)
-    assert max(layers) < 6  # layer inputs, which the patched graph exposes
+    n = target.config.num_hidden_layers
+    layers = default_layers("eagle", n)
+    assert max(layers) < n  # layer inputs, which the patched graph exposes
     torch.manual_seed(0)
     head = build_head("eagle", target, layers, ttt_steps=3, ttt_decay=0.8)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(150):  # the head learns the target's argmax on random text: acceptance far above chance
+    for _ in range(steps):  # the head learns the target's argmax on random text: acceptance far above chance
         ids = torch.randint(3, len(tok), (8, 32), generator=generator)
         attn = torch.ones_like(ids)
         features = capture(target, ids, attn, layers).flatten(2)
@@ -283,7 +308,12 @@ def test_a_gemma3_target_serves_an_eagle3_head_in_llama_cpp_as_in_draftsmith(tin
     assert [c.tokens for c in completions] == plain  # lossless in the engine
     ours_plain = [autoregressive_generate(target, torch.tensor(p), sampling=Sampling(), max_new_tokens=32,
                                           eos_token_id=tok.eos_token_id).tokens for p in prompts]
-    assert ours_plain == plain  # the same model in both engines
+    for p, ours_tokens, theirs in zip(prompts, ours_plain, plain):  # the same model in both engines
+        if ours_tokens != theirs:  # a parting only at a near tie of the two engines' roundings
+            j = next(i for i, (a, b) in enumerate(zip(ours_tokens, theirs)) if a != b)
+            with torch.no_grad():
+                logits = target(input_ids=torch.tensor([p + ours_tokens[:j]])).logits[0, -1]
+            assert abs(float(logits[ours_tokens[j]] - logits[theirs[j]])) < 1e-3, (p, j, ours_tokens, theirs)
     head.attach(target)
     ours = draftsmith_tau({"target": target, "tok": tok, "prompts": prompts}, head.drafter("head"), new_tokens=32)
     assert ours > 1.2  # far above chance (1/320 a guess): a wrong feature would show in the engine's τ
