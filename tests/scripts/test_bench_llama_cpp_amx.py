@@ -27,7 +27,8 @@ def test_a_build_that_serves_is_timed_and_one_that_dies_says_why(tiny_world, tmp
     (dying / "src" / "convert_hf_to_gguf.py").write_text("")
     (dying / "bin" / "patches.sha256").write_text(llama_cpp.patches_digest() + "\n")
     (dying / "bin" / "amx").write_text("on\n")  # a build with ggml's AMX kernels
-    for name, script in (("llama-server", "#!/bin/sh\nkill -SEGV $$\n"), ("llama-quantize", "#!/bin/sh\n")):
+    for name, script in (("llama-server", "#!/bin/sh\nkill -SEGV $$\n"), ("llama-quantize", "#!/bin/sh\n"),
+                         ("llama-hidden-states", "#!/bin/sh\n")):
         (dying / "bin" / name).write_text(script)
         (dying / "bin" / name).chmod(0o755)
     out = tmp_path / "amx.json"

@@ -21,12 +21,13 @@ def build(dest: Path, **env: str) -> subprocess.CompletedProcess:
 def a_build(dest: Path) -> dict[Path, bytes]:
     """A stand-in for an earlier build whose patches are not this clone's, so the script rebuilds it."""
     files = {dest / "bin" / "llama-server": b"#!/bin/sh\n", dest / "bin" / "llama-quantize": b"#!/bin/sh\n",
-             dest / "bin" / "patches.sha256": b"another digest\n", dest / "src" / "convert_hf_to_gguf.py": b"# the converter\n"}
+             dest / "bin" / "llama-hidden-states": b"#!/bin/sh\n", dest / "bin" / "patches.sha256": b"another digest\n", dest / "src" / "convert_hf_to_gguf.py": b"# the converter\n"}
     for path, content in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content)
     (dest / "bin" / "llama-server").chmod(0o755)
     (dest / "bin" / "llama-quantize").chmod(0o755)
+    (dest / "bin" / "llama-hidden-states").chmod(0o755)
     return files
 
 
@@ -93,7 +94,8 @@ def fake_tools(tmp_path: Path) -> tuple[Path, Path]:
     (tools / "patch").write_text("#!/bin/sh\ncat > /dev/null\n")
     (tools / "cmake").write_text(f"""#!/bin/sh
 if [ "$1" = --build ]; then mkdir -p "$2/bin" && touch "$2/bin/llama-server" "$2/bin/llama-quantize" \\
-    && chmod +x "$2/bin/llama-server" "$2/bin/llama-quantize"; exit 0; fi
+    "$2/bin/llama-hidden-states" && chmod +x "$2/bin/llama-server" "$2/bin/llama-quantize" "$2/bin/llama-hidden-states"
+    exit 0; fi
 printf '%s\\n' "$@" > {tmp_path}/configure.args
 """)
     for tool in tools.iterdir():

@@ -316,7 +316,8 @@ def test_a_server_that_could_not_set_up_its_drafter_is_an_error_naming_why(tmp_p
     (build / "src").mkdir()
     (build / "src" / "convert_hf_to_gguf.py").write_text("")
     (build / "bin" / "patches.sha256").write_text(llama_cpp.patches_digest())
-    (build / "bin" / "llama-quantize").write_text("")  # a build has it; this test never runs it
+    (build / "bin" / "llama-quantize").write_text("")  # a build has them; this test never runs them
+    (build / "bin" / "llama-hidden-states").write_text("")
     server = build / "bin" / "llama-server"
     server.write_text(FAKE_SERVER.format(python=sys.executable))
     server.chmod(0o755)

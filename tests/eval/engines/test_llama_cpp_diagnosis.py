@@ -21,6 +21,7 @@ def build(tmp_path, monkeypatch):
     (home / "src" / "convert_hf_to_gguf.py").write_text("")
     (home / "bin" / "patches.sha256").write_text(llama_cpp.patches_digest() + "\n")
     (home / "bin" / "llama-quantize").write_text("#!/bin/sh\n")
+    (home / "bin" / "llama-hidden-states").write_text("#!/bin/sh\n")
     monkeypatch.setenv("DRAFTSMITH_LLAMA_CPP", str(home))
 
     def dying_of(signal: str, amx: str) -> None:
