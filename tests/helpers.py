@@ -208,7 +208,9 @@ def engine_states(target, ids: list[int], layers: list[int]) -> torch.Tensor:
         states = capture(target, torch.tensor([ids]), None, layers)[0].clone()
     finally:
         hook.remove()
-    states[:, layers.index(target.config.num_hidden_layers)] = seen["pre"][0]
+    for j, layer in enumerate(layers):  # every copy of n: a head whose own layers end at n asks for it twice
+        if layer == target.config.num_hidden_layers:
+            states[:, j] = seen["pre"][0]
     return states
 
 
