@@ -117,8 +117,12 @@ def convert_to_gguf(model_dir: str | Path, out_file: str | Path, *, outtype: str
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = Path(target_dir or model_dir)
-    pre = tokenizer_pre_of(tokenizer_dir) if tokenizer_pre == "auto" and (tokenizer_dir / "tokenizer.json").exists() \
-        else tokenizer_pre
+    pre, unnamed = tokenizer_pre, None
+    if tokenizer_pre == "auto" and (tokenizer_dir / "tokenizer.json").exists():
+        try:
+            pre = tokenizer_pre_of(tokenizer_dir)
+        except ValueError as error:  # the converter's own table may know it by hash: a released model's tokenizer
+            pre, unnamed = "auto", error
     args = [str(model_dir), "--outfile", str(out_file), "--outtype", outtype]
     if target_dir is not None:
         args += ["--target-model-dir", str(target_dir)]
@@ -126,7 +130,8 @@ def convert_to_gguf(model_dir: str | Path, out_file: str | Path, *, outtype: str
                           capture_output=True, text=True)
     if proc.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"llama.cpp's converter failed on {model_dir} (exit {proc.returncode}):\n"
-                           + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
+                           + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+                           + (f"\n(and {unnamed})" if unnamed else ""))
     return out_file
 
 

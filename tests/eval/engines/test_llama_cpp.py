@@ -356,3 +356,22 @@ def test_a_draft_shipped_as_a_gguf_is_served_as_it_is_and_a_trained_one_in_the_t
     completions = serve(world, trained.gguf, "draft-simple")
     assert [c.tokens for c in completions] == world["plain"]
     assert sum(c.draft_n_accepted for c in completions) > 0
+
+
+def test_a_tokenizer_draftsmith_cannot_name_is_left_to_the_converters_own_table(tiny_world, tmp_path):
+    """A released model's tokenizer (Qwen2's regex split, say) is one draftsmith's `tokenizer_pre_of` cannot name but
+    llama.cpp's converter knows by its hash: the conversion is tried, not refused. Where the converter does not know
+    it either (this toy vocabulary's hash), the error gives both."""
+    import shutil
+
+    target_dir = tmp_path / "target"
+    shutil.copytree(toyworld.resolve(TARGET), target_dir)
+    tokenizer = json.loads((target_dir / "tokenizer.json").read_text())
+    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\p{N}| ?[^\s\p{L}\p{N}]+"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    (target_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="no llama.cpp pre-tokenizer is known"):
+        llama_cpp.tokenizer_pre_of(target_dir)
+    with pytest.raises(RuntimeError, match=r"(?s)BPE pre-tokenizer was not recognized.*no llama.cpp pre-tokenizer is known"):
+        llama_cpp.convert_to_gguf(target_dir, tmp_path / "target.gguf")
