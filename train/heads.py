@@ -153,8 +153,8 @@ class HeadRecipe(Recipe):
         engine = {"vllm": "hidden-vllm", "llamacpp": "hidden-llamacpp", "files": "hidden-files"}.get(d.hidden_states,
                                                                                                      "hidden")
         files = str(Path(d.hidden_states_dir).resolve()) if d.hidden_states == "files" else None
-        gguf = self._target_gguf() if d.hidden_states == "llamacpp" else None
-        source = files or (str(gguf.resolve()) if gguf else None)  # llama.cpp's features are its file's
+        # llama.cpp's features are those of the target's GGUF: the target as named (its file, or its float32 conversion)
+        source = files or (target_source(self.cfg.target) if d.hidden_states == "llamacpp" else None)
         directory = self._cache_dir(engine, layers, t.max_length, d.offline_dtype, *([source] if source else []))
         with rank0_first(self.acc, lambda: complete(directory), "the feature cache"):
             if not complete(directory):
@@ -164,9 +164,9 @@ class HeadRecipe(Recipe):
                 if files:
                     write_shards_from_files(self._training_examples(), self.target, files, layers, directory,
                                             **options)
-                elif gguf:
-                    write_shards_from_llama_cpp(self._training_examples(), self.target, gguf, layers, directory,
-                                                **options)
+                elif d.hidden_states == "llamacpp":  # converted here, once, by the first process alone
+                    write_shards_from_llama_cpp(self._training_examples(), self.target, self._target_gguf(), layers,
+                                                directory, **options)
                 elif d.hidden_states == "vllm":
                     write_shards_from_vllm(self._training_examples(), self.target,
                                            target_directory(target_source(self.cfg.target)), layers, directory,

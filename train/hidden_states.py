@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from drafters import kinds
 from drafters.heads import check_layers, features_of
@@ -317,7 +317,7 @@ def write_shards_from_llama_cpp(
     files = list(folder.glob("hs_*.safetensors"))
     size = sum(f.stat().st_size for f in files)
     log.info("llama.cpp's features: %d files, %.1f MB, %.2f GB for each 1,000 records (float32, %d layers)",
-             len(files), size / 1e6, size / len(files) * 1000 / 1e9, len(layers))
+             len(files), size / 1e6, size / max(1, len(files)) / 1e6, len(layers))
     written = write_shards_from_files(examples, target, folder, layers, out_dir, dtype=dtype, batch_size=batch_size,
                                       shard_tokens=shard_tokens, max_bytes=max_bytes, progress=progress,
                                       engine=f"llama.cpp {llama_cpp.VERSION} ({Path(gguf).name})",
