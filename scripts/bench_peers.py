@@ -23,6 +23,9 @@ the rungs towards `matched` one group at a time (`+lr`, `+schedule`, `+ttt`; scr
 vocabulary, labels, records per step and sequence length; what cannot be matched is each peer's GAPS), and
 `target-head` (SpecForge matched, its output head started from the target's rows as draftsmith's is). Throughput is
 the real tokens of the steps' records over the seconds of the training steps, start-up and evaluation left out.
+Time to τ: every trainer saves its head at `--curve` evenly spaced steps, the referee measures each, and the time to
+τ is the training seconds (the steps alone, as throughput counts them) until the held-out τ first reaches 95 % of the
+final step's.
 
 Outputs: `<out>/peers.json` (every run, and the summary) and `<out>/peers.md` (the tables); each run in
 `<out>/<trainer>-<settings>-s<seed>/`. A finished run is not trained again.
@@ -43,7 +46,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # scripts/peers, after the project's own packages
-from peers import INSTALLED, LADDER, ROOT, rung_settings  # noqa: E402
+from peers import INSTALLED, LADDER, ROOT, curve_steps, elapsed_at, rung_settings  # noqa: E402
 from peers import specforge, speculators  # noqa: E402
 
 CONF = str(ROOT / "conf")
@@ -68,6 +71,8 @@ class Row:
     heldout_top1: float      # top-1 agreement of the first draft step on the held-out assistant tokens
     tau_at_depth: float | None  # the same replay at `depth`, where it differs from the recipe's k
     rounds: list             # [category, tokens, rounds] of each held-out record at the recipe's k
+    curve: list              # [step, train seconds up to it, held-out τ] at each of the curve's steps
+    time_to_tau_s: float     # train seconds until the held-out τ first reaches 95 % of its final value
     head: str                # the head measured: the trainer's export (a draftsmith head for draftsmith)
     notes: dict = field(default_factory=dict)
 
@@ -92,16 +97,26 @@ def train_draftsmith(args, out: Path, seed: int) -> dict:
     from train.__main__ import train
 
     run = out / f"draftsmith-recipe-s{seed}"
-    steps = args.steps
+    steps, saves = args.steps, curve_steps(args.steps, args.curve)
     if not (run / "train_summary.json").exists():
         started = time.perf_counter()
         train(compose_cfg([*recipe_overrides(args, out), f"trainer.max_steps={steps}", f"trainer.eval_every={steps}",
-                           f"trainer.checkpoint_every={steps}", f"trainer.seed={seed}", f"out_dir={run}"]))
+                           f"trainer.checkpoint_every={saves[0]}", f"trainer.keep_checkpoints={len(saves)}",
+                           f"trainer.seed={seed}", f"out_dir={run}"]))
         (run / "wall_s").write_text(f"{time.perf_counter() - started:.1f}\n")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     stepped = [r for r in rows if "step_s" in r]
+    # each saved step's head, as best/ holds the last: its config beside the checkpoint's weights
+    curve = []
+    for step, seconds in zip(saves, elapsed_at([r["step_s"] for r in stepped], saves)):
+        head = run / "curve" / f"step-{step:06d}"
+        if not (head / "model.safetensors").exists():
+            head.mkdir(parents=True, exist_ok=True)
+            shutil.copy(run / "best" / "config.json", head / "config.json")
+            (head / "model.safetensors").symlink_to(run / "checkpoints" / f"step-{step:06d}" / "model.safetensors")
+        curve.append([step, seconds, str(head)])
     return {"tokens": sum(r["tokens"] for r in stepped), "train_s": sum(r["step_s"] for r in stepped),
-            "wall_s": float((run / "wall_s").read_text()), "head": str(run / "best")}
+            "wall_s": float((run / "wall_s").read_text()), "head": str(run / "best"), "curve": curve}
 
 
 class Referee:
@@ -165,10 +180,19 @@ class Referee:
     def row(self, trainer: str, settings: str, seed: int, steps: int, depth: int, run: dict, notes: dict) -> Row:
         measured, rounds = self.measure(Path(run["head"]))
         at_depth = self.measure(Path(run["head"]), depth)[0]["heldout_tau_greedy"] if depth != self.k else None
+        tau = round(measured["heldout_tau_greedy"], 4)
+        curve = [[step, seconds, tau if step == steps else round(self.measure(Path(head))[0]["heldout_tau_greedy"], 4)]
+                 for step, seconds, head in run["curve"]]
         return Row(trainer, settings, seed, steps, depth, run["tokens"], round(run["train_s"], 2), run["wall_s"],
-                   round(run["tokens"] / run["train_s"], 1), round(measured["heldout_tau_greedy"], 4),
-                   measured["heldout_tau_greedy_by_category"], round(measured["heldout_top1"], 4),
-                   None if at_depth is None else round(at_depth, 4), rounds, run["head"], notes)
+                   round(run["tokens"] / run["train_s"], 1), tau, measured["heldout_tau_greedy_by_category"],
+                   round(measured["heldout_top1"], 4), None if at_depth is None else round(at_depth, 4), rounds,
+                   curve, time_to_tau(curve), run["head"], notes)
+
+
+def time_to_tau(curve: list, share: float = 0.95) -> float:
+    """The training seconds at the first saved step whose held-out τ reaches `share` of the final step's."""
+    final = curve[-1][2]
+    return next(seconds for _, seconds, tau in curve if tau >= share * final)
 
 
 # --- the peers -----------------------------------------------------------------------------------------------------
@@ -199,10 +223,16 @@ def train_peer(name: str, settings: str, seed: int, args, referee: Referee, out:
                                      referee.record)
         else:
             data = speculators.convert(tokenized, shards, referee, out / "features-speculators", referee.record)
-        result = module.train(data, referee, run, args.steps, chosen, cfg.trainer.batch_size, seed, args.threads)
+        saves = curve_steps(args.steps, args.curve)
+        result = module.train(data, referee, run, args.steps, chosen, cfg.trainer.batch_size, seed, args.threads,
+                              saves)
         head = module.export(Path(result["checkpoint"]), referee, run / "export")
-        result_path.write_text(json.dumps({**result, "checkpoint": str(result["checkpoint"]), "head": str(head)},
-                                          indent=1) + "\n")
+        # the heads of the curve's earlier steps, each through the peer's own exporter; the last is `head`
+        curve = [[step, seconds, str(head if step == args.steps else
+                                     module.export(Path(checkpoint), referee, run / f"export-step{step}"))]
+                 for step, seconds, checkpoint in result["curve"]]
+        result_path.write_text(json.dumps({**result, "checkpoint": str(result["checkpoint"]), "head": str(head),
+                                           "curve": curve}, indent=1) + "\n")
     result = json.loads(result_path.read_text())
     notes = {"settings": chosen, "final_loss": result.get("final_loss"),
              **({"not_matched": module.GAPS} if settings != "defaults" else {})}
@@ -237,7 +267,8 @@ def summarize(rows: list[Row]) -> list[dict]:
     for (trainer, settings), runs in groups.items():
         entry = {"trainer": trainer, "settings": settings, "seeds": [r.seed for r in runs],
                  "tau_by_seed": [r.heldout_tau for r in runs],
-                 "tokens_per_s_median": float(np.median([r.tokens_per_s for r in runs])), "by_category": {}}
+                 "tokens_per_s_median": float(np.median([r.tokens_per_s for r in runs])),
+                 "time_to_tau_s_median": float(np.median([r.time_to_tau_s for r in runs])), "by_category": {}}
         for category in [None, *categories]:
             mine, strata = _timings(runs, category)
             if not mine.seconds.sum():  # no held-out record of the category has a round within the window
@@ -266,13 +297,13 @@ def summarize(rows: list[Row]) -> list[dict]:
 
 def runs_table(rows: list[Row]) -> str:
     categories = sorted({c for r in rows for c in r.heldout_tau_by_category})
-    head = ["trainer", "settings", "seed", "depth", "tokens/s", "train s", "held-out τ", "τ at its depth", "top-1",
-            *categories]
+    head = ["trainer", "settings", "seed", "depth", "tokens/s", "train s", "time to τ, s", "held-out τ",
+            "τ at its depth", "top-1", *categories]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r.trainer, r.settings, str(r.seed), str(r.depth), f"{r.tokens_per_s:,.0f}", f"{r.train_s:,.1f}",
-            f"{r.heldout_tau:.3f}", "–" if r.tau_at_depth is None else f"{r.tau_at_depth:.3f}", f"{r.heldout_top1:.3f}",
+            f"{r.time_to_tau_s:,.1f}", f"{r.heldout_tau:.3f}", "–" if r.tau_at_depth is None else f"{r.tau_at_depth:.3f}", f"{r.heldout_top1:.3f}",
             *(f"{r.heldout_tau_by_category.get(c, float('nan')):.2f}" for c in categories)]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -288,11 +319,13 @@ def summary_table(summary: list[dict]) -> str:
         return tau
 
     categories = sorted({c for s in summary for c in s["by_category"]})
-    head = ["trainer", "settings", "seeds", "tokens/s (median)", "held-out τ (95 %)", *categories]
+    head = ["trainer", "settings", "seeds", "tokens/s (median)", "time to τ, s (median)", "held-out τ (95 %)",
+            *categories]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summary:
         lines.append("| " + " | ".join([s["trainer"], s["settings"], str(len(s["seeds"])),
-                                        f"{s['tokens_per_s_median']:,.0f}", cell(s),
+                                        f"{s['tokens_per_s_median']:,.0f}", f"{s['time_to_tau_s_median']:,.1f}",
+                                        cell(s),
                                         *(cell(s["by_category"][c]) for c in categories)]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -305,6 +338,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000, help="training steps, every trainer")
     ap.add_argument("--heldout", type=int, default=100, help="records held out (trainer.heldout=per_category)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 of every trainer and setting")
+    ap.add_argument("--curve", type=int, default=5,
+                    help="heads saved and measured per run, evenly spaced, for the time to τ (the last: the final step)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, every trainer")
     ap.add_argument("--trainers", default=",".join(TRAINERS))
     ap.add_argument("--settings", default="matched,defaults",
@@ -335,7 +370,7 @@ def main() -> None:
     summary = summarize(rows)
     text = summary_table(summary) + "\n" + runs_table(rows)
     (out / "peers.json").write_text(json.dumps({"data": args.data, "steps": args.steps, "heldout": args.heldout,
-                                                "seeds": args.seeds, "threads": args.threads,
+                                                "seeds": args.seeds, "curve": curve_steps(args.steps, args.curve), "threads": args.threads,
                                                 "overrides": args.overrides, "summary": summary,
                                                 "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
     (out / "peers.md").write_text(text)

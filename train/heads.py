@@ -76,6 +76,9 @@ class HeadRecipe(Recipe):
         if (d.hidden_states == "files") != (d.hidden_states_dir is not None):
             raise ValueError("drafter.hidden_states=files reads drafter.hidden_states_dir (the folder of an engine's "
                              "hs_{i}.safetensors files), and only it does: set both or neither")
+        if d.hidden_states_tensor_parallel != 1 and (d.hidden_states != "vllm" or d.hidden_states_tensor_parallel < 1):
+            raise ValueError(f"drafter.hidden_states_tensor_parallel is {d.hidden_states_tensor_parallel}: it shards "
+                             "the target over that many vLLM workers, with drafter.hidden_states=vllm only (1 or more)")
         if not d.label_temperature >= 0:
             raise ValueError(f"drafter.label_temperature must be >= 0 (0 = the target's argmax), "
                              f"got {d.label_temperature}")
@@ -170,7 +173,8 @@ class HeadRecipe(Recipe):
                 elif d.hidden_states == "vllm":
                     write_shards_from_vllm(self._training_examples(), self.target,
                                            target_directory(target_source(self.cfg.target)), layers, directory,
-                                           served_dtype=str(self.target.dtype).removeprefix("torch."), **options)
+                                           served_dtype=str(self.target.dtype).removeprefix("torch."),
+                                           tensor_parallel_size=d.hidden_states_tensor_parallel, **options)
                 else:
                     write_shards(self._training_examples(), self.target, layers, directory, **options)
         self.shards = ShardReader(directory)

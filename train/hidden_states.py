@@ -158,10 +158,12 @@ def write_shards_from_vllm(
     shard_tokens: int = 65536,
     max_bytes: int | None = None,
     progress: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> Path:
     """`write_shards`, the features computed by a vLLM server on `target_dir` (eval/engines/vllm.py: started here and
-    ended with the cache), `batch_size` requests in flight; each record's token ids are checked against the ones vLLM
-    wrote. Layer n, vLLM's last layer output before the final norm, goes through `target`'s final norm."""
+    ended with the cache, the target sharded over `tensor_parallel_size` workers), `batch_size` requests in flight;
+    each record's token ids are checked against the ones vLLM wrote. Layer n, vLLM's last layer output before the
+    final norm, goes through `target`'s final norm."""
     from eval.engines import vllm  # only with drafter.hidden_states=vllm
 
     if dtype not in DTYPES:
@@ -177,7 +179,8 @@ def write_shards_from_vllm(
         return [{"hidden": engine_layers(h, layers, n, norm).to(DTYPES[dtype])} for h in states]
 
     with vllm.VllmServer(target_dir, dtype=served_dtype, features=(layers, out_dir.with_name(out_dir.name + ".vllm")),
-                         log_file=out_dir.with_name(out_dir.name + ".vllm.log")) as server:
+                         log_file=out_dir.with_name(out_dir.name + ".vllm.log"),
+                         tensor_parallel_size=tensor_parallel_size) as server:
         return write_example_shards(examples, compute, out_dir,
                                     meta={"layers": list(layers), "dtype": dtype, "hidden_size": target.config.hidden_size,
                                           "engine": f"vllm {vllm.VERSION}"},

@@ -49,6 +49,7 @@ class HeadConfig(DrafterConfig):
     # generation; the files' layers are the head's `layers` and the last one, as the engine was started)
     hidden_states: str = "online"
     hidden_states_dir: Optional[str] = None  # files: the folder of hs_{i}.safetensors files
+    hidden_states_tensor_parallel: int = 1  # vllm: the workers (GPUs) its server shards the target over
     offline_dtype: str = "float16"  # every cached way: the shards' dtype
     offline_max_gib: Optional[float] = 20.0  # every cached way: refuse to start when the shards' estimate is larger
     label_temperature: float = 1.0  # token-loss label: softmax(target logits / T); 0 = the target's argmax (greedy serving)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import signal
@@ -39,6 +40,10 @@ SERVED = f"vLLM {VERSION} (its CPU build, here)"  # the engine `engine=vllm`'s r
 # vLLM's hidden-states connector for a CPU (eval/engines/vllm_plugins/), the only folder put on the server's path.
 PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"
 CONNECTOR = "draftsmith_hidden_states"
+# The connector each kind of server writes hidden states with: vLLM's own where its torch has an accelerator (it copies
+# through a CUDA stream into pinned memory), draftsmith's plugin, which copies from the KV cache directly, where not.
+CONNECTORS = {"stock": {"kv_connector": "ExampleHiddenStatesConnector"},
+              "cpu": {"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": CONNECTOR}}
 
 
 def python() -> Path:
@@ -51,26 +56,46 @@ def available() -> bool:
     return python().exists() and (os.environ.get("DRAFTSMITH_VLLM_PYTHON") or (ENVIRONMENT / ".installed").exists())
 
 
+@functools.cache
+def accelerator() -> bool:
+    """Whether vLLM's environment runs on an accelerator: its own torch sees a GPU (the CPU build's does not)."""
+    done = subprocess.run([str(python()), "-c", "import torch; print(int(torch.cuda.is_available()))"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    if done.returncode:
+        raise RuntimeError(f"{python()} could not import torch: {done.stderr.strip()[-500:]}")
+    return done.stdout.strip().endswith("1")
+
+
 class VllmServer:
     """A vLLM server for `model` (a directory in Hugging Face's layout) on 127.0.0.1, drafting with
     `speculative_config` (vLLM's `--speculative-config`; None: plain decoding). Use as a context manager; it ends with
     its whole process group (the API server, its engine core and its workers).
 
     `kv_cache_gib` is vLLM's CPU KV cache, `threads` the cores its worker binds (vLLM's default on a CPU: one), and
-    `max_model_len` the longest sequence it takes (None: the model's own context). With `features` = (layers, folder)
-    it drafts nothing and writes the hidden states of `layers` (draftsmith's convention, train/hidden_states.py; vLLM's
-    id n is the last layer's output before the final norm) of each request into `folder` (`hidden_states`). Its log goes to `log_file` (a temporary file unless given), whose
-    end an error quotes."""
+    `max_model_len` the longest sequence it takes (None: the model's own context). `tensor_parallel_size` shards the
+    target over that many workers (vLLM's `--tensor-parallel-size`: GPUs, or on a CPU as many processes, each bound to
+    its share of the cores). With `features` = (layers, folder) it drafts nothing and writes the hidden states of
+    `layers` (draftsmith's convention, train/hidden_states.py; vLLM's id n is the last layer's output before the final
+    norm) of each request into `folder` (`hidden_states`), through `connector` (CONNECTORS; None: vLLM's own where its
+    environment has an accelerator, else draftsmith's CPU one). Its log goes to `log_file` (a temporary file unless
+    given), whose end an error quotes."""
 
     def __init__(self, model: str | Path, *, speculative_config: dict | None = None, dtype: str = "float32",
                  max_model_len: int | None = None, kv_cache_gib: float = 1.0, threads: int | None = None,
                  timeout: float = 600.0, log_file: str | Path | None = None,
-                 features: tuple[list[int], Path] | None = None) -> None:
+                 features: tuple[list[int], Path] | None = None, tensor_parallel_size: int = 1,
+                 connector: str | None = None) -> None:
         if features is not None and speculative_config is not None:
             raise ValueError("a server writes hidden states (vLLM's extract_hidden_states method) or drafts, not both")
+        if connector is not None and connector not in CONNECTORS:
+            raise ValueError(f"connector must be one of {sorted(CONNECTORS)} (or None: chosen by the device), got "
+                             f"{connector!r}")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
         self.model, self.speculative_config, self.dtype = str(model), speculative_config, dtype
         self.max_model_len, self.kv_cache_gib, self.threads = max_model_len, kv_cache_gib, threads
         self.timeout, self.log_file, self.features = timeout, log_file, features
+        self.tensor_parallel_size, self._connector = tensor_parallel_size, connector
         self.process: subprocess.Popen | None = None
         self._temporary_log: Path | None = None
 
@@ -79,6 +104,8 @@ class VllmServer:
                "--port", str(port), "--dtype", self.dtype, "--enforce-eager", "--seed", "0"]
         if self.max_model_len is not None:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.tensor_parallel_size > 1:  # its workers as processes, on a CPU as on one node's GPUs
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size), "--distributed-executor-backend", "mp"]
         if self.speculative_config is not None:
             cmd += ["--speculative-config", json.dumps(self.speculative_config)]
         if self.features is not None:
@@ -87,17 +114,29 @@ class VllmServer:
                         {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                          "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}}),
                     "--kv-transfer-config", json.dumps(
-                        {"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": CONNECTOR,
-                         "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}),
+                        {**CONNECTORS[self.connector], "kv_role": "kv_producer",
+                         "kv_connector_extra_config": {"shared_storage_path": str(storage)}}),
                     "--no-enable-prefix-caching"]  # a cached prefix is not recomputed: its states would not be written
         return cmd
+
+    @property
+    def connector(self) -> str:
+        """The hidden-states connector it writes features with: the one given, else chosen by vLLM's device."""
+        if self._connector is None:
+            self._connector = "stock" if accelerator() else "cpu"
+        return self._connector
 
     def environment(self) -> dict[str, str]:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}"}
         # draftsmith's environment's packages would shadow vLLM's own transformers: only the connector's folder.
         env["PYTHONPATH"] = str(PLUGINS)
-        if self.threads is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if self.threads == 1 else f"0-{self.threads - 1}"
+        ranks = self.tensor_parallel_size
+        if self.threads is not None or ranks > 1:
+            # its CPU workers' cores, a range each, `|` between ranks (vLLM binds one NUMA node a rank unless told)
+            cores = self.threads or os.cpu_count() or ranks
+            share = max(1, cores // ranks)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(r * share) if share == 1 else f"{r * share}-{(r + 1) * share - 1}" for r in range(ranks))
         return env
 
     @property
@@ -123,9 +162,9 @@ class VllmServer:
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                tail = self.tail()
+                tail, code = self.tail(), self.process.returncode
                 self.__exit__(None, None, None)
-                raise RuntimeError(f"vLLM exited with code {self.process.returncode} while loading {self.model}"
+                raise RuntimeError(f"vLLM exited with code {code} while loading {self.model}"
                                    + (f" with {self.speculative_config}" if self.speculative_config else "")
                                    + f"; the end of its log:\n{tail}")
             try:

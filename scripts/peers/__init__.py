@@ -47,6 +47,18 @@ def rung_settings(name: str, matched: dict, rungs: dict) -> dict:
     return {key: matched[key] for key in keys if key in matched}
 
 
+def curve_steps(steps: int, points: int) -> list[int]:
+    """The steps each trainer saves its head at for the time to τ: `points` of them evenly spaced, the last one the
+    final step."""
+    every = max(1, steps // max(1, points))
+    return sorted({*range(every, steps, every), steps})
+
+
+def elapsed_at(step_seconds: list[float], steps: list[int]) -> list[float]:
+    """The training seconds up to and including each of `steps` (1-based), from each step's seconds."""
+    return [round(sum(step_seconds[:s]), 2) for s in steps]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from peers import free_port, on_cpu, on_path, pin_threads, run_peer
+from peers import elapsed_at, free_port, on_cpu, on_path, pin_threads, run_peer
 
 DEFAULTS = {"lr": 1e-4, "warmup_ratio": 0.015, "schedule": "cosine", "ttt_length": 7, "ttt_decay": 0.8,
             "max_grad_norm": 0.5, "max_length": 2048, "torch_dtype": "bfloat16", "vocabulary": "own"}
@@ -114,8 +114,9 @@ def _warm_start(draft, referee, d2t: torch.Tensor, out: Path, seed: int) -> Path
 
 
 def train(data: Path, referee, out: Path, steps: int, settings: dict, batch_size: int, seed: int,
-          threads: int) -> dict:
-    """`specforge train` in a subprocess; its draft config is SpecForge's own for the target, with the target's RoPE,
+          threads: int, saves: list[int]) -> dict:
+    """`specforge train` in a subprocess, saving its checkpoint at each of `saves` (evenly spaced: its
+    `save_interval`); its draft config is SpecForge's own for the target, with the target's RoPE,
     the draft vocabulary's size and the auxiliary layers (SGLang's convention, one lower than draftsmith's) set.
     SpecForge copies the target's `rope_theta` and `rope_scaling`; transformers 5 keeps the base inside
     `rope_parameters` and has no `rope_theta`, but answers `rope_scaling` with `rope_parameters`, so the copy carries
@@ -158,7 +159,7 @@ def train(data: Path, referee, out: Path, steps: int, settings: dict, batch_size
                 "num_epochs": math.ceil(steps / max(1, len(records) // batch_size)),  # else capped by the data
                 "batch_size": batch_size, "learning_rate": s["lr"], "lr_scheduler": s["schedule"],
                 "warmup_ratio": warmup, "max_grad_norm": s["max_grad_norm"], "ttt_length": s["ttt_length"],
-                "fsdp_sharding": "NO_SHARD", "log_interval": 1, "seed": seed}
+                "fsdp_sharding": "NO_SHARD", "log_interval": 1, "save_interval": saves[0], "seed": seed}
     if on_cpu():  # flex attention has no backward on a CPU; with a GPU SpecForge picks its own backend
         training["attention_backend"] = "sdpa"
     run = {"run_id": "bench-peers", "output_dir": str(out / "run"), "model": model,
@@ -178,9 +179,15 @@ def train(data: Path, referee, out: Path, steps: int, settings: dict, batch_size
     # its logger prints `step N: {metrics}`, a Python dict's repr (training/assembly.py)
     logged = [ast.literal_eval(m) for m in re.findall(r"^step \d+: (\{.*\})$", (out / "train.log").read_text(), re.M)]
     tokens = [int(line) for line in (out / "tokens.txt").read_text().split()][:steps]  # one line a step's batch
-    checkpoints = sorted((out / "run").glob("*-step*"), key=lambda p: int(p.name.rsplit("-step", 1)[1]))
-    return {"wall_s": wall, "train_s": sum(m["perf/optimizer_step_time_s"] for m in logged), "tokens": sum(tokens),
-            "checkpoint": checkpoints[-1], "final_loss": logged[-1]["loss"] if logged else None}
+    checkpoints = {int(p.name.rsplit("-step", 1)[1]): p for p in (out / "run").glob("*-step*")}
+    missing = sorted(set(saves) - set(checkpoints))
+    if missing:
+        raise SystemExit(f"specforge saved no checkpoint at steps {missing} (it saved {sorted(checkpoints)}): "
+                         f"{out / 'train.log'}")
+    seconds = [m["perf/optimizer_step_time_s"] for m in logged]
+    return {"wall_s": wall, "train_s": sum(seconds), "tokens": sum(tokens), "checkpoint": checkpoints[steps],
+            "curve": [[step, at, str(checkpoints[step])] for step, at in zip(saves, elapsed_at(seconds, saves))],
+            "final_loss": logged[-1]["loss"] if logged else None}
 
 
 def export(checkpoint: Path, referee, out: Path) -> Path:

@@ -16,11 +16,12 @@ import json
 import logging
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
 
-from peers import on_cpu, on_path, pin_threads, run_peer
+from peers import elapsed_at, on_cpu, on_path, pin_threads, run_peer
 
 # On a CPU: SDPA attention (flex attention has no backward on a CPU; eager materialises the scores: 3x slower) and
 # the eager losses (the fused ones need Triton). Everywhere: no vLLM server for missing features, and the same
@@ -107,7 +108,9 @@ def _flags(options: dict) -> list[str]:
 
 
 def train(data: Path, referee, out: Path, steps: int, settings: dict, batch_size: int, seed: int,
-          threads: int) -> dict:
+          threads: int, saves: list[int]) -> dict:
+    """`speculators train` in a subprocess, its model saved after each of `saves` as checkpoints/step{N} (main's
+    hook: its own checkpoints are one a epoch, each over the last)."""
     import datasets
 
     on_path("speculators")
@@ -132,15 +135,20 @@ def train(data: Path, referee, out: Path, steps: int, settings: dict, batch_size
                "checkpoint_freq": epochs, "save_path": str(out / "checkpoints"), "log_dir": str(out / "logs")}
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    env = {"BENCH_PEERS_METRICS": str(metrics)}
+    env = {"BENCH_PEERS_METRICS": str(metrics), "BENCH_PEERS_SAVE_AT": ",".join(map(str, saves[:-1]))}
     wall = run_peer("speculators", _flags(options), env, out / "train.log", threads,
                     drop=("LOCAL_RANK", "RANK", "WORLD_SIZE"))
     logged = [m for m in map(json.loads, metrics.read_text().splitlines()) if "train" in m]
     checkpoint = max((d for d in (out / "checkpoints").iterdir() if d.name.isdigit() and not d.is_symlink()),
                      key=lambda d: int(d.name))
-    return {"wall_s": wall, "train_s": sum(m["profile"]["step_ms"] for m in logged) / 1000,
-            "tokens": sum(m["profile"]["tokens"] for m in logged), "checkpoint": checkpoint,
-            "final_loss": logged[-1]["train"]["loss"] if logged else None}
+    # A save after step n runs once the step's clock has stopped and before the next step's starts: that step's
+    # time holds it, taken out here.
+    saved = [0.0] + [m.get("save_s", 0.0) for m in logged]
+    seconds = [m["profile"]["step_ms"] / 1000 - saved[i] for i, m in enumerate(logged)]
+    curve = [[step, at, str(checkpoint if step == steps else out / "checkpoints" / f"step{step}")]
+             for step, at in zip(saves, elapsed_at(seconds, saves))]
+    return {"wall_s": wall, "train_s": sum(seconds), "tokens": sum(m["profile"]["tokens"] for m in logged),
+            "checkpoint": checkpoint, "curve": curve, "final_loss": logged[-1]["train"]["loss"] if logged else None}
 
 
 def export(checkpoint: Path, referee, out: Path) -> Path:
@@ -162,19 +170,26 @@ def export(checkpoint: Path, referee, out: Path) -> Path:
 
 class _MetricLines(logging.Handler):
     """speculators' per-step metric dicts (its "speculators.metrics" logger), one JSON line each, with the step's
-    tokens (its profile's own count: tokens_per_s × step_ms)."""
+    tokens (its profile's own count: tokens_per_s × step_ms). After each step in `save_at` (1-based) the trainer's
+    model is saved to checkpoints/step{N} by its own checkpointer, and the seconds that took are on the line."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, save_at: set[int]) -> None:
         super().__init__()
-        self.path = path
+        self.path, self.save_at, self.trainer = path, save_at, None
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.msg
         if isinstance(message, dict) and "train" in message and message.get("profile"):
             profile = message["profile"]
             profile = {**profile, "tokens": round(profile["tokens_per_s"] * profile["step_ms"] / 1000)}
+            line = {**message, "profile": profile}
+            step = message["global_step"] + 1
+            if step in self.save_at:
+                started = time.perf_counter()
+                self.trainer.checkpointer.save_checkpoint(self.trainer.model, self.trainer.optimizers, f"step{step}")
+                line["save_s"] = time.perf_counter() - started
             with open(self.path, "a") as f:
-                f.write(json.dumps({**message, "profile": profile}, default=str) + "\n")
+                f.write(json.dumps(line, default=str) + "\n")
 
 
 def main(argv: list[str]) -> int:
@@ -198,13 +213,23 @@ def main(argv: list[str]) -> int:
             self.device_type = "cpu"
 
         trainer.Trainer.__init__ = init_on_cpu
-    # Not a CPU fix: each step's metrics (its "speculators.metrics" logger) kept for bench_peers.
+    # Not a CPU fix: each step's metrics (its "speculators.metrics" logger) kept for bench_peers, and the model
+    # saved at the time-to-τ curve's steps.
+    lines = _MetricLines(os.environ["BENCH_PEERS_METRICS"],
+                         {int(s) for s in os.environ.get("BENCH_PEERS_SAVE_AT", "").split(",") if s})
     setup = cli.setup_metric_logger
 
     def setup_and_keep(*args, **kwargs):
         setup(*args, **kwargs)
-        logging.getLogger("speculators.metrics").addHandler(_MetricLines(os.environ["BENCH_PEERS_METRICS"]))
+        logging.getLogger("speculators.metrics").addHandler(lines)
 
     cli.setup_metric_logger = setup_and_keep
+    init_trainer = trainer.Trainer.__init__
+
+    def init_and_keep(self, *args, **kwargs):
+        init_trainer(self, *args, **kwargs)
+        lines.trainer = self
+
+    trainer.Trainer.__init__ = init_and_keep
     cli.main(TrainConfig.resolve(argv))
     return 0

@@ -25,7 +25,7 @@ def bench(tiny_world, tmp_path_factory):
     out = tmp_path_factory.mktemp("peers")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--data",
                            str(world / "company_logs" / "train.jsonl"), "--steps", "3", "--heldout", "6", "--seeds",
-                           "2", "--threads", "1", "--settings", "defaults,matched,target-head", "--out",
+                           "2", "--curve", "3", "--threads", "1", "--settings", "defaults,matched,target-head", "--out",
                            str(out), "--overrides", "experiment=smoke", "target=tiny_deep",
                            "trainer.max_length=128"],  # shorter than some records: features of their first 128 tokens
                           capture_output=True, text=True)
@@ -49,6 +49,12 @@ def test_every_trainer_and_setting_writes_a_row_measured_on_the_same_held_out_re
         assert [c for c, _, _ in r["rounds"]] == held["category"]
         tokens, rounds = (sum(x[i] for x in r["rounds"]) for i in (1, 2))
         assert abs(tokens / rounds - r["heldout_tau"]) < 1e-3
+        # the time to τ: a head saved at each curve step, each measured by the referee, the last the final head
+        steps, seconds, taus = zip(*r["curve"])
+        assert list(steps) == [1, 2, 3] and list(seconds) == sorted(seconds) and 0 < seconds[0]
+        assert abs(seconds[-1] - r["train_s"]) < 0.05 and taus[-1] == r["heldout_tau"]
+        assert r["time_to_tau_s"] == next(t for t, x in zip(seconds, taus) if x >= 0.95 * taus[-1])
+        assert all(1.0 <= x <= 5.0 for x in taus)
     # The referee's replay of draftsmith's head is the number its own run logged at its last step.
     metrics = [json.loads(line) for line in (out / "draftsmith-recipe-s0" / "metrics.jsonl").read_text().splitlines()]
     assert round(metrics[-1]["heldout_tau_greedy"], 4) == rows[0]["heldout_tau"]
@@ -91,6 +97,11 @@ def test_every_trainer_and_setting_writes_a_row_measured_on_the_same_held_out_re
             assert all(f["tau"] is None or f["draftsmith"] in ("win", "tie", "loss") for f in s["by_category"].values())
     text = (out / "peers.md").read_text()
     assert "| speculators | defaults | 1 | 3 |" in text and "peers.md" in stdout
+    # every trainer's earlier heads are its own: draftsmith's checkpoint, SpecForge's and speculators' exports
+    for run, name in (("draftsmith-recipe-s0", "curve/step-000001"), ("specforge-matched-s0", "export-step1"),
+                      ("speculators-matched-s0", "export-step2")):
+        assert (out / run / name / "config.json").exists(), (run, name)
+    assert (out / "speculators-matched-s0" / "checkpoints" / "step1").is_dir()
 
 
 def test_the_ladder_adds_one_group_at_a_time_the_learning_rate_first():

@@ -271,6 +271,8 @@ def test_head_config_errors_are_clear(tiny_world, tmp_path):
         train(smoke(tmp_path, "drafter=eagle", "drafter.hidden_states=disk"))
     with pytest.raises(ValueError, match="drafter.hidden_states=files reads drafter.hidden_states_dir"):
         train(smoke(tmp_path, "drafter=eagle", "drafter.hidden_states=files"))
+    with pytest.raises(ValueError, match="drafter.hidden_states_tensor_parallel is 2: it shards the target over"):
+        train(smoke(tmp_path, "drafter=eagle", "drafter.hidden_states=offline", "drafter.hidden_states_tensor_parallel=2"))
     with pytest.raises(ValueError, match="layer indices must be in 0..2"):
         train(smoke(tmp_path, "drafter=eagle", "drafter.layers=[0,1,3]"))
     with pytest.raises(ValueError, match="drafter.label_temperature must be >= 0"):

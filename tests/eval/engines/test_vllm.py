@@ -288,6 +288,49 @@ def test_features_from_vllm_are_pytorchs(world, tmp_path):
             assert error <= 1e-4, (i, layer, error)
 
 
+def test_features_from_a_target_sharded_over_two_vllm_workers_are_pytorchs(world, tmp_path):
+    """Tensor parallelism, as a target beyond one GPU is served: vLLM shards the target over two workers (on a CPU two
+    processes, a core each) and the features its first rank writes are still PyTorch's within 1e-4 relative."""
+    examples = [Example(f"r{i}", "c", p + a, [0] * len(p) + [1] * len(a))
+                for i, (p, a) in enumerate(zip(world["prompts"][:4], world["greedy"][:4]))]
+    layers = [1, 2, 4]
+    ours = ShardReader(write_shards(examples, world["target"], layers, tmp_path / "torch", dtype="float32").parent)
+    theirs = ShardReader(write_shards_from_vllm(examples, world["target"], world["dir"], layers, tmp_path / "vllm",
+                                                dtype="float32", batch_size=2, tensor_parallel_size=2).parent)
+    log = (tmp_path / "vllm.vllm.log").read_text()
+    assert "tensor_parallel_size=2" in log and "world_size=2" in log
+    for i in range(len(examples)):
+        for j, layer in enumerate(layers):
+            a, b = theirs[i]["hidden"][:, j], ours[i]["hidden"][:, j]
+            assert float((a - b).norm() / b.norm()) <= 1e-4, (i, layer)
+
+
+def test_the_hidden_states_connector_is_vllms_own_on_an_accelerator_and_draftsmiths_on_a_cpu(monkeypatch, tmp_path):
+    """vLLM's own connector copies through a CUDA stream into pinned memory, which a CPU build refuses: the server
+    takes it where vLLM's torch has an accelerator, draftsmith's CPU connector (its plugin module) where it has none
+    (this machine's), and shards the target with its workers as processes."""
+    assert vllm.accelerator() is torch.cuda.is_available()  # vLLM's environment sees this machine's devices
+
+    def transfer(server) -> dict:
+        cmd = server.command(8000)
+        return json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+
+    for seen, expected in ((True, {"kv_connector": "ExampleHiddenStatesConnector"}),
+                           (False, {"kv_connector": "CpuHiddenStatesConnector",
+                                    "kv_connector_module_path": vllm.CONNECTOR})):
+        monkeypatch.setattr(vllm, "accelerator", lambda seen=seen: seen)
+        config = transfer(vllm.VllmServer("m", features=([1, 2], tmp_path)))
+        assert {k: config[k] for k in config if k.startswith("kv_connector") and k != "kv_connector_extra_config"} \
+            == expected
+        assert config["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
+    server = vllm.VllmServer("m", features=([1, 2], tmp_path), tensor_parallel_size=2, connector="stock")
+    cmd = server.command(8000)
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2" and "--distributed-executor-backend" in cmd
+    assert server.environment()["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1  # a core range for each worker
+    with pytest.raises(ValueError, match="connector must be one of"):
+        vllm.VllmServer("m", connector="gpu")
+
+
 def test_speculators_files_that_vllm_wrote_read_into_pytorchs_feature_cache(world, tmp_path):
     """A folder as speculators' data generation leaves it: each request's file from vLLM's connector moved to
     hs_{i}.safetensors (speculators' own FileTransfer reads each back), read by drafter.hidden_states=files into a cache
