@@ -13,9 +13,9 @@ needs apply only where no accelerator is present, and no installed file of a pee
 One referee measures every head, draftsmith's included: held-out greedy τ replayed on the same held-out records
 (`train/heads.py` `evaluate_heldout`, the number `bench_data_scaling.py` fits) at the recipe's k, and at the depth the
 head was trained for where that differs, at each head's final step. Each trainer and setting runs `--seeds` seeds;
-τ is pooled over them, with a 95 % interval that resamples the held-out records within each category
-(eval/compare.py's method, each record keeping all its seeds), and each peer's τ is set against draftsmith's the same
-way, paired record by record: a ratio whose interval holds 1 is a tie.
+τ is pooled over them, with a 95 % interval that resamples each trainer's seeds and the held-out records within each
+category (`bootstrap`), and each peer's τ is set against draftsmith's the same way, the records paired: a ratio whose
+interval holds 1 is a tie. `--summarize runs/.../peers.json` summarizes a finished run's rows again.
 
 The peers' settings: `defaults` (their own; only the steps, the records per step and the draft vocabulary's size set),
 the rungs towards `matched` one group at a time (`+lr`, `+schedule`, `+ttt`; scripts/peers/__init__.py LADDER),
@@ -242,22 +242,45 @@ def train_peer(name: str, settings: str, seed: int, args, referee: Referee, out:
 # --- seeds, intervals, verdicts ------------------------------------------------------------------------------------
 
 
-def _timings(rows: list[Row], category: str | None):
-    """A trainer and setting's held-out replay as eval.compare reads timings: tokens and rounds (in place of seconds)
-    of shape (seeds, records), so that its pooled ratio is τ pooled over seeds and records."""
-    from eval.compare import Timings
+RESAMPLES = 4000  # bootstrap draws of the intervals
 
+
+def _replays(rows: list[Row], category: str | None) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """A trainer and setting's held-out replay: tokens and rounds of each seed (rows) and held-out record (columns),
+    the records of `category` (None: all), and each record's category."""
     keep = [i for i, (c, _, _) in enumerate(rows[0].rounds) if category in (None, c)]
     tokens = np.array([[r.rounds[i][1] for i in keep] for r in rows], dtype=float)
     rounds = np.array([[r.rounds[i][2] for i in keep] for r in rows], dtype=float)
-    return Timings(tokens, rounds), [rows[0].rounds[i][0] for i in keep]
+    return tokens, rounds, [rows[0].rounds[i][0] for i in keep]
+
+
+def bootstrap(mine: tuple, strata: list[str], base: tuple | None = None, *, resamples: int = RESAMPLES,
+              level: float = 0.95, seed: int = 0) -> tuple[float, list[float]]:
+    """τ pooled over seeds and records (tokens over rounds), or with `base` base's τ over mine, and its `level`
+    interval. Each draw resamples the seeds of each trainer apart (with replacement: a seed that did well or badly
+    counts as the chance it is) and the held-out records within each category, the same records for both (paired)."""
+    rng = np.random.default_rng(seed)
+    groups = [np.flatnonzero(np.asarray(strata) == s) for s in dict.fromkeys(strata)]
+    records = np.concatenate([rng.choice(g, size=(resamples, len(g))) for g in groups], axis=1)
+
+    def tau(tokens: np.ndarray, rounds: np.ndarray) -> tuple[float, np.ndarray]:
+        picks = rng.integers(0, len(tokens), size=(resamples, len(tokens)))
+        weight = np.stack([np.bincount(p, minlength=len(tokens)) for p in picks])  # (R, seeds): times each is drawn
+        drawn = [(weight * x[:, records].sum(-1).T).sum(1) for x in (tokens, rounds)]  # (R,) each
+        return float(tokens.sum() / rounds.sum()), drawn[0] / drawn[1]
+
+    point, draws = tau(*mine)
+    if base is not None:
+        theirs, theirs_draws = tau(*base)
+        point, draws = theirs / point, theirs_draws / draws
+    low, high = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+    return point, [float(low), float(high)]
 
 
 def summarize(rows: list[Row]) -> list[dict]:
     """Per trainer and setting: τ pooled over its seeds with its interval, over all traffic and per category, and
-    against draftsmith's recipe (the τ ratio, its interval and win / tie / loss for draftsmith)."""
-    from eval.compare import compare
-
+    against draftsmith's recipe (the τ ratio, its interval and win / tie / loss for draftsmith); the intervals hold
+    the seeds' spread and the held-out records' (`bootstrap`)."""
     groups: dict[tuple[str, str], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.trainer, r.settings), []).append(r)
@@ -270,20 +293,17 @@ def summarize(rows: list[Row]) -> list[dict]:
                  "tokens_per_s_median": float(np.median([r.tokens_per_s for r in runs])),
                  "time_to_tau_s_median": float(np.median([r.time_to_tau_s for r in runs])), "by_category": {}}
         for category in [None, *categories]:
-            mine, strata = _timings(runs, category)
-            if not mine.seconds.sum():  # no held-out record of the category has a round within the window
+            tokens, rounds, strata = _replays(runs, category)
+            if not rounds.sum():  # no held-out record of the category has a round within the window
                 entry["by_category"][category] = {"tau": None, "interval": []}
                 continue
-            unit = type(mine)(np.ones_like(mine.tokens), np.ones_like(mine.tokens))  # τ = 1: the ratio is τ itself
-            tau = compare(mine, unit, strata)
-            figures = {"tau": round(tau.ratio, 4), "interval": [round(x, 4) for x in tau.interval or []]}
+            tau, interval = bootstrap((tokens, rounds), strata)
+            figures = {"tau": round(tau, 4), "interval": [round(x, 4) for x in interval]}
             if base is not None and trainer != "draftsmith":
-                theirs, _ = _timings(base, category)
-                vs = compare(theirs, mine, strata)  # the same seeds and records: paired record by record
-                figures.update({"draftsmith_over_this": round(vs.ratio, 4),
-                                "draftsmith_over_this_interval": [round(x, 4) for x in vs.interval or []],
-                                "draftsmith": {"faster": "win", "slower": "loss", "tied": "tie"}.get(vs.verdict,
-                                                                                                   vs.verdict)})
+                ratio, (low, high) = bootstrap((tokens, rounds), strata, _replays(base, category)[:2])
+                figures.update({"draftsmith_over_this": round(ratio, 4),
+                                "draftsmith_over_this_interval": [round(low, 4), round(high, 4)],
+                                "draftsmith": "win" if low > 1 else "loss" if high < 1 else "tie"})
             if category is None:
                 entry.update(figures)
             else:
@@ -330,11 +350,26 @@ def summary_table(summary: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_tables(out: Path, rows: list[Row], summary: list[dict]) -> str:
+    text = summary_table(summary) + "\n" + runs_table(rows)
+    (out / "peers.md").write_text(text)
+    return text
+
+
+def resummarize(path: Path) -> int:
+    report = json.loads(path.read_text())
+    rows = [Row(**r) for r in report["rows"]]
+    report["summary"] = summarize(rows)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(write_tables(path.parent, rows, report["summary"]) + f"written: {path}, {path.parent / 'peers.md'}")
+    return 0
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "_peer":  # the training subprocess of one peer
         raise SystemExit(PEERS[sys.argv[2]].main(sys.argv[3:]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", required=True, help="JSONL records with answers (a prepared regenerated.jsonl)")
+    ap.add_argument("--data", help="JSONL records with answers (a prepared regenerated.jsonl); required to train")
     ap.add_argument("--steps", type=int, default=1000, help="training steps, every trainer")
     ap.add_argument("--heldout", type=int, default=100, help="records held out (trainer.heldout=per_category)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 of every trainer and setting")
@@ -348,7 +383,14 @@ def main() -> None:
     ap.add_argument("--data-cache", default=None, help="the records' and features' cache (default: <out>/data); "
                                                        "another run's, to train on exactly its records")
     ap.add_argument("--overrides", nargs="*", default=[], help="Hydra overrides of draftsmith's recipe")
+    ap.add_argument("--summarize", metavar="PEERS_JSON", default=None,
+                    help="summarize the rows of a peers.json again (its tables rewritten beside it); nothing trained "
+                         "or measured")
     args = ap.parse_args()
+    if args.summarize:
+        raise SystemExit(resummarize(Path(args.summarize)))
+    if not args.data:
+        ap.error("--data is required (or --summarize a finished run's peers.json)")
     out = Path(args.out).resolve()
     trainers = [t for t in args.trainers.split(",") if t]
     settings = [s for s in args.settings.split(",") if s]
@@ -368,12 +410,11 @@ def main() -> None:
     rows += [train_peer(name, s, seed, args, referee, out) for name in trainers if name != "draftsmith"
              for s in settings if s not in CONTROLS or name in CONTROLS[s] for seed in seeds]
     summary = summarize(rows)
-    text = summary_table(summary) + "\n" + runs_table(rows)
     (out / "peers.json").write_text(json.dumps({"data": args.data, "steps": args.steps, "heldout": args.heldout,
                                                 "seeds": args.seeds, "curve": curve_steps(args.steps, args.curve), "threads": args.threads,
                                                 "overrides": args.overrides, "summary": summary,
                                                 "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
-    (out / "peers.md").write_text(text)
+    text = write_tables(out, rows, summary)
     print(text + f"written: {out / 'peers.json'}, {out / 'peers.md'}")
 
 

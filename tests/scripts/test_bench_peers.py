@@ -102,6 +102,36 @@ def test_every_trainer_and_setting_writes_a_row_measured_on_the_same_held_out_re
                       ("speculators-matched-s0", "export-step2")):
         assert (out / run / name / "config.json").exists(), (run, name)
     assert (out / "speculators-matched-s0" / "checkpoints" / "step1").is_dir()
+    # --summarize gives the same summary from the rows alone, nothing trained or measured again
+    copy = out / "again" / "peers.json"
+    copy.parent.mkdir()
+    copy.write_text((out / "peers.json").read_text())
+    again = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "--summarize", str(copy)],
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(copy.read_text())["summary"] == report["summary"]
+    assert (copy.parent / "peers.md").read_text() == text
+
+
+def test_the_interval_holds_the_seeds_spread_as_well_as_the_records():
+    """A trainer whose seeds disagree gets a wider interval than one whose seeds agree on the same records; a
+    trainer against itself is a tie at 1; one that keeps more on every record of every seed wins."""
+    sys.path.insert(1, str(ROOT / "scripts"))
+    import bench_peers
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    strata = ["a"] * 20 + ["b"] * 20
+    rounds = rng.integers(10, 30, size=(3, 40)).astype(float)
+    steady = rounds * 3.0 + rng.normal(0, 1, size=(3, 40))
+    apart = steady * np.array([[0.8], [1.0], [1.2]])  # the same records, seeds that disagree
+    _, narrow = bench_peers.bootstrap((steady, rounds), strata)
+    _, wide = bench_peers.bootstrap((apart, rounds), strata)
+    assert wide[1] - wide[0] > 3 * (narrow[1] - narrow[0])
+    ratio, (low, high) = bench_peers.bootstrap((steady, rounds), strata, (steady, rounds))
+    assert ratio == 1.0 and low <= 1 <= high
+    ratio, (low, high) = bench_peers.bootstrap((steady, rounds), strata, (steady * 1.1, rounds))
+    assert abs(ratio - 1.1) < 1e-9 and low > 1
 
 
 def test_the_ladder_adds_one_group_at_a_time_the_learning_rate_first():
