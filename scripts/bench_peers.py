@@ -72,7 +72,8 @@ class Row:
     tau_at_depth: float | None  # the same replay at `depth`, where it differs from the recipe's k
     rounds: list             # [category, tokens, rounds] of each held-out record at the recipe's k
     curve: list              # [step, train seconds up to it, held-out τ] at each of the curve's steps
-    time_to_tau_s: float     # train seconds until the held-out τ first reaches 95 % of its final value
+    time_to_tau_s: float | None  # train seconds until the held-out τ first reaches 95 % of its final value (None:
+    #                              a curve of the final step alone, --curve 1)
     head: str                # the head measured: the trainer's export (a draftsmith head for draftsmith)
     notes: dict = field(default_factory=dict)
 
@@ -189,8 +190,11 @@ class Referee:
                    curve, time_to_tau(curve), run["head"], notes)
 
 
-def time_to_tau(curve: list, share: float = 0.95) -> float:
-    """The training seconds at the first saved step whose held-out τ reaches `share` of the final step's."""
+def time_to_tau(curve: list, share: float = 0.95) -> float | None:
+    """The training seconds at the first saved step whose held-out τ reaches `share` of the final step's (None where
+    only the final step was saved)."""
+    if len(curve) < 2:
+        return None
     final = curve[-1][2]
     return next(seconds for _, seconds, tau in curve if tau >= share * final)
 
@@ -291,7 +295,8 @@ def summarize(rows: list[Row]) -> list[dict]:
         entry = {"trainer": trainer, "settings": settings, "seeds": [r.seed for r in runs],
                  "tau_by_seed": [r.heldout_tau for r in runs],
                  "tokens_per_s_median": float(np.median([r.tokens_per_s for r in runs])),
-                 "time_to_tau_s_median": float(np.median([r.time_to_tau_s for r in runs])), "by_category": {}}
+                 "time_to_tau_s_median": None if None in (times := [r.time_to_tau_s for r in runs])
+                 else float(np.median(times)), "by_category": {}}
         for category in [None, *categories]:
             tokens, rounds, strata = _replays(runs, category)
             if not rounds.sum():  # no held-out record of the category has a round within the window
@@ -323,7 +328,7 @@ def runs_table(rows: list[Row]) -> str:
     for r in rows:
         lines.append("| " + " | ".join([
             r.trainer, r.settings, str(r.seed), str(r.depth), f"{r.tokens_per_s:,.0f}", f"{r.train_s:,.1f}",
-            f"{r.time_to_tau_s:,.1f}", f"{r.heldout_tau:.3f}", "–" if r.tau_at_depth is None else f"{r.tau_at_depth:.3f}", f"{r.heldout_top1:.3f}",
+            "–" if r.time_to_tau_s is None else f"{r.time_to_tau_s:,.1f}", f"{r.heldout_tau:.3f}", "–" if r.tau_at_depth is None else f"{r.tau_at_depth:.3f}", f"{r.heldout_top1:.3f}",
             *(f"{r.heldout_tau_by_category.get(c, float('nan')):.2f}" for c in categories)]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -344,7 +349,8 @@ def summary_table(summary: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summary:
         lines.append("| " + " | ".join([s["trainer"], s["settings"], str(len(s["seeds"])),
-                                        f"{s['tokens_per_s_median']:,.0f}", f"{s['time_to_tau_s_median']:,.1f}",
+                                        f"{s['tokens_per_s_median']:,.0f}",
+                                        "–" if s["time_to_tau_s_median"] is None else f"{s['time_to_tau_s_median']:,.1f}",
                                         cell(s),
                                         *(cell(s["by_category"][c]) for c in categories)]) + " |")
     return "\n".join(lines) + "\n"

@@ -211,3 +211,13 @@ def test_speculators_reads_the_features_and_predictions_draftsmith_trained_on(be
         torch.testing.assert_close(post, hidden[:, 3].float(), atol=2e-2, rtol=1e-2)  # fp16 features
         trained = torch.tensor(rows[i]["loss_mask"][: hidden.shape[0]]).bool()
         assert torch.equal(item["loss_mask"][:-1].bool(), trained[1:]) and not item["loss_mask"][-1]
+
+
+def test_time_to_tau_is_the_first_saved_step_within_95_percent_of_the_final_one():
+    sys.path.insert(1, str(ROOT / "scripts"))
+    import bench_peers
+
+    curve = [[20, 10.0, 1.10], [40, 20.0, 1.27], [60, 30.0, 1.20], [80, 40.0, 1.33]]
+    assert bench_peers.time_to_tau(curve) == 20.0  # 1.27 >= 0.95 × 1.33
+    assert bench_peers.time_to_tau(curve[-1:]) is None  # --curve 1: the final step alone says nothing
+    assert bench_peers.curve_steps(100, 5) == [20, 40, 60, 80, 100] and bench_peers.curve_steps(3, 5) == [1, 2, 3]
