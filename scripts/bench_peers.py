@@ -417,7 +417,8 @@ def main() -> None:
              for s in settings if s not in CONTROLS or name in CONTROLS[s] for seed in seeds]
     summary = summarize(rows)
     (out / "peers.json").write_text(json.dumps({"data": args.data, "steps": args.steps, "heldout": args.heldout,
-                                                "seeds": args.seeds, "curve": curve_steps(args.steps, args.curve), "threads": args.threads,
+                                                "seeds": args.seeds, "curve": curve_steps(args.steps, args.curve),
+                                                "threads": args.threads,
                                                 "overrides": args.overrides, "summary": summary,
                                                 "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
     text = write_tables(out, rows, summary)

@@ -76,7 +76,7 @@ class HeadRecipe(Recipe):
         if (d.hidden_states == "files") != (d.hidden_states_dir is not None):
             raise ValueError("drafter.hidden_states=files reads drafter.hidden_states_dir (the folder of an engine's "
                              "hs_{i}.safetensors files), and only it does: set both or neither")
-        if d.hidden_states_tensor_parallel != 1 and (d.hidden_states != "vllm" or d.hidden_states_tensor_parallel < 1):
+        if d.hidden_states_tensor_parallel < 1 or (d.hidden_states_tensor_parallel > 1 and d.hidden_states != "vllm"):
             raise ValueError(f"drafter.hidden_states_tensor_parallel is {d.hidden_states_tensor_parallel}: it shards "
                              "the target over that many vLLM workers, with drafter.hidden_states=vllm only (1 or more)")
         if not d.label_temperature >= 0:

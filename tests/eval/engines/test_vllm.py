@@ -361,11 +361,15 @@ def test_speculators_files_that_vllm_wrote_read_into_pytorchs_feature_cache(worl
 
 
 def test_a_head_trained_on_vllms_features_keeps_what_one_trained_on_pytorchs_keeps(shared_dir):
-    """drafter.hidden_states=vllm: the recipe has vLLM compute the feature cache; the head trained on it reaches the
+    """drafter.hidden_states=vllm: the recipe has vLLM compute the feature cache, the target sharded over two workers
+    (drafter.hidden_states_tensor_parallel=2, as a target beyond one GPU is); the head trained on it reaches the
     held-out τ of the same recipe on PyTorch's cache (float32 caches, so the two differ by vLLM's numerics only)."""
     common = ("drafter.offline_dtype=float32", "trainer.max_steps=60", "trainer.eval_every=30")
-    runs = {source: eagle_run(shared_dir, f"eagle_features_{source}", f"drafter.hidden_states={source}", *common)
-            for source in ("offline", "vllm")}
+    sharded = {"offline": (), "vllm": ("drafter.hidden_states_tensor_parallel=2",)}
+    runs = {source: eagle_run(shared_dir, f"eagle_features_{source}", f"drafter.hidden_states={source}", *common,
+                              *sharded[source]) for source in ("offline", "vllm")}
+    log = next((runs["vllm"].parent / "data").glob("hidden-vllm-*.vllm.log")).read_text()
+    assert "tensor_parallel_size=2" in log and "world_size=2" in log  # the recipe's key reached the server
     best = {source: json.loads((run / "best" / "best.json").read_text()) for source, run in runs.items()}
     assert best["vllm"]["tau_greedy"] > 1.5
     assert best["vllm"]["tau_greedy"] == pytest.approx(best["offline"]["tau_greedy"], rel=0.02), best
