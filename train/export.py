@@ -102,7 +102,10 @@ def export(run_dir: str | Path, out_dir: str | Path, settings: ExportSettings = 
     run = read_run(run_dir)
     formats = formats_for(run.kind, settings.formats)
     described = kinds.kind(run.kind)
-    target, tokenizer = load_target(run.target, device=torch.device("cpu"))
+    # A head trained on the target's ends alone (drafter.target_weights=ends) exports from them: its formats read the
+    # target's config, embedding and output head.
+    weights = run.config["drafter"].get("target_weights", "all")
+    target, tokenizer = load_target(run.target, device=torch.device("cpu"), weights=weights)
     best_file = run.best / "best.json"
     job = ExportJob(best=run.best, best_record=json.loads(best_file.read_text()) if best_file.exists() else None,
                     target=target, tokenizer=tokenizer, target_name=run.target, dtype=dtype_of(settings.dtype),

@@ -32,7 +32,7 @@ from drafters.registry import KINDS, build_head, load_head, save_head
 from drafters.kinds import HeadConfig
 from eval.engines import llama_cpp, vllm
 from eval.engines.formats.writing import target_directory
-from eval.run import target_source
+from eval.run import TARGET_WEIGHTS, target_source
 from train.config import drafter_keys
 from train.hidden_states import (ShardReader, capture, default_layers, write_shards, write_shards_from_files,
                                  write_shards_from_llama_cpp, write_shards_from_vllm)
@@ -42,6 +42,7 @@ from train.recipe import Recipe
 from train.recipe import run as run_recipe
 from train.regenerate import target_gguf
 from train.shards import complete
+from traffic.records import Example
 
 log = logging.getLogger(__name__)
 # The keys every head has (drafters/kinds HeadConfig): the recipe's, not the head's own settings.
@@ -79,9 +80,28 @@ class HeadRecipe(Recipe):
         if d.hidden_states_tensor_parallel < 1 or (d.hidden_states_tensor_parallel > 1 and d.hidden_states != "vllm"):
             raise ValueError(f"drafter.hidden_states_tensor_parallel is {d.hidden_states_tensor_parallel}: it shards "
                              "the target over that many vLLM workers, with drafter.hidden_states=vllm only (1 or more)")
+        self._validate_target_weights()
         if not d.label_temperature >= 0:
             raise ValueError(f"drafter.label_temperature must be >= 0 (0 = the target's argmax), "
                              f"got {d.label_temperature}")
+
+    def _validate_target_weights(self) -> None:
+        """With `drafter.target_weights=ends` nothing may run the target itself: its features come from an engine and
+        there is no final evaluation in draftsmith's loop. Its answers come from an engine (regenerate.engine,
+        regenerate.endpoint), are kept, or were regenerated before into the same data cache; an answer the target
+        would have to write in PyTorch is `LayerNotLoaded`'s error, at the start of the run."""
+        cfg, d = self.cfg, self.cfg.drafter
+        if d.target_weights not in TARGET_WEIGHTS:
+            raise ValueError(f"drafter.target_weights must be one of {sorted(TARGET_WEIGHTS)}, got {d.target_weights!r}")
+        if d.target_weights == "all":
+            return
+        why = f"drafter.target_weights=ends loads {TARGET_WEIGHTS['ends']}, so nothing runs the target itself"
+        if d.hidden_states not in ("vllm", "llamacpp", "files"):
+            raise ValueError(f"{why}: its features, the held-out records' too, must come from an engine "
+                             f"(drafter.hidden_states=vllm, llamacpp or files), not {d.hidden_states}")
+        if cfg.evaluate.enabled:
+            raise ValueError(f"{why}: the final evaluation runs it in draftsmith's loop; set evaluate.enabled=false and "
+                             "measure the export in the engine that serves the target (docs/training.md)")
 
     # --- setup ------------------------------------------------------------------------------------
 
@@ -148,9 +168,18 @@ class HeadRecipe(Recipe):
     def _setup_data(self) -> None:
         super()._setup_data()
         self._resolve_layers()
-        self.shards = None
+        self.shards = self.heldout_shards = None
         if self.cfg.drafter.hidden_states == "online":
             return
+        self.shards = self._feature_cache(self._training_examples(), "train")
+        if self.cfg.drafter.target_weights == "ends":  # no layers to compute the held-out ones: the engine's too
+            limit = self.cfg.trainer.max_length
+            held = [Example(r["id"], r["category"], r["input_ids"][:limit], r["loss_mask"][:limit])
+                    for r in self.eval_set]
+            self.heldout_shards = self._feature_cache(held, "eval")
+
+    def _feature_cache(self, examples: list[Example], split: str) -> ShardReader:
+        """The cached features of `examples` (the `split` set's), computed once as `drafter.hidden_states` says."""
         t, d, layers = self.cfg.trainer, self.cfg.drafter, self.capture_layers
         # An engine's features get a cache of their own: its numerics are not PyTorch's.
         engine = {"vllm": "hidden-vllm", "llamacpp": "hidden-llamacpp", "files": "hidden-files"}.get(d.hidden_states,
@@ -158,26 +187,25 @@ class HeadRecipe(Recipe):
         files = str(Path(d.hidden_states_dir).resolve()) if d.hidden_states == "files" else None
         # llama.cpp's features are those of the target's GGUF: the target as named (its file, or its float32 conversion)
         source = files or (target_source(self.cfg.target) if d.hidden_states == "llamacpp" else None)
-        directory = self._cache_dir(engine, layers, t.max_length, d.offline_dtype, *([source] if source else []))
+        directory = self._cache_dir(engine, layers, t.max_length, d.offline_dtype, *([source] if source else []),
+                                    split=split)
         with rank0_first(self.acc, lambda: complete(directory), "the feature cache"):
             if not complete(directory):
                 max_bytes = None if d.offline_max_gib is None else int(d.offline_max_gib * 2**30)
                 options = dict(dtype=d.offline_dtype, batch_size=t.batch_size, max_bytes=max_bytes,
                                progress=self.cfg.progress and self.is_main)
                 if files:
-                    write_shards_from_files(self._training_examples(), self.target, files, layers, directory,
-                                            **options)
+                    write_shards_from_files(examples, self.target, files, layers, directory, **options)
                 elif d.hidden_states == "llamacpp":  # converted here, once, by the first process alone
-                    write_shards_from_llama_cpp(self._training_examples(), self.target, self._target_gguf(), layers,
-                                                directory, **options)
+                    write_shards_from_llama_cpp(examples, self.target, self._target_gguf(), layers, directory,
+                                                **options)
                 elif d.hidden_states == "vllm":
-                    write_shards_from_vllm(self._training_examples(), self.target,
-                                           target_directory(target_source(self.cfg.target)), layers, directory,
-                                           served_dtype=str(self.target.dtype).removeprefix("torch."),
+                    write_shards_from_vllm(examples, self.target, target_directory(target_source(self.cfg.target)),
+                                           layers, directory, served_dtype=str(self.target.dtype).removeprefix("torch."),
                                            tensor_parallel_size=d.hidden_states_tensor_parallel, **options)
                 else:
-                    write_shards(self._training_examples(), self.target, layers, directory, **options)
-        self.shards = ShardReader(directory)
+                    write_shards(examples, self.target, layers, directory, **options)
+        return ShardReader(directory)
 
     def _target_gguf(self) -> Path:
         """The GGUF llama.cpp computes the features on: the target's own file where it was given as one (the quantized
@@ -187,9 +215,17 @@ class HeadRecipe(Recipe):
     # --- data -------------------------------------------------------------------------------------
 
     def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        batch = super()._collate(indices)
-        if self.shards is not None:
-            rows = [self.shards[i]["hidden"] for i in indices]
+        return self._with_features(super()._collate(indices), self.shards, indices)
+
+    def _heldout_collate(self, rows, indices: list[int]) -> dict[str, torch.Tensor]:
+        return self._with_features(super()._heldout_collate(rows, indices), self.heldout_shards, indices)
+
+    def _with_features(self, batch: dict[str, torch.Tensor], shards: ShardReader | None,
+                       indices: list[int]) -> dict[str, torch.Tensor]:
+        """`batch` with the cached features of its records (`indices` into `shards`; None: the target computes them
+        in the step), padded as its ids are."""
+        if shards is not None and indices:
+            rows = [shards[i]["hidden"] for i in indices]
             width = batch["input_ids"].shape[1]
             feats = torch.zeros(len(rows), width, *rows[0].shape[1:], dtype=rows[0].dtype)
             for j, h in enumerate(rows):
@@ -206,6 +242,12 @@ class HeadRecipe(Recipe):
             logits = finish_logits(self.target.config, self.target.get_output_embeddings()(states[:, :, -1]).float())
             probs = label_distribution(logits, temperature)
         return head_states, probs
+
+    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B, T, V) the target's logits, from its last-layer feature through its own output head."""
+        with torch.no_grad():
+            last = self._states(batch)[:, :, -1]
+            return finish_logits(self.target.config, self.target.get_output_embeddings()(last).float())
 
     def _states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(B, T, len(capture_layers), d): the captured layers' states, from the shards or the target."""

@@ -8,8 +8,8 @@ the target's hidden states):
 What a subclass provides: `_setup_models` (self.model), `_loss(batch)`, `_score_heldout(batch)` (its held-out
 scores per draft depth, train/heldout.py), `_write_best(directory, state)` (best/ in its format) and `_final_specs()`
 (the final evaluation's drafters); optionally `_validate` (its settings, before any work), `_check_sharding`,
-`_setup_data` and `_collate` (super() first, then its own), `_on_policy_step` and `_batch_for_step` (steps on other
-data than the training set's).
+`_setup_data`, `_collate` and `_heldout_collate` (super() first, then its own), `_on_policy_step` and `_batch_for_step`
+(steps on other data than the training set's).
 
 The best checkpoint is chosen by a held-out figure, not by the loss (`trainer.select_by`: the same figure for
 every kind, train/heldout.py), on `trainer.eval_examples` records of
@@ -126,29 +126,29 @@ class Recipe(ABC):
         split = split_records(cfg, warn=self.is_main)
         self.trained_on = split.trained_on
         if cfg.evaluate.enabled:  # read now, so a bad held-out file fails before training, not after it
-            self.eval_traffic = self._final_eval_traffic(split.held, split.summary)
+            self.eval_traffic = final_eval_traffic(cfg, split.held, split.summary)
         # The target is loaded once here; prepare() regenerates with it and training scores with it.
-        self.target, self.tokenizer = load_target(target_source(cfg.target), device=self.device, dtype=cfg.target.dtype,
-                                                  trust_remote_code=cfg.target.trust_remote_code,
-                                                  chat_template=cfg.target.chat_template)
+        self.target, self.tokenizer = self._load_target()
         self.target.requires_grad_(False)
         check_draft_vocabulary(self.target, cfg.target.off_the_shelf_draft, "target.off_the_shelf_draft")
-        if cfg.evaluate.enabled and self.is_main:
-            self._warn_long_prompts()
+        if cfg.evaluate.enabled and self.is_main:  # the prompts served past the windows the drafter trains on
+            warn_long_prompts(cfg, self.eval_traffic, self.tokenizer)
         self.data_dirs = prepare_splits(cfg, split, self.target, self.tokenizer, self.acc,
                                         progress=cfg.progress and self.is_main)
         self.train_set = datasets.load_from_disk(str(self.data_dirs["train"] / "tokenized"))
         held_out = datasets.load_from_disk(str(self.data_dirs["eval"] / "tokenized"))
         self.eval_set = held_out.select(range(min(len(held_out), cfg.trainer.eval_examples)))
 
-    def _warn_long_prompts(self) -> None:
-        """Warn when the prompts the final evaluation serves reach past the windows the drafter trains on
-        (train/data.py `warn_long_prompts`)."""
-        warn_long_prompts(self.cfg, self.eval_traffic, self.tokenizer)
+    def _load_target(self):
+        """The target and its tokenizer, on this process's device: every weight, or a head's `drafter.target_weights`."""
+        t = self.cfg.target
+        return load_target(target_source(t), device=self.device, dtype=t.dtype, trust_remote_code=t.trust_remote_code,
+                           chat_template=t.chat_template, weights=self.cfg.drafter.get("target_weights", "all"))
 
-    def _cache_dir(self, prefix: str, *settings) -> Path:
-        """Where a cache computed from the training set with these settings lives (under data_cache)."""
-        key = zlib.crc32(json.dumps([str(self.data_dirs["train"]), *settings]).encode())
+    def _cache_dir(self, prefix: str, *settings, split: str = "train") -> Path:
+        """Where a cache computed from the training set (or the held-out one, `split="eval"`) with these settings
+        lives (under data_cache)."""
+        key = zlib.crc32(json.dumps([str(self.data_dirs[split]), *settings]).encode())
         return Path(self.cfg.data_cache) / f"{prefix}-{key:08x}"
 
     def _training_examples(self) -> list:
@@ -312,8 +312,9 @@ class Recipe(ABC):
         totals = HeldoutTotals()
         size = self._heldout_batch_size()
         for start in range(0, len(self.eval_set), size):
-            rows = self.eval_set.select(range(start, min(start + size, len(self.eval_set))))
-            batch = records_batch(rows, self.pad_id, self.cfg.trainer.max_length, self.device)
+            indices = list(range(start, min(start + size, len(self.eval_set))))
+            rows = self.eval_set.select(indices)
+            batch = self._heldout_collate(rows, indices)
             answer = batch["loss_mask"].bool() & batch["attention_mask"].bool()
             totals.add(self._score_heldout(batch), [r["category"] for r in rows], answer)
         self.model.train()
@@ -324,6 +325,10 @@ class Recipe(ABC):
             self.best = best_record(result, self.step)
             self._save_best()
         return result
+
+    def _heldout_collate(self, rows, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The tensors of held-out `rows` (the records at `indices` of the held-out set)."""
+        return records_batch(rows, self.pad_id, self.cfg.trainer.max_length, self.device)
 
     def _heldout_batch_size(self) -> int:
         """Held-out records scored at once."""
@@ -410,9 +415,6 @@ class Recipe(ABC):
     def _extra_specs(self) -> list[dict]:
         """`evaluate.drafters`, each checked against its kind's keys (eval/config.py checked_spec)."""
         return [checked_spec(OmegaConf.to_container(spec, resolve=True)) for spec in self.cfg.evaluate.drafters]
-
-    def _final_eval_traffic(self, held_records: list, summary):
-        return final_eval_traffic(self.cfg, held_records, summary)
 
     def _final_eval(self) -> str:
         self.target.eval()

@@ -52,6 +52,10 @@ class HeadConfig(DrafterConfig):
     hidden_states_tensor_parallel: int = 1  # vllm: the workers (GPUs) its server shards the target over
     offline_dtype: str = "float16"  # every cached way: the shards' dtype
     offline_max_gib: Optional[float] = 20.0  # every cached way: refuse to start when the shards' estimate is larger
+    # all: the target loaded whole | ends: its embedding, final norm and output head only (eval/run.py
+    # load_target_ends), for a target beyond one device: the features from an engine (vllm, llamacpp, files), held-out
+    # ones too, answers from an engine or kept; no final evaluation in draftsmith's loop
+    target_weights: str = "all"
     label_temperature: float = 1.0  # token-loss label: softmax(target logits / T); 0 = the target's argmax (greedy serving)
 
 

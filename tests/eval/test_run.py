@@ -1,8 +1,13 @@
+import json
+import re
+
 import pytest
 import torch
 
-from eval.run import (build_drafter, dtype_of, load_prompts, load_target, prompt_budget, read_traffic, resolve_data,
-                      tokenize_prompts)
+from drafters.layers import finish_logits
+from eval.run import (build_drafter, dtype_of, load_prompts, load_target, load_target_ends, prompt_budget, read_traffic,
+                      resolve_data, tokenize_prompts)
+from helpers import FAMILIES, tiny
 from eval.report_tables import traffic_lines
 from traffic.records import RecordError
 
@@ -112,3 +117,40 @@ def test_the_built_in_worlds_draft_with_another_target_stops_before_any_work():
     check_draft_vocabulary(tiny_llama(vocab=320), "toyworld://tiny/draft", "target.off_the_shelf_draft")
     check_draft_vocabulary(mine, "/models/draft", "target.off_the_shelf_draft")  # the user's own: checked when loaded
     check_draft_vocabulary(mine, None, "target.off_the_shelf_draft")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_targets_ends_load_without_its_layers_and_give_its_logits_from_its_last_feature(family, tmp_path):
+    """drafter.target_weights=ends: the embedding, final norm and output head read from the safetensors shards that
+    hold them (every other shard deleted first, so no layer can have been read), and from the last layer's feature
+    they give the whole target's logits, as head training reads them. Running the target is an error."""
+    full = tiny(family)
+    full.save_pretrained(tmp_path, max_shard_size="20KB")
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    layers = {name for name in weight_map if re.search(r"\.(layers|h)\.\d+\.", name)}
+    ends_files = {weight_map[name] for name in weight_map.keys() - layers}
+    for name in set(weight_map.values()) - ends_files:
+        (tmp_path / name).unlink()
+    assert set(weight_map.values()) - ends_files, "the shards were too large to leave any out"
+    ends = load_target_ends(str(tmp_path), dtype=torch.float32)
+    assert sum(p.numel() for p in ends.parameters()) < sum(p.numel() for p in full.parameters()) / 2
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        out = full(input_ids=ids, output_hidden_states=True)
+        logits = finish_logits(ends.config, ends.get_output_embeddings()(out.hidden_states[-1]))
+        torch.testing.assert_close(logits, out.logits)
+        torch.testing.assert_close(ends.get_input_embeddings()(ids), full.get_input_embeddings()(ids))
+        with pytest.raises(RuntimeError, match="layer 0 was not loaded: drafter.target_weights=ends loads"):
+            ends(input_ids=ids)
+
+
+def test_a_targets_ends_name_what_they_cannot_read(tiny_world, tmp_path):
+    with pytest.raises(ValueError, match="must be one of \\['all', 'ends'\\], got 'middle'"):
+        load_target(str(tiny_world / "target"), device=torch.device("cpu"), weights="middle")
+    full = tiny("llama")
+    full.save_pretrained(tmp_path / "bin", safe_serialization=True)
+    (tmp_path / "bin" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors; drafter.target_weights=ends reads safetensors"):
+        load_target_ends(str(tmp_path / "bin"), dtype=torch.float32)
+    target, tok = load_target(str(tiny_world / "target"), device=torch.device("cpu"), weights="ends")
+    assert tok.eos_token_id is not None and not any(p.is_meta for p in target.parameters())

@@ -4,6 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -16,6 +17,7 @@ from eval.speculative import autoregressive_generate, speculative_generate
 from helpers import engine_states, tiny_llama, trained_to_self
 from train.__main__ import train
 from train.heldout import greedy_rounds
+from train.export import ExportSettings, export
 from train.hidden_states import ShardReader, capture, default_layers
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -246,6 +248,60 @@ def test_offline_hidden_states_train_like_online(tiny_world, tmp_path):
     train(smoke(tmp_path, *common, "drafter.hidden_states=files", f"drafter.hidden_states_dir={folder}", run="files"))
     assert metrics(tmp_path / "files")[0]["loss"] == pytest.approx(offline[0]["loss"], rel=1e-5)
     assert len(list((tmp_path / "data").glob("hidden-files-*/manifest.json"))) == 1
+
+
+def test_a_head_trains_on_its_targets_ends_alone_as_on_the_whole_target(tiny_world, tmp_path, caplog):
+    """drafter.target_weights=ends: the target's decoder layers are never loaded. The features of the training and
+    the held-out records come from an engine's files; the steps, the held-out figures, the draft vocabulary's
+    probability mass and the export are those of a run that loaded the whole target on the same files."""
+    common = ["target=tiny_deep", "drafter=eagle", "trainer.max_steps=2", "trainer.eval_every=2",
+              "evaluate.enabled=false", "regenerate.enabled=false", "data.on_bad_record=skip", "drafter.offline_dtype=float32",
+              "drafter.draft_vocab_size=200"]
+    train(smoke(tmp_path, *common, "drafter.hidden_states=offline", run="offline"))
+    # The engine's files, one a record, the training and the held-out records alike.
+    target, _ = load_target("toyworld://tiny_deep/target", device=torch.device("cpu"))
+    layers = ShardReader(next((tmp_path / "data").glob("hidden-*/manifest.json")).parent).layers
+    folder = tmp_path / "engine" / "hidden_states"
+    folder.mkdir(parents=True)
+    rows = [r for split in sorted((tmp_path / "data").glob("**/tokenized"))
+            for r in datasets.load_from_disk(str(split))]
+    for i, row in enumerate(rows):
+        ids = torch.tensor(row["input_ids"])
+        save_file({"hidden_states": engine_states(target, ids.tolist(), layers), "token_ids": ids},
+                  folder / f"hs_{i}.safetensors")
+    files = ["drafter.hidden_states=files", f"drafter.hidden_states_dir={folder}"]
+    train(smoke(tmp_path, *common, *files, run="all"))
+    with caplog.at_level("INFO", logger="eval.run"):
+        train(smoke(tmp_path, *common, *files, "drafter.target_weights=ends", run="ends"))
+    assert "embedding, final norm and output head only" in caplog.text and "its 4 decoder layers left out" in caplog.text
+    assert len(list((tmp_path / "data").glob("hidden-files-*/manifest.json"))) == 2  # the held-out records' too
+    whole, ends = metrics(tmp_path / "all"), metrics(tmp_path / "ends")
+    assert [r["loss"] for r in ends] == pytest.approx([r["loss"] for r in whole], rel=1e-6)
+    # Held out: the whole target's own features against the engine's float32 files.
+    assert ends[-1]["heldout_acceptance"] == pytest.approx(whole[-1]["heldout_acceptance"], rel=1e-4)
+    best = [json.loads((tmp_path / run / "best" / "best.json").read_text()) for run in ("all", "ends")]
+    assert best[1]["vocabulary_probability"] == pytest.approx(best[0]["vocabulary_probability"], abs=1e-4)
+    assert best[1]["vocabulary_coverage"] == best[0]["vocabulary_coverage"]
+    exported = [export(tmp_path / run, tmp_path / run / "out", ExportSettings(formats=["speculators"], force=True))[
+                    "speculators"]
+                for run in ("all", "ends")]
+    a, b = (load_file(str(next(Path(path).glob("*.safetensors")))) for path in exported)
+    assert a.keys() == b.keys() and "embed_tokens.weight" in a and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_head_on_its_targets_ends_refuses_what_would_run_the_target(tiny_world, tmp_path):
+    ends = ["drafter=eagle", "drafter.target_weights=ends", "evaluate.enabled=false", "regenerate.enabled=false",
+            "drafter.hidden_states=files", f"drafter.hidden_states_dir={tmp_path}"]
+    with pytest.raises(ValueError, match="drafter.target_weights must be one of \\['all', 'ends'\\], got 'half'"):
+        train(smoke(tmp_path, "drafter=eagle", "drafter.target_weights=half"))
+    with pytest.raises(ValueError, match="held-out records' too, must come from an engine .* not offline"):
+        train(smoke(tmp_path, *ends, "drafter.hidden_states=offline", "drafter.hidden_states_dir=null"))
+    with pytest.raises(RuntimeError, match="layer 0 was not loaded: .* regenerate.engine=llamacpp or regenerate.endpoint"):
+        train(smoke(tmp_path, *ends, "regenerate.enabled=true"))  # answers the target would write in PyTorch
+    with pytest.raises(ValueError, match="set evaluate.enabled=false and measure the export in the engine"):
+        train(smoke(tmp_path, *ends, "evaluate.enabled=true"))
+    with pytest.raises(ValueError, match="draft_vocab_from=target_probabilities runs the target"):
+        train(smoke(tmp_path, *ends, "drafter.draft_vocab_from=target_probabilities"))
 
 
 def test_resume_continues_exactly(tiny_world, tmp_path):

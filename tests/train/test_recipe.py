@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from traffic.records import Record, prompt_ids
-from train.recipe import Recipe
+from train.data import warn_long_prompts
 
 
 def _record(i: int, category: str, words: int) -> Record:
@@ -21,7 +21,7 @@ def test_prompts_longer_than_the_training_window_are_warned_of(tiny_world, capsy
         cfg=OmegaConf.create({"trainer": {"max_length": 64}, "data": {"on_bad_record": "error"},
                               "evaluate": {"prompts_per_category": 2, "max_new_tokens": 16}}),
         eval_traffic=SimpleNamespace(records=records), tokenizer=tokenizer)
-    Recipe._warn_long_prompts(recipe)
+    warn_long_prompts(recipe.cfg, recipe.eval_traffic, recipe.tokenizer)
     out = capsys.readouterr().out
     # The third rag prompt is past prompts_per_category: the final evaluation never serves it.
     assert out.startswith("warning: 2 of the 3 prompts the final evaluation serves (rag: 2 of 2) reach past "
@@ -31,5 +31,5 @@ def test_prompts_longer_than_the_training_window_are_warned_of(tiny_world, capsy
     assert "reach past trainer.max_length" in caplog.text
 
     recipe.cfg.trainer.max_length = longest  # every served position inside the window: nothing to say
-    Recipe._warn_long_prompts(recipe)
+    warn_long_prompts(recipe.cfg, recipe.eval_traffic, recipe.tokenizer)
     assert capsys.readouterr().out == ""

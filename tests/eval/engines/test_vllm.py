@@ -368,8 +368,19 @@ def test_a_head_trained_on_vllms_features_keeps_what_one_trained_on_pytorchs_kee
     sharded = {"offline": (), "vllm": ("drafter.hidden_states_tensor_parallel=2",)}
     runs = {source: eagle_run(shared_dir, f"eagle_features_{source}", f"drafter.hidden_states={source}", *common,
                               *sharded[source]) for source in ("offline", "vllm")}
-    log = next((runs["vllm"].parent / "data").glob("hidden-vllm-*.vllm.log")).read_text()
+    log = min((runs["vllm"].parent / "data").glob("hidden-vllm-*.vllm.log"), key=lambda p: p.stat().st_mtime).read_text()
     assert "tensor_parallel_size=2" in log and "world_size=2" in log  # the recipe's key reached the server
     best = {source: json.loads((run / "best" / "best.json").read_text()) for source, run in runs.items()}
     assert best["vllm"]["tau_greedy"] > 1.5
     assert best["vllm"]["tau_greedy"] == pytest.approx(best["offline"]["tau_greedy"], rel=0.02), best
+    # A target beyond one device: the same head on the target's ends alone (drafter.target_weights=ends), the answers
+    # and training features those of the run above (its data cache), the held-out records' features from vLLM too.
+    ends = eagle_run(shared_dir, "eagle_features_vllm_ends", "drafter.hidden_states=vllm", *common,
+                     *sharded["vllm"], "drafter.target_weights=ends", f"data_cache={runs['vllm'].parent / 'data'}")
+    caches = sorted((runs["vllm"].parent / "data").glob("hidden-vllm-*/manifest.json"))
+    assert len(caches) == 2 and len(list((runs["vllm"].parent / "data").glob("hidden-vllm-*.vllm.log"))) == 2
+    steps = {name: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+             for name, run in (("all", runs["vllm"]), ("ends", ends))}
+    assert [r["loss"] for r in steps["ends"]] == pytest.approx([r["loss"] for r in steps["all"]], rel=1e-6)
+    ends_best = json.loads((ends / "best" / "best.json").read_text())
+    assert ends_best["tau_greedy"] == pytest.approx(best["vllm"]["tau_greedy"], rel=0.01), (ends_best, best)
