@@ -104,8 +104,8 @@ def load_target_ends(path: str, *, dtype: torch.dtype, trust_remote_code: bool =
     """The target of `path` (a directory or hub id of safetensors weights) with only its ends loaded: built without
     weights (Accelerate's `init_empty_weights`; buffers such as an embedding's scale are real), its decoder layers
     replaced by `LayerNotLoaded`, and the rest (the embedding, the final norm, the output head unless it is tied to the
-    embedding) read from the safetensors files that hold them, no other file fetched. A 70B target's ends are about
-    2 GB of its 140 in bfloat16."""
+    embedding) read from the safetensors files that hold them, no other file fetched. Llama-3.1-70B's ends are 4.2 GB
+    of its 141 in bfloat16."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)

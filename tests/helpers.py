@@ -214,6 +214,25 @@ def engine_states(target, ids: list[int], layers: list[int]) -> torch.Tensor:
     return states
 
 
+def write_engine_files(target, data_cache: Path, folder: Path) -> Path:
+    """An engine's hs_{i}.safetensors files (`engine_states`) for every record prepared under `data_cache`, the
+    training and the held-out ones, at the layers of the offline cache there: what speculators' data generation would
+    leave for `drafter.hidden_states=files`."""
+    import datasets
+    from safetensors.torch import save_file
+
+    from train.hidden_states import ShardReader
+
+    layers = ShardReader(next(Path(data_cache).glob("hidden-*/manifest.json")).parent).layers
+    folder.mkdir(parents=True)
+    rows = [r for split in sorted(Path(data_cache).glob("**/tokenized")) for r in datasets.load_from_disk(str(split))]
+    for i, row in enumerate(rows):
+        ids = torch.tensor(row["input_ids"])
+        save_file({"hidden_states": engine_states(target, ids.tolist(), layers), "token_ids": ids},
+                  folder / f"hs_{i}.safetensors")
+    return folder
+
+
 def train_tiny_deep(out, *overrides, target: str = "tiny_deep"):
     """A `python -m train` run on the tiny_deep world (a 4-layer target; or `target`), a few steps, no final
     evaluation."""

@@ -4,7 +4,6 @@ import json
 import shutil
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -14,7 +13,7 @@ from drafters.registry import build_head
 from drafters.sampling import Sampling
 from eval.run import build_drafter, load_target
 from eval.speculative import autoregressive_generate, speculative_generate
-from helpers import engine_states, tiny_llama, trained_to_self
+from helpers import engine_states, tiny_llama, trained_to_self, write_engine_files
 from train.__main__ import train
 from train.heldout import greedy_rounds
 from train.export import ExportSettings, export
@@ -260,15 +259,7 @@ def test_a_head_trains_on_its_targets_ends_alone_as_on_the_whole_target(tiny_wor
     train(smoke(tmp_path, *common, "drafter.hidden_states=offline", run="offline"))
     # The engine's files, one a record, the training and the held-out records alike.
     target, _ = load_target("toyworld://tiny_deep/target", device=torch.device("cpu"))
-    layers = ShardReader(next((tmp_path / "data").glob("hidden-*/manifest.json")).parent).layers
-    folder = tmp_path / "engine" / "hidden_states"
-    folder.mkdir(parents=True)
-    rows = [r for split in sorted((tmp_path / "data").glob("**/tokenized"))
-            for r in datasets.load_from_disk(str(split))]
-    for i, row in enumerate(rows):
-        ids = torch.tensor(row["input_ids"])
-        save_file({"hidden_states": engine_states(target, ids.tolist(), layers), "token_ids": ids},
-                  folder / f"hs_{i}.safetensors")
+    folder = write_engine_files(target, tmp_path / "data", tmp_path / "engine" / "hidden_states")
     files = ["drafter.hidden_states=files", f"drafter.hidden_states_dir={folder}"]
     train(smoke(tmp_path, *common, *files, run="all"))
     with caplog.at_level("INFO", logger="eval.run"):

@@ -1,6 +1,7 @@
 """train/launch.py: every process of a launch writes to one run directory, a named run launched again resumes, and
 the ranks wait for rank 0's caches on the disk, not in a collective."""
 
+import json
 import os
 import signal
 import socket
@@ -12,9 +13,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from eval.run import load_target
+from helpers import write_engine_files
 from traffic import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,6 +135,34 @@ def test_a_named_two_process_run_killed_and_launched_again_resumes_to_the_same_w
     a = load_file(str(tmp_path / "full" / "runs/train/draft_lm/mine/checkpoints/step-000006/model.safetensors"))
     b = load_file(str(run / "checkpoints" / "step-000006" / "model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.mark.slow
+def test_a_head_on_its_targets_ends_trains_in_two_processes_as_in_one(tiny_world, tmp_path):
+    """The training command of a 70B target's recipe (docs/training.md) on two CPU processes: each rank loads only the
+    target's ends and reads an engine's files; the two ranks take the steps one process takes with the same global
+    batch (a record a micro-batch, so both group the same records)."""
+    head = ["target=tiny_deep", "drafter=eagle", "regenerate.enabled=false", "data.on_bad_record=skip",
+            "drafter.offline_dtype=float32", "trainer.max_steps=3", "trainer.eval_every=3", "trainer.batch_size=1"]
+    prepared = subprocess.run([*TRAIN, *head, "drafter.hidden_states=offline", "name=prepare"], cwd=tmp_path,
+                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
+    target, _ = load_target("toyworld://tiny_deep/target", device=torch.device("cpu"))
+    folder = write_engine_files(target, tmp_path / "runs" / "prepared", tmp_path / "engine")
+    ends = [*head, "drafter.hidden_states=files", f"drafter.hidden_states_dir={folder}", "drafter.target_weights=ends"]
+    one = subprocess.run([*TRAIN, *ends, "trainer.grad_accum=2", "name=one"], cwd=tmp_path, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    two = launch(tmp_path, *ends, "name=two")
+    out = two.communicate(timeout=900)[0]
+    assert two.returncode == 0, out[-3000:]
+    assert out.count("its 4 decoder layers left out") == 2  # each rank: the ends alone
+    runs = tmp_path / "runs" / "train" / "eagle"
+    losses = {name: [json.loads(line)["loss"] for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+              for name in ("one", "two")}
+    assert losses["two"] == pytest.approx(losses["one"], rel=1e-5)
+    summary = json.loads((runs / "two" / "train_summary.json").read_text())
+    assert len(set(summary["rank_checksums"])) == 1 and len(summary["rank_checksums"]) == 2
 
 
 @pytest.mark.slow
