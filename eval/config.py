@@ -99,6 +99,9 @@ class HeadSpec(DrafterSpec):
 
     engine_cs: Dict[int, float] = field(default_factory=dict)  # as DraftLMSpec's
     path: Optional[str] = None  # the run's best/ (or a checkpoint of it)
+    # engine=llamacpp: null, the head converted to f16 (bf16 where the target's features outgrow f16); a llama-quantize
+    # type (Q8_0, ...): converted, then quantized by llama.cpp's own quantizer
+    gguf_type: Optional[str] = None
     stop_below: float = 0.0  # as DraftLMSpec's
     stop_rule: str = "propose"  # as DraftLMSpec's
 

@@ -121,6 +121,8 @@ def llama_cpp_drafter(spec: dict, target, target_name_or_path: str, work: Path) 
                                          target_dir=target_directory(target_name_or_path))
     else:
         gguf = kinds.function(kind.llama_cpp_gguf)(head, target, target_name_or_path, out, dtype)
+    if qtype := spec.get("gguf_type"):  # quantized from the 16-bit conversion, as a draft LM is
+        gguf, dtype = llama_cpp.quantize(gguf, out.with_name(f"{out.stem}-{qtype}.gguf"), qtype), qtype
     return Served(name, gguf, kind.engines.llama_cpp, dtype=dtype, p_min=p_min)
 
 

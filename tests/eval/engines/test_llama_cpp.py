@@ -134,6 +134,26 @@ def test_the_exported_dflash_drafter_runs_in_llama_cpp_as_in_draftsmith(world, d
     assert abs(theirs / ours - 1) <= TAU_TOLERANCE, (ours, theirs)
 
 
+@pytest.mark.parametrize("run,spec_type", [("eagle_run", "draft-eagle3"), ("dflash_run", "draft-dflash")])
+def test_a_head_with_a_gguf_type_is_quantized_by_llama_cpp_and_stays_lossless(world, run, spec_type, request):
+    """`gguf_type` on a head's spec (as on a draft LM's): converted, then quantized by llama-quantize; llama-server
+    serves the Q8_0 file losslessly, and it keeps what the 16-bit file keeps within 8-bit weights' rounding."""
+    head = request.getfixturevalue(run) / "best"
+    out = world["out"] / f"quantized_{run}"
+    out.mkdir()
+    f16 = llama_cpp_drafter({"name": "head", "kind": "head", "path": str(head)}, world["target"], TARGET, out)
+    q8 = llama_cpp_drafter({"name": "head", "kind": "head", "path": str(head), "gguf_type": "Q8_0"}, world["target"],
+                           TARGET, out)
+    assert (q8.gguf.name, q8.dtype, q8.spec_type) == ("head-Q8_0.gguf", "Q8_0", spec_type)
+    assert models.gguf_type(q8.gguf) == "Q8_0" and models.gguf_type(f16.gguf) in ("F16", "BF16")
+    assert q8.gguf.stat().st_size < f16.gguf.stat().st_size
+    stats = []
+    for served in (f16, q8):
+        assert [c.tokens for c in serve(world, served.gguf, spec_type, stats)] == world["plain"]
+    assert stats[1].accepted > 0
+    assert abs(llama_tau(stats[1]) / llama_tau(stats[0]) - 1) <= 0.1, (llama_tau(stats[0]), llama_tau(stats[1]))
+
+
 @pytest.mark.parametrize("form", ["sglang", "speculators"])
 def test_a_head_in_an_engines_format_is_served_as_it_is(world, eagle_run, form):
     """An EAGLE-3 head given to `python -m eval` in SGLang's or speculators' layout (a peer trainer's export, say)
