@@ -24,7 +24,7 @@ def test_an_entry_gets_its_kinds_defaults_and_nothing_else():
     ({"name": "n", "kind": "ngram", "path": "/models/draft"},
      r"drafter 'n' \(kind ngram\) has no key 'path'; kind ngram's keys: name, kind, engine_c, max_ngram, min_ngram"),
     ({"name": "h", "kind": "head", "path": "run/best", "layers": 8, "lean": False},
-     r"drafter 'h' \(kind head\) has no key 'layers', 'lean'; kind head's keys: name, kind, engine_c, engine_cs, path, stop_below"),
+     r"drafter 'h' \(kind head\) has no key 'layers', 'lean'; kind head's keys: name, kind, engine_c, engine_cs, path, gguf_type, stop_below"),
     ({"name": "x", "kind": "eagle"}, r"drafter 'x': unknown kind 'eagle'; known kinds: \['draft_lm', 'head'"),
     ({"name": "n", "kind": "ngram", "max_ngram": "three"}, r"drafter 'n' \(kind ngram\): Value 'three'"),
     ({"kind": "ngram"}, r"drafter None \(kind ngram\): Missing mandatory value"),
