@@ -19,7 +19,6 @@ from omegaconf import DictConfig
 
 from drafters.eagle import draft_vocabulary, vocabulary_coverage, vocabulary_size_for
 from drafters.head_losses import ReadRows
-from drafters.layers import finish_logits
 from train.heads import HeadRecipe, label_distribution
 from train.data import records_batch
 from train.recipe import run as run_recipe
@@ -156,11 +155,12 @@ class Eagle3Layer:
             counts = self._vocabulary_counts()
         d2t, t2d = draft_vocabulary(counts, size, always=self._always_kept())
         head.set_vocabulary(d2t, t2d)
-        held_out = datasets.load_from_disk(str(self.data_dirs["eval"] / "tokenized"))
-        if self.heldout_shards is not None:  # the target's ends only: its distributions from the cached features
+        if self.heldout_shards is None:
+            held_out = datasets.load_from_disk(str(self.data_dirs["eval"] / "tokenized"))
+        else:  # the target's ends only: the held-out records with features, its distributions from them
             held_out = self.eval_set
-            expected = functools.partial(expected, logits=lambda tensors, indices: self._logits(
-                self._with_features(tensors, self.heldout_shards, indices)))
+            expected = functools.partial(expected, logits=lambda tensors, indices: self._logits_of(
+                self._states(self._with_features(tensors, self.heldout_shards, indices))[:, :, -1]))
         per_category: dict[str, list[int]] = {}
         for row in held_out:
             per_category.setdefault(row["category"], []).extend(
@@ -202,8 +202,7 @@ class Eagle3Layer:
         with torch.no_grad():
             read = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
             read[:, :-1] = batch["loss_mask"][:, 1:].bool()
-            head = self.target.get_output_embeddings()
-            logits = finish_logits(self.target.config, head(states[:, :, -1][read]).float())
+            logits = self._logits_of(states[:, :, -1][read])
             if temperature == 0:
                 labels = torch.full(read.shape, -1, dtype=torch.long, device=read.device)
                 labels[read] = logits.argmax(-1)

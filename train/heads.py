@@ -173,10 +173,7 @@ class HeadRecipe(Recipe):
             return
         self.shards = self._feature_cache(self._training_examples(), "train")
         if self.cfg.drafter.target_weights == "ends":  # no layers to compute the held-out ones: the engine's too
-            limit = self.cfg.trainer.max_length
-            held = [Example(r["id"], r["category"], r["input_ids"][:limit], r["loss_mask"][:limit])
-                    for r in self.eval_set]
-            self.heldout_shards = self._feature_cache(held, "eval")
+            self.heldout_shards = self._feature_cache(self._training_examples(self.eval_set), "eval")
 
     def _feature_cache(self, examples: list[Example], split: str) -> ShardReader:
         """The cached features of `examples` (the `split` set's), computed once as `drafter.hidden_states` says."""
@@ -238,16 +235,12 @@ class HeadRecipe(Recipe):
         `temperature` (0: one-hot on its argmax)."""
         states = self._states(batch)
         head_states = states[:, :, : len(self.layers)].flatten(2).float()
-        with torch.no_grad():
-            logits = finish_logits(self.target.config, self.target.get_output_embeddings()(states[:, :, -1]).float())
-            probs = label_distribution(logits, temperature)
-        return head_states, probs
+        return head_states, label_distribution(self._logits_of(states[:, :, -1]), temperature)
 
-    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(B, T, V) the target's logits, from its last-layer feature through its own output head."""
-        with torch.no_grad():
-            last = self._states(batch)[:, :, -1]
-            return finish_logits(self.target.config, self.target.get_output_embeddings()(last).float())
+    @torch.no_grad()
+    def _logits_of(self, last: torch.Tensor) -> torch.Tensor:
+        """The target's logits (float32) from its last-layer features `last`, through its own output head."""
+        return finish_logits(self.target.config, self.target.get_output_embeddings()(last).float())
 
     def _states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(B, T, len(capture_layers), d): the captured layers' states, from the shards or the target."""

@@ -151,11 +151,11 @@ class Recipe(ABC):
         key = zlib.crc32(json.dumps([str(self.data_dirs[split]), *settings]).encode())
         return Path(self.cfg.data_cache) / f"{prefix}-{key:08x}"
 
-    def _training_examples(self) -> list:
-        """The training set as the steps see it: truncated to trainer.max_length."""
+    def _training_examples(self, rows=None) -> list:
+        """The training set (or tokenized `rows`) as the steps see it: truncated to trainer.max_length."""
         limit = self.cfg.trainer.max_length
         return [Example(r["id"], r["category"], r["input_ids"][:limit], r["loss_mask"][:limit])
-                for r in self.train_set]
+                for r in (self.train_set if rows is None else rows)]
 
     @abstractmethod
     def _setup_models(self) -> None:
