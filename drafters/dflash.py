@@ -22,6 +22,11 @@ them for one forward and dropped, so nothing is rolled back at commit. A round d
 tokens; the engines draft with a block of k + 1 positions too (vLLM's num_speculative_tokens, llama.cpp's
 --spec-draft-n-max), so serve at the k the head was trained for, k = block_size - 1. Chains only: no trees.
 
+Draft vocabulary (`config.draft_vocab_size`, as EAGLE-3's, drafters/eagle.py `DraftVocabulary`): the output head keeps
+only the target's rows of the most frequent tokens of the training traffic, so each guess costs a (d x N) matmul
+instead of (d x V); the block's logits are spread back over the target's vocabulary (-inf elsewhere), as vLLM's
+`DFlashQwen3ForCausalLM.compute_logits` and llama.cpp's graph spread them through `d2t`.
+
 Module names are those of the z-lab checkpoints (`fc`, `hidden_norm`, `layers.{i}.self_attn.q_norm`, `norm`), so
 the weights map one to one onto the `DFlashDraftModel` layout vLLM's and llama.cpp's converters read
 (eval/engines/formats/dflash.py `dflash_writer`).
@@ -37,6 +42,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from drafters.base import Proposal
+from drafters.eagle import DraftVocabulary
 from drafters.head_losses import label_cross_entropy, label_stats, soft_cross_entropy, step_stats
 from drafters.heads import BatchOfOne, FeatureBatch
 from drafters.kv_cache import KVCache, RaggedRows
@@ -101,7 +107,7 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlash(nn.Module):
+class DFlash(DraftVocabulary, nn.Module):
     """The drafter. config: drafters.heads.head_config(..., num_layers, block_size, mask_token_id,
     loss_decay_gamma, max_anchors), their defaults drafters/kinds/dflash.py `DFlashConfig`'s."""
 
@@ -125,6 +131,7 @@ class DFlash(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary = Rotary(config)
+        self._init_vocabulary(config)
         self.shared: SharedTarget | None = None
 
     def attach(self, target) -> None:
@@ -134,6 +141,19 @@ class DFlash(nn.Module):
                              f"{last}); got {list(self.config.feature_layers)}: transformers replaces the last "
                              "state by the final-normed one, which neither vLLM nor llama.cpp hands a drafter")
         self.shared = SharedTarget(target)
+        self._rows = None
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The output head on final-normed block states (..., d): logits over the draft vocabulary (..., N)."""
+        return self.shared.logits(out, self._target_rows() if self.reduced else None)
+
+    def target_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """`logits` spread over the target's vocabulary (..., V), -inf on the tokens the head cannot propose."""
+        logits = self.logits(out)
+        if not self.reduced:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.target_ids(), logits)
 
     @property
     def steps(self) -> int:
@@ -188,6 +208,8 @@ class DFlash(nn.Module):
         mask = torch.cat([sees_context.repeat_interleave(Bs, 1), own_block.expand(B, -1, -1)], dim=2)[:, None]
         out = self.blocks(context, ids.view(B, A * Bs), block_pos, mask, T + Bs).view(B, A, Bs, -1)
         labels = not target_probs.is_floating_point()
+        target_ids = self.target_ids() if self.reduced else None
+        draft_index = self.draft_index() if labels else None  # a label's draft id, -1 where it cannot be proposed
         loss, stats = 0.0, []
         for j in range(1, Bs):
             where = anchors + j
@@ -195,15 +217,17 @@ class DFlash(nn.Module):
             keep = used & inside & answer.gather(1, where.clamp(max=T - 1))
             rows, slots = keep.nonzero(as_tuple=True)
             at = (rows, anchors[rows, slots] - 1, (B, T))
-            logits = self.shared.logits(out[rows, slots, j])
+            logits = self.logits(out[rows, slots, j])
             p = target_probs[rows, anchors[rows, slots] + j - 1]  # the target's distribution of token p+j
             weight = math.exp(-(j - 1) / self.config.loss_decay_gamma) if self.config.loss_decay_gamma else 1.0
             if labels:
-                loss = loss + weight * label_cross_entropy(logits, p)
-                stats.append(label_stats(logits.detach(), p, p, at=at, hits=not self.training))
+                loss = loss + weight * label_cross_entropy(logits, draft_index[p])
+                stats.append(label_stats(logits.detach(), p, draft_index[p], target_ids, at=at,
+                                         hits=not self.training))
             else:
-                loss = loss + weight * soft_cross_entropy(logits, p, torch.ones_like(rows))
-                stats.append(step_stats(torch.softmax(logits.detach().float(), -1), p, at=at, hits=not self.training))
+                loss = loss + weight * soft_cross_entropy(logits, self.restrict(p), torch.ones_like(rows))
+                stats.append(step_stats(torch.softmax(logits.detach().float(), -1), p, draft_ids=target_ids, at=at,
+                                        hits=not self.training))
         return loss, stats
 
     def _anchors(self, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,7 +294,7 @@ class DFlashBatch(FeatureBatch):
         # Each row's block sees its context and its whole block: keys before its own length + n + 1.
         mask = (torch.arange(end, device=self.device) < positions[:, -1:] + 1)[:, None, None]
         out = self.head.blocks(self.caches, ids, positions, mask, end)
-        logits = self.head.shared.logits(out[:, 1:])  # (B, n, V)
+        logits = self.head.target_logits(out[:, 1:])  # (B, n, V)
         tokens, probs = draw(logits, sampling, generator)
         cut = cut_at_stop(self.stop, logits, tokens, probs)
         proposals = [Proposal(tokens[b, :c], None if probs is None else probs[b, :c]) for b, c in enumerate(cut)]

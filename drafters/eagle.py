@@ -96,6 +96,56 @@ def vocabulary_coverage(token_ids: list[int], t2d: torch.Tensor) -> float:
     return float(t2d.cpu()[torch.tensor(token_ids)].float().mean())
 
 
+class DraftVocabulary:
+    """A head's draft vocabulary (`config.draft_vocab_size` of the target's `config.vocab_size` tokens), shared by
+    EAGLE-3 and DFlash: the `d2t` (offsets) and `t2d` (mask) buffers the engines read, the target's output-head rows
+    of those tokens, and the loss's view of the target's labels and distributions over them. An nn.Module mixin:
+    `_init_vocabulary` registers the buffers; `self.shared` is the attached target (drafters/layers.py `SharedTarget`)."""
+
+    def _init_vocabulary(self, config) -> int:
+        size = getattr(config, "draft_vocab_size", None) or config.vocab_size
+        self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        self._rows: tuple | None = None  # (key, draft-vocabulary rows of the target's output head)
+        return size
+
+    def set_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        check_vocab_maps(d2t, t2d)
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"maps of shape {tuple(d2t.shape)}/{tuple(t2d.shape)} do not fit a head with "
+                             f"{self.d2t.numel()} draft and {self.t2d.numel()} target tokens")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self._rows = None
+
+    @property
+    def reduced(self) -> bool:
+        return self.d2t.numel() < self.t2d.numel()
+
+    def target_ids(self) -> torch.Tensor:
+        return check_vocab_maps(self.d2t, self.t2d)
+
+    def _target_rows(self) -> torch.Tensor:
+        """The target's output-head rows of the draft vocabulary, gathered once (the target is frozen) and again
+        only when the maps or the device change."""
+        weight = self.shared.lm_head.weight
+        key = (self.d2t.device, weight.device, weight.data_ptr())
+        if self._rows is None or self._rows[0] != key:
+            self._rows = (key, weight[self.target_ids()].detach())
+        return self._rows[1]
+
+    def draft_index(self) -> torch.Tensor:
+        """(V,) each target token's index in the draft vocabulary, -1 where the head cannot propose it."""
+        return torch.where(self.t2d, torch.cumsum(self.t2d.long(), 0) - 1, -1)
+
+    def restrict(self, p: torch.Tensor) -> torch.Tensor:
+        """The target's distributions (N, V) restricted to the draft vocabulary and renormalised (N, draft)."""
+        if not self.reduced:
+            return p
+        kept = p[:, self.target_ids()]
+        return kept / kept.sum(-1, keepdim=True).clamp_min(1e-12)
+
+
 class Eagle3Layer(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
@@ -125,7 +175,7 @@ class Eagle3Layer(nn.Module):
         return h + mlp_decode(self.mlp, norm(h, self.post_attention_layernorm))
 
 
-class Eagle3(nn.Module):
+class Eagle3(DraftVocabulary, nn.Module):
     """The head. config: a Llama config from drafters.heads.head_config with `ttt_steps`, `ttt_decay`
     and optionally `draft_vocab_size`."""
 
@@ -146,34 +196,15 @@ class Eagle3(nn.Module):
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary = Rotary(config)
-        size = getattr(config, "draft_vocab_size", None) or config.vocab_size
-        self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        size = self._init_vocabulary(config)
         # config.own_lm_head: an output head of its own over the draft vocabulary, trained with the rest (EAGLE-3's
         # reference recipe); otherwise the head drafts through the target's output head, restricted to those rows.
         self.lm_head = nn.Linear(d, size, bias=False) if getattr(config, "own_lm_head", False) else None
         self.shared: SharedTarget | None = None
-        self._rows: tuple | None = None  # (key, draft-vocabulary rows of the output head)
 
     def attach(self, target) -> None:
         self.shared = SharedTarget(target)
         self._rows = None
-
-    def set_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        check_vocab_maps(d2t, t2d)
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ValueError(f"maps of shape {tuple(d2t.shape)}/{tuple(t2d.shape)} do not fit a head with "
-                             f"{self.d2t.numel()} draft and {self.t2d.numel()} target tokens")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        self._rows = None
-
-    @property
-    def reduced(self) -> bool:
-        return self.d2t.numel() < self.t2d.numel()
-
-    def target_ids(self) -> torch.Tensor:
-        return check_vocab_maps(self.d2t, self.t2d)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's fused features (..., L*d_target) as the layer's hidden input (..., d)."""
@@ -207,15 +238,8 @@ class Eagle3(nn.Module):
             self.lm_head.weight.copy_(rows)
 
     def _draft_rows(self) -> torch.Tensor:
-        """The output head's rows of the draft vocabulary: the head's own, or the target's gathered once (the target
-        is frozen) and again only when the maps or the device change."""
-        if self.lm_head is not None:
-            return self.lm_head.weight
-        weight = self.shared.lm_head.weight
-        key = (self.d2t.device, weight.device, weight.data_ptr())
-        if self._rows is None or self._rows[0] != key:
-            self._rows = (key, weight[self.target_ids()].detach())
-        return self._rows[1]
+        """The output head's rows of the draft vocabulary: the head's own, or the target's."""
+        return self.lm_head.weight if self.lm_head is not None else self._target_rows()
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache,
              last: bool = False) -> torch.Tensor:
@@ -292,8 +316,7 @@ class Eagle3(nn.Module):
         target_ids = self.target_ids() if self.reduced else None
         labels = not target_probs.is_floating_point()
         if labels:  # a label's index in the draft vocabulary, -1 where the head cannot propose it
-            where = torch.cumsum(self.t2d.long(), 0) - 1
-            draft_index = torch.where(self.t2d, where, -1)
+            draft_index = self.draft_index()
         loss, stats = 0.0, []
         for s, out in enumerate(self.unroll_states(features, input_ids, attention_mask)):
             # Entry e of step s guesses token e+s+2, whose distribution the target gave at position e+s+1.
@@ -306,11 +329,7 @@ class Eagle3(nn.Module):
                 stats.append(label_stats(logits.detach(), p, draft_index[p], target_ids, at=(rows, entries, (B, T)),
                                          hits=not self.training))
                 continue
-            p_draft = p
-            if target_ids is not None:  # the target's distribution restricted to the draft vocabulary
-                p_draft = p[:, target_ids]
-                p_draft = p_draft / p_draft.sum(-1, keepdim=True).clamp_min(1e-12)
-            loss = loss + decay * soft_cross_entropy(logits, p_draft, torch.ones_like(rows))
+            loss = loss + decay * soft_cross_entropy(logits, self.restrict(p), torch.ones_like(rows))
             stats.append(step_stats(torch.softmax(logits.detach().float(), -1), p, draft_ids=target_ids,
                                     at=(rows, entries, (B, T)), hits=not self.training))
         return loss, stats

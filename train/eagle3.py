@@ -67,10 +67,10 @@ def draft_vocab_size(drafter_cfg, vocab_size: int) -> int | None:
     return None if size is None or size == vocab_size else size
 
 
-class Eagle3Layer:
-    """What every recipe of a head on EAGLE-3's layer shares (EAGLE-3's and P-EAGLE's, each a `HeadRecipe`): the
-    fused features, the draft vocabulary, an output head of its own and labels read only where the loss reads them.
-    A mixin, so both kinds stay one level below the head recipe."""
+class DraftVocabularyRecipe:
+    """The draft vocabulary of a head that keeps one (EAGLE-3's, P-EAGLE's, DFlash's; drafters/eagle.py
+    `DraftVocabulary`): sized from `drafter.draft_vocab_*` (`_vocabulary_settings`), its maps set on the new head
+    (`_prepare_vocabulary`), its coverage of each held-out category reported. A mixin of a `HeadRecipe`."""
 
     def _validate(self) -> None:
         super()._validate()
@@ -86,17 +86,10 @@ class Eagle3Layer:
         if d.draft_vocab_from == "target_probabilities" and d.target_weights == "ends":
             raise ValueError("drafter.draft_vocab_from=target_probabilities runs the target over the training records, "
                              "and drafter.target_weights=ends loads its ends only: rank by tokens")
-        if d.intermediate_size is not None and d.intermediate_size < 1:
-            raise ValueError(f"drafter.intermediate_size must be >= 1 (null = the target's), got {d.intermediate_size}")
 
-    def _capture_layers(self) -> list[int]:
-        """Its own layers are fused into its input; the target's last state, for the labels, always comes too."""
-        return self.layers + [self.target.config.num_hidden_layers]
-
-    def _layout_settings(self) -> dict:
-        """The layer's settings every EAGLE-3 head has (drafters/kinds/eagle.py `Eagle3Layout`), its draft vocabulary sized
-        from the run's settings (and the traffic's counts where `drafter.draft_vocab_coverage` sizes it, kept for
-        `_prepare_head`)."""
+    def _vocabulary_settings(self) -> dict:
+        """{"draft_vocab_size": N or None (all)}, sized from the run's settings (and the traffic's counts where
+        `drafter.draft_vocab_coverage` sizes it, kept for `_prepare_vocabulary`)."""
         d, target = self.cfg.drafter, self.target
         size = draft_vocab_size(d, target.config.vocab_size)
         self.counts = None
@@ -106,19 +99,12 @@ class Eagle3Layer:
             log.info("draft vocabulary sized by coverage %s of the training tokens: %d of %d",
                      d.draft_vocab_coverage, size, target.config.vocab_size)
             size = None if size == target.config.vocab_size else size
-        return {"draft_vocab_size": size,
-                "intermediate_size": d.intermediate_size, "own_lm_head": d.own_lm_head,
-                "norm_before_fc": d.norm_before_fc, "norm_before_residual": d.norm_before_residual,
-                "norm_output": d.norm_output}
+        return {"draft_vocab_size": size}
 
-    def _prepare_head(self, head) -> None:
-        """The draft vocabulary's maps, and an output head of its own started from the target's rows (unless
-        `drafter.init_from` brings one)."""
-        d = self.cfg.drafter
+    def _prepare_vocabulary(self, head) -> None:
+        """The draft vocabulary's maps on the new head."""
         if head.config.draft_vocab_size:
             self._set_draft_vocabulary(head, head.config.draft_vocab_size, self.counts)
-        if d.own_lm_head and not d.init_from:
-            head.init_lm_head()
 
     def _always_kept(self) -> list[int]:
         return [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
@@ -191,6 +177,39 @@ class Eagle3Layer:
                       if any(unseen.values()) else ""))
             log.warning(msg)
             print(f"warning: {msg}")
+
+
+class Eagle3Layer(DraftVocabularyRecipe):
+    """What every recipe of a head on EAGLE-3's layer shares (EAGLE-3's and P-EAGLE's, each a `HeadRecipe`): the
+    fused features, the draft vocabulary, an output head of its own and labels read only where the loss reads them.
+    A mixin, so both kinds stay one level below the head recipe."""
+
+    def _validate(self) -> None:
+        super()._validate()
+        d = self.cfg.drafter
+        if d.intermediate_size is not None and d.intermediate_size < 1:
+            raise ValueError(f"drafter.intermediate_size must be >= 1 (null = the target's), got {d.intermediate_size}")
+
+    def _capture_layers(self) -> list[int]:
+        """Its own layers are fused into its input; the target's last state, for the labels, always comes too."""
+        return self.layers + [self.target.config.num_hidden_layers]
+
+    def _layout_settings(self) -> dict:
+        """The layer's settings every EAGLE-3 head has (drafters/kinds/eagle.py `Eagle3Layout`), its draft vocabulary
+        sized from the run's settings."""
+        d = self.cfg.drafter
+        return {**self._vocabulary_settings(),
+                "intermediate_size": d.intermediate_size, "own_lm_head": d.own_lm_head,
+                "norm_before_fc": d.norm_before_fc, "norm_before_residual": d.norm_before_residual,
+                "norm_output": d.norm_output}
+
+    def _prepare_head(self, head) -> None:
+        """The draft vocabulary's maps, and an output head of its own started from the target's rows (unless
+        `drafter.init_from` brings one)."""
+        d = self.cfg.drafter
+        self._prepare_vocabulary(head)
+        if d.own_lm_head and not d.init_from:
+            head.init_lm_head()
 
     def _features(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's input features (B, T, L*d) and its labels, computed only where its loss reads them (before

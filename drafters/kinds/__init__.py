@@ -59,6 +59,24 @@ class HeadConfig(DrafterConfig):
     label_temperature: float = 1.0  # token-loss label: softmax(target logits / T); 0 = the target's argmax (greedy serving)
 
 
+@dataclass
+class DraftVocabularyConfig(HeadConfig):
+    """A head whose output head can keep a draft vocabulary (EAGLE-3, DFlash: the `d2t` / `t2d` maps the engines
+    read), sized by these keys (train/eagle3.py `DraftVocabularyRecipe`)."""
+
+    # The draft vocabulary (d2t / t2d maps): the most frequent share of the target's tokens; null = all. The recipe
+    # warns when a held-out category's tokens are under 99 % covered (greedy serving rejects the rest).
+    draft_vocab_share: Optional[float] = 0.25
+    draft_vocab_size: Optional[int] = None  # or a number of tokens, e.g. 1024 (wins over the share and the coverage)
+    # or the fewest tokens that make up this share (e.g. 0.999) of the training traffic's ranked counts (wins over
+    # the share)
+    draft_vocab_coverage: Optional[float] = None
+    # rank by counts in the (regenerated) responses (tokens) | by the target's next-token probabilities there
+    # (target_probabilities: keeps what sampled serving draws, not just the argmax)
+    draft_vocab_from: str = "tokens"
+    draft_vocab_examples: int = 256  # draft_vocab_from=target_probabilities: the first N training records are scored
+
+
 @dataclass(frozen=True)
 class Engines:
     """How the serving engines take a kind's export (None: that engine does not serve it)."""

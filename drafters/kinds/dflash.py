@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from drafters import dflash
-from drafters.kinds import Engines, HeadConfig, Kind
+from drafters.kinds import DraftVocabularyConfig, Engines, Kind
 
 
 @dataclass
-class DFlashConfig(HeadConfig):
+class DFlashConfig(DraftVocabularyConfig):
     """`drafter=dflash`: DFlash, a block of guesses in one forward from several layers' features (drafters/dflash.py).
     Its defaults and objective are SpecForge's DFlash recipe, the loss decay speculators'."""
 
@@ -23,6 +23,9 @@ class DFlashConfig(HeadConfig):
     mask_token_id: Optional[int] = None
     loss_decay_gamma: Optional[float] = 4.0  # block position j's loss weighs exp(-(j-1)/gamma); null: all alike
     max_anchors: int = 256  # blocks trained per sequence, drawn from its answer's positions (SpecForge: 512)
+    # all of the target's vocabulary by default (z-lab's drafters); a share, a size or a coverage keeps the most
+    # frequent tokens, as EAGLE-3's does, and vLLM and llama.cpp read the maps
+    draft_vocab_share: Optional[float] = None
 
 
 def dflash_layers(num_layers: int) -> list[int]:

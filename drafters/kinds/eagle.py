@@ -7,11 +7,11 @@ from typing import Optional
 
 from drafters import eagle, eagle_export
 from drafters.heads import ENGINE_EAGLE3
-from drafters.kinds import Engines, HeadConfig, Kind
+from drafters.kinds import DraftVocabularyConfig, Engines, Kind
 
 
 @dataclass
-class Eagle3Layout(HeadConfig):
+class Eagle3Layout(DraftVocabularyConfig):
     """What an EAGLE-3 head's layer has, whichever way it drafts (`drafter=eagle` and `drafter=peagle`): fused
     low/middle/high target features, one decoder layer, a draft vocabulary. Layers default to [2, n//2, n-3] (vLLM's
     convention)."""
@@ -20,17 +20,6 @@ class Eagle3Layout(HeadConfig):
     # rest (EAGLE-3's reference recipe); false: draft through the target's output head, frozen
     own_lm_head: bool = False
     intermediate_size: Optional[int] = None  # the head's MLP width; null = the target's, smaller = cheaper steps
-    # The draft vocabulary (d2t / t2d maps): the most frequent share of the target's tokens; null = all. The recipe
-    # warns when a held-out category's tokens are under 99 % covered (greedy serving rejects the rest).
-    draft_vocab_share: Optional[float] = 0.25
-    draft_vocab_size: Optional[int] = None  # or a number of tokens, e.g. 1024 (wins over the share and the coverage)
-    # or the fewest tokens that make up this share (e.g. 0.999) of the training traffic's ranked counts (wins over
-    # the share)
-    draft_vocab_coverage: Optional[float] = None
-    # rank by counts in the (regenerated) responses (tokens) | by the target's next-token probabilities there
-    # (target_probabilities: keeps what sampled serving draws, not just the argmax)
-    draft_vocab_from: str = "tokens"
-    draft_vocab_examples: int = 256  # draft_vocab_from=target_probabilities: the first N training records are scored
     # EAGLE-3.1's norms (speculators' defaults, under its names): an RMS norm over the fused target features before fc
     # (norm_before_fc); the normed hidden state as the layer's residual (norm_before_residual); the final norm's output
     # handed to the next draft step (norm_output; llama.cpp's EAGLE-3 graph does not read it, vLLM's does).

@@ -240,7 +240,7 @@ def prompts():
 
 def _heads(target):
     yield from ((kind, make_head(kind, target)) for kind in KINDS)
-    yield from ((name, _head(name, target)) for name in VARIANTS)
+    yield from ((name, _head(name, target)) for name in [*VARIANTS, *DFLASH_VARIANTS])
 
 
 def _reduced_eagle(target, size=40, own_lm_head=False, counts=None, **norms):
@@ -261,7 +261,20 @@ VARIANTS = {"eagle_reduced": {}, "eagle_own": {"own_lm_head": True},
             "eagle31": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}}
 
 
+# DFlash with a draft vocabulary (the engines spread its logits back through d2t); it drafts no trees.
+DFLASH_VARIANTS = ["dflash_reduced"]
+
+
+def _reduced_dflash(target, size=40, counts=None):
+    head = make_head("dflash", target, draft_vocab_size=size)
+    counts = torch.arange(VOCAB, 0, -1).float() if counts is None else counts  # the lowest ids: "most frequent"
+    head.set_vocabulary(*draft_vocabulary(counts, size))
+    return head
+
+
 def _head(kind, target):
+    if kind in DFLASH_VARIANTS:
+        return _reduced_dflash(target)
     return _reduced_eagle(target, **VARIANTS[kind]) if kind in VARIANTS else make_head(kind, target)
 
 
@@ -279,7 +292,7 @@ def test_greedy_equals_target_greedy_with_every_head(target, prompts, k):
             assert accepted > 0, name
 
 
-BATCHED = KINDS + list(VARIANTS)
+BATCHED = KINDS + list(VARIANTS) + DFLASH_VARIANTS
 
 
 def test_rows_that_join_a_running_batch_draft_as_the_head_alone(target, prompts):
@@ -353,8 +366,11 @@ def small_target():
 
 def _small_head(kind, small_target):
     torch.manual_seed(3)
+    counts = torch.tensor([5.0, 1, 4, 3, 0, 2])
     if kind in VARIANTS:
-        return _reduced_eagle(small_target, 4, counts=torch.tensor([5.0, 1, 4, 3, 0, 2]), **VARIANTS[kind])
+        return _reduced_eagle(small_target, 4, counts=counts, **VARIANTS[kind])
+    if kind in DFLASH_VARIANTS:
+        return _reduced_dflash(small_target, 4, counts=counts)
     return make_head(kind, small_target)
 
 
@@ -369,7 +385,7 @@ def test_batched_sampled_rows_follow_target_distribution(small_target, kind, slo
     assert min(pvalues) > 1e-3
 
 
-@pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
+@pytest.mark.parametrize("kind", KINDS + list(VARIANTS) + DFLASH_VARIANTS)
 def test_sampled_output_follows_target_distribution(small_target, kind):
     head = _small_head(kind, small_target)
     prompt = torch.tensor([1, 4, 2])
@@ -489,7 +505,7 @@ def test_a_drafter_without_trees_is_a_clear_error(target, prompts, kind):
 # --- confidence stop (drafters/base.py) ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
+@pytest.mark.parametrize("kind", KINDS + list(VARIANTS) + DFLASH_VARIANTS)
 def test_confidence_stop_ends_the_round_at_the_first_unsure_guess(target, prompts, kind):
     head = _head(kind, target)
     ends = [stop_point(target, lambda stop: head.drafter(kind, stop_below=stop), prompt, 4, 0.02, seed)
@@ -499,7 +515,7 @@ def test_confidence_stop_ends_the_round_at_the_first_unsure_guess(target, prompt
 
 
 @pytest.mark.parametrize("rule", STOP_RULES)
-@pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
+@pytest.mark.parametrize("kind", KINDS + list(VARIANTS) + DFLASH_VARIANTS)
 def test_greedy_with_confidence_stop_equals_target_greedy(target, prompts, kind, rule):
     head, exercised = trained_to_self(target, _head(kind, target)), []
     # The heads differ in how sure they are; over these thresholds every output is the target's, and at one
@@ -520,7 +536,7 @@ def test_greedy_with_confidence_stop_equals_target_greedy(target, prompts, kind,
 
 
 @pytest.mark.parametrize("rule", STOP_RULES)
-@pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
+@pytest.mark.parametrize("kind", KINDS + list(VARIANTS) + DFLASH_VARIANTS)
 def test_sampled_output_with_confidence_stop_follows_target_distribution(small_target, kind, rule):
     head = _small_head(kind, small_target)
     prompt, sampling = torch.tensor([1, 4, 2]), Sampling(temperature=1.0)
@@ -579,11 +595,13 @@ def _reference_guesses(head, kind, ids, feats, guesses):
             _, _, _, states = head._every_anchor(padded[:, : seq.shape[1]], seq, attn)
             drafts = head.draft_logits(states[0, [d * E + m - 1 for d in range(n)]]).argmax(-1)
             return (head.target_ids()[drafts] if head.reduced else drafts).tolist()
-        if kind == "dflash":  # the block [last, mask x n] over the whole context at once, no cache
+        if kind.startswith("dflash"):  # the block [last, mask x n] over the whole context at once, no cache
             context = head.context_kv(head.context(feats[None]), torch.arange(m)[None])
             block = torch.tensor([[ids[-1]] + [head.config.mask_token_id] * n])
             out = head.blocks(context, block, torch.arange(m, m + n + 1)[None], None)
-            return head.shared.logits(out[0, 1:]).argmax(-1).tolist()
+            # The whole output head, then the tokens outside the draft vocabulary struck out (what d2t leaves).
+            logits = head.shared.logits(out[0, 1:]).masked_fill(~head.t2d, float("-inf"))
+            return logits.argmax(-1).tolist()
         if kind == "eagle1":  # recompute from scratch, no cache, one draft at a time
             from drafters.kv_cache import KVCache
 
@@ -597,7 +615,7 @@ def _reference_guesses(head, kind, ids, feats, guesses):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", KINDS + list(VARIANTS))
+@pytest.mark.parametrize("kind", KINDS + list(VARIANTS) + DFLASH_VARIANTS)
 def test_drafting_with_cache_and_rollback_is_the_training_computation(target, kind):
     """Random rounds of propose / commit (random acceptance, random corrections): every proposal must
     equal what the head computes from scratch on the committed sequence, so neither the cache, nor

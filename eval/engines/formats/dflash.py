@@ -36,6 +36,10 @@ def dflash_tensors(head_dir: Path, target, *, best: dict | None, force: bool = F
     if missing:
         raise ExportRefused(f"{where}: weights {missing[:4]} are missing; an engine would load them as random")
     _refuse_activation(head_config, where)
+    if "d2t" in state and state["d2t"].numel() < target.config.vocab_size:
+        raise ExportRefused(f"{where}: a draft vocabulary of {state['d2t'].numel()} tokens "
+                            f"(drafter.draft_vocab_size) is served by draftsmith's loop only; the dflash export "
+                            "writes the whole vocabulary's drafter (train without drafter.draft_vocab_*)")
     layers = list(head_config["feature_layers"])
     if not all(1 <= i <= n - 1 for i in layers) or layers != sorted(set(layers)):
         raise ExportRefused(f"{where}: feature layers {layers} must be increasing and within 1..{n - 1}: the "
