@@ -131,7 +131,7 @@ class DFlash(DraftVocabulary, nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary = Rotary(config)
-        self._init_vocabulary(config)
+        self._init_vocabulary(config, maps_always=False)
         self.shared: SharedTarget | None = None
 
     def attach(self, target) -> None:

@@ -102,15 +102,20 @@ class DraftVocabulary:
     of those tokens, and the loss's view of the target's labels and distributions over them. An nn.Module mixin:
     `_init_vocabulary` registers the buffers; `self.shared` is the attached target (drafters/layers.py `SharedTarget`)."""
 
-    def _init_vocabulary(self, config) -> int:
+    def _init_vocabulary(self, config, maps_always: bool = True) -> int:
+        """Register the maps; without `maps_always`, only for a draft vocabulary smaller than the target's (a head
+        over the whole vocabulary then saves exactly what it saved before it could keep one)."""
         size = getattr(config, "draft_vocab_size", None) or config.vocab_size
-        self.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        keep = maps_always or size < config.vocab_size
+        self.register_buffer("d2t", torch.zeros(size, dtype=torch.long) if keep else None)
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool) if keep else None)
         self._rows: tuple | None = None  # (key, draft-vocabulary rows of the target's output head)
         return size
 
     def set_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         check_vocab_maps(d2t, t2d)
+        if self.d2t is None:
+            raise ValueError("this head drafts over the target's whole vocabulary (no draft_vocab_size): it has no maps")
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise ValueError(f"maps of shape {tuple(d2t.shape)}/{tuple(t2d.shape)} do not fit a head with "
                              f"{self.d2t.numel()} draft and {self.t2d.numel()} target tokens")
@@ -120,7 +125,7 @@ class DraftVocabulary:
 
     @property
     def reduced(self) -> bool:
-        return self.d2t.numel() < self.t2d.numel()
+        return self.d2t is not None and self.d2t.numel() < self.t2d.numel()
 
     def target_ids(self) -> torch.Tensor:
         return check_vocab_maps(self.d2t, self.t2d)
@@ -136,6 +141,8 @@ class DraftVocabulary:
 
     def draft_index(self) -> torch.Tensor:
         """(V,) each target token's index in the draft vocabulary, -1 where the head cannot propose it."""
+        if self.t2d is None:
+            return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
         return torch.where(self.t2d, torch.cumsum(self.t2d.long(), 0) - 1, -1)
 
     def restrict(self, p: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ from train.recipe import run as run_recipe
 
 
 # The keys that size the draft vocabulary: the recipe turns them into the head's one setting, `draft_vocab_size`.
-VOCABULARY_KEYS = {f.name for f in dataclasses.fields(DraftVocabularyConfig)} - {f.name for f in dataclasses.fields(HeadConfig)}
+VOCABULARY_KEYS = ({f.name for f in dataclasses.fields(DraftVocabularyConfig)}
+                   - {f.name for f in dataclasses.fields(HeadConfig)})
 
 
 class DFlashRecipe(DraftVocabularyRecipe, HeadRecipe):
