@@ -106,6 +106,14 @@ def dflash_run(tiny_world, shared_dir):
 
 
 @pytest.fixture(scope="session")
+def dflash_vocab_run(tiny_world, shared_dir):
+    """`dflash_run`'s drafter with a draft vocabulary (120 of 320 tokens): what the exports ship with `d2t`."""
+    return trained(shared_dir, "dflash_vocab", "drafter=dflash", "trainer.max_steps=150", "trainer.eval_every=30",
+                   "trainer.checkpoint_every=30", "trainer.lr=5e-3", "drafter.label_temperature=0",
+                   "trainer.select_by=top1", "drafter.block_size=5", "drafter.draft_vocab_size=120")
+
+
+@pytest.fixture(scope="session")
 def peagle_run(tiny_world, shared_dir):
     """A P-EAGLE head on tiny_deep trained for greedy serving on 4 depths, with a reduced draft vocabulary and
     EAGLE-3.1's input norms (speculators' P-EAGLE defaults): what the `speculators` export ships."""

@@ -472,13 +472,39 @@ def test_a_dflash_drafter_exports_in_the_layout_vllm_and_llama_cpp_read(dflash_r
         formats_for("dflash", ["sglang"])
 
 
-def test_vllm_loads_the_dflash_export_and_computes_the_drafters_block(dflash_run, tmp_path):
+def test_a_dflash_drafter_with_a_draft_vocabulary_exports_its_maps_and_rows(dflash_vocab_run, tmp_path):
+    """A draft vocabulary as vLLM's DFlash reads it: `draft_vocab_size` in the config, `d2t` offsets and `t2d` as
+    saved, and `lm_head` the target's output-head rows of the draft tokens (the drafter drafts through them); maps
+    that disagree are refused before anything is written."""
+    written = export(dflash_vocab_run, tmp_path / "out", ExportSettings(formats=["dflash"]))
+    config = json.loads((written["dflash"] / "config.json").read_text())
+    assert config["draft_vocab_size"] == 120 and config["vocab_size"] == 320
+    assert config["architectures"] == ["DFlashDraftModel"]
+    weights = load_file(str(written["dflash"] / "model.safetensors"))
+    saved = load_file(str(dflash_vocab_run / "best" / "model.safetensors"))
+    assert torch.equal(weights["d2t"], saved["d2t"]) and torch.equal(weights["t2d"], saved["t2d"])
+    target, _ = load_target(TARGET, device=torch.device("cpu"))
+    target_ids = torch.arange(120) + saved["d2t"]
+    assert torch.equal(weights["lm_head.weight"], target.lm_head.weight.detach()[target_ids])
+    assert set(weights) == set(saved) | {"lm_head.weight"}
+    broken = shutil.copytree(dflash_vocab_run, tmp_path / "broken")
+    saved["t2d"][int(target_ids[0])] = False  # t2d no longer marks a token d2t maps to
+    save_file(saved, str(broken / "best" / "model.safetensors"))
+    with pytest.raises(ExportRefused, match="t2d"):
+        export(broken, tmp_path / "refused", ExportSettings(formats=["dflash", "gguf"]))
+    assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("run", ["dflash_run", "dflash_vocab_run"])  # the whole vocabulary, or a draft vocabulary
+def test_vllm_loads_the_dflash_export_and_computes_the_drafters_block(run, tmp_path, request):
     """vLLM 0.33's config, registry, loader and DFlash model on the export (tests/train/vllm_dflash_worker.py says
     what of it runs here): the block's logits are draftsmith's drafter's on the same context and block, within
     1e-4 (fp32; vLLM fuses the context's k/v projections of every layer into one matrix), so vLLM drafts the same
-    tokens."""
+    tokens. With a draft vocabulary, vLLM's own lm_head of the draft rows and its scatter through `d2t` give
+    draftsmith's logits over the target's vocabulary, -inf where the drafter cannot propose."""
     if not (VENV / "vllm" / ".installed").exists():
         pytest.skip(f"vllm is not installed in {VENV / 'vllm'}: run `make install`")
+    dflash_run = request.getfixturevalue(run)
     written = export(dflash_run, tmp_path / "out", ExportSettings(formats=["dflash"]))
     target, _ = load_target(TARGET, device=torch.device("cpu"))
     head = load_head(dflash_run / "best", target)
@@ -488,11 +514,14 @@ def test_vllm_loads_the_dflash_export_and_computes_the_drafters_block(dflash_run
     block = torch.tensor([int(ids[0, -1])] + [head.config.mask_token_id] * n)
     with torch.no_grad():
         context = head.context_kv(head.context(features[None]), torch.arange(m)[None])
-        ours = head.shared.logits(head.blocks(context, block[None], torch.arange(m, m + n + 1)[None], None)[0])
+        ours = head.target_logits(head.blocks(context, block[None], torch.arange(m, m + n + 1)[None], None)[0])
     inputs = tmp_path / "inputs.safetensors"
     save_file({"features": features.contiguous(), "block": block}, str(inputs))
     architecture, theirs = _vllm(written["dflash"], inputs, tmp_path / "vllm.safetensors", "vllm_dflash_worker.py")
     assert architecture == "DFlashDraftModel"
+    assert torch.equal(theirs["logits"][1:].isinf(), ours[1:].isinf())
+    draft_vocab = getattr(head.config, "draft_vocab_size", None) or target.config.vocab_size
+    assert int(ours[1:].isfinite().sum(-1)[0]) == draft_vocab
     torch.testing.assert_close(theirs["logits"][1:], ours[1:], rtol=1e-4, atol=1e-4)
     assert theirs["logits"][1:].argmax(-1).tolist() == ours[1:].argmax(-1).tolist()
     # The check has teeth: the same weights under another RoPE base give other logits.

@@ -4,8 +4,8 @@ from (the field's most reported export failure).
 It refuses `d2t`/`t2d` that disagree, a draft vocabulary without the target's EOS, aux layer ids an engine cannot
 capture, or a missing `fc` / output head, never overridable; a head whose recorded held-out top-1 agreement is at
 chance is refused unless `force=true`. `check_eagle3` guards the EAGLE-3 exports (eval/engines/formats/eagle3.py),
-`check_eagle1` the EAGLE-1 one (eval/engines/formats/eagle1.py); the DFlash export's checks (eval/engines/formats/dflash.py) share
-`_refuse_activation` and `_refuse_at_chance`.
+`check_eagle1` the EAGLE-1 one (eval/engines/formats/eagle1.py); the DFlash export's checks (eval/engines/formats/dflash.py)
+share `check_draft_vocabulary`, `_refuse_activation` and `_refuse_at_chance`.
 """
 
 from __future__ import annotations
@@ -32,17 +32,10 @@ class ExportRefused(ValueError):
     """A checkpoint the collapse guard will not export; nothing was written."""
 
 
-def check_eagle3(state: dict[str, torch.Tensor], head_config: dict, target_config, *, eos_token_id: int | None,
-                 best: dict | None, force: bool = False, where: str = "head") -> torch.Tensor:
-    """Refuse a head that would load and then accept nothing; return its target ids (draft id -> target id)."""
-    missing = [name for name in EAGLE3_OWN if name not in state]
-    if missing:
-        raise ExportRefused(f"{where}: weights {missing} are missing; an engine would load them as random")
-    _refuse_activation(head_config, where)
-    # SpecForge's norm_output=false, as drafters/eagle_export.py export_norms reads it
-    if not head_config.get("head_norm", True):
-        raise ExportRefused(f"{where}/config.json: head_norm is false (an output head on the un-normed state), which "
-                            "neither the engines' EAGLE-3 nor its norm_output can express")
+def check_draft_vocabulary(state: dict[str, torch.Tensor], target_config, *, eos_token_id: int | list | None,
+                           where: str) -> torch.Tensor:
+    """Refuse a head's draft vocabulary (`d2t`, `t2d`) that an engine would read wrong: maps that disagree, a
+    `t2d` not over the target's vocabulary, a vocabulary without the target's EOS. Return its target ids."""
     try:
         target_ids = check_vocab_maps(state["d2t"], state["t2d"])
     except ValueError as e:
@@ -54,6 +47,31 @@ def check_eagle3(state: dict[str, torch.Tensor], head_config: dict, target_confi
         if not bool(state["t2d"][eos]):
             raise ExportRefused(f"{where}: the draft vocabulary lacks the target's EOS token {eos}: the head could "
                                 "never propose the end of an answer")
+    return target_ids
+
+
+def draft_vocabulary_rows(target, target_ids: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """The target's output-head rows of a draft vocabulary: the `lm_head` an engine gives a head that drafts
+    through exactly those rows (its own separate lm_head then computes the same logits)."""
+    output = target.get_output_embeddings()
+    if output is None or output.weight.shape[0] != target.config.vocab_size:
+        raise ExportRefused(f"{where}: the target has no output head of {target.config.vocab_size} rows to take the "
+                            "draft vocabulary's lm_head from")
+    return output.weight.detach()[target_ids.to(output.weight.device)].to(dtype).cpu()
+
+
+def check_eagle3(state: dict[str, torch.Tensor], head_config: dict, target_config, *, eos_token_id: int | None,
+                 best: dict | None, force: bool = False, where: str = "head") -> torch.Tensor:
+    """Refuse a head that would load and then accept nothing; return its target ids (draft id -> target id)."""
+    missing = [name for name in EAGLE3_OWN if name not in state]
+    if missing:
+        raise ExportRefused(f"{where}: weights {missing} are missing; an engine would load them as random")
+    _refuse_activation(head_config, where)
+    # SpecForge's norm_output=false, as drafters/eagle_export.py export_norms reads it
+    if not head_config.get("head_norm", True):
+        raise ExportRefused(f"{where}/config.json: head_norm is false (an output head on the un-normed state), which "
+                            "neither the engines' EAGLE-3 nor its norm_output can express")
+    target_ids = check_draft_vocabulary(state, target_config, eos_token_id=eos_token_id, where=where)
     n = target_config.num_hidden_layers
     layers = list(head_config["feature_layers"])
     bad = [i for i in layers if not 1 <= i <= n - 1]

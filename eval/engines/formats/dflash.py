@@ -2,9 +2,10 @@
 llama.cpp's converter read: a flat Qwen3 config of the drafter's layers with `block_size` and `dflash_config`
 (`mask_token_id`, and `target_layer_ids` as 0-based layer outputs, draftsmith's feature layers less one), the weights
 under the drafter's own names (`fc`, `hidden_norm`, `layers.{i}.*`, `norm`; no `model.` prefix, no embedding or
-output head: both engines take the target's), the target's tokenizer. Its `gguf` (`dflash_gguf`) is llama.cpp's
-converter on it, with the target's directory, as llama.cpp requires.
-"""
+output head: both engines take the target's), the target's tokenizer. A drafter with a draft vocabulary adds
+`draft_vocab_size` and, as EAGLE-3's export does, `d2t` (offsets), `t2d` and `lm_head` (the target's rows of the
+draft vocabulary, which it drafts through). Its `gguf` (`dflash_gguf`) is llama.cpp's converter on it, with the
+target's directory, as llama.cpp requires."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eval.engines.formats.checks import ExportRefused, _refuse_activation, _refuse_at_chance
+from eval.engines.formats.checks import (ExportRefused, _refuse_activation, _refuse_at_chance, check_draft_vocabulary,
+                                         draft_vocabulary_rows)
 from eval.engines.formats.writing import ExportJob, _rope, copy_tokenizer, target_directory, write_dir, write_gguf
 
 DFLASH_OWN = ("fc.weight", "hidden_norm.weight", "norm.weight")
@@ -36,10 +38,6 @@ def dflash_tensors(head_dir: Path, target, *, best: dict | None, force: bool = F
     if missing:
         raise ExportRefused(f"{where}: weights {missing[:4]} are missing; an engine would load them as random")
     _refuse_activation(head_config, where)
-    if "d2t" in state and state["d2t"].numel() < target.config.vocab_size:
-        raise ExportRefused(f"{where}: a draft vocabulary of {state['d2t'].numel()} tokens "
-                            f"(drafter.draft_vocab_size) is served by draftsmith's loop only; the dflash export "
-                            "writes the whole vocabulary's drafter (train without drafter.draft_vocab_*)")
     layers = list(head_config["feature_layers"])
     if not all(1 <= i <= n - 1 for i in layers) or layers != sorted(set(layers)):
         raise ExportRefused(f"{where}: feature layers {layers} must be increasing and within 1..{n - 1}: the "
@@ -50,19 +48,36 @@ def dflash_tensors(head_dir: Path, target, *, best: dict | None, force: bool = F
     if not 0 <= head_config["mask_token_id"] < target.config.vocab_size:
         raise ExportRefused(f"{where}: mask_token_id {head_config['mask_token_id']} is not a row of the target's "
                             "embedding")
-    _refuse_at_chance(best, target.config.vocab_size, "target tokens", force=force, where=where)
     tensors = {name: state[name] for name in expected}
+    if "d2t" in state and state["d2t"].numel() < target.config.vocab_size:  # a draft vocabulary (drafter.draft_vocab_*)
+        target_ids = check_draft_vocabulary(state, target.config, eos_token_id=target.config.eos_token_id, where=where)
+        # The drafter drafts through the target's rows of its vocabulary: the engines read them as its own lm_head
+        # (vLLM's DFlash sizes lm_head by draft_vocab_size and keeps a head of another shape than the target's).
+        tensors.update(d2t=state["d2t"], t2d=state["t2d"],
+                       **{"lm_head.weight": draft_vocabulary_rows(target, target_ids, state["fc.weight"].dtype, where)})
+        _refuse_at_chance(best, target_ids.numel(), "draft tokens", force=force, where=where)
+    else:
+        _refuse_at_chance(best, target.config.vocab_size, "target tokens", force=force, where=where)
     if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
     return {k: v.contiguous() for k, v in tensors.items()}, head_config
 
 
-def dflash_config(head_config: dict, target_config, dtype: str) -> dict:
+# llama.cpp's converter reads a draft vocabulary (`d2t`, written as absolute target ids; `t2d` dropped) only in its
+# class for DSpark, DFlash with an optional Markov head on the same DFLASH architecture; its DFlash class cannot map
+# `d2t`. Without the Markov head the runtime graph is DFlash's (`src/models/dflash.cpp` scatters the block's logits
+# through `d2t`), so a drafter with a draft vocabulary is converted as that class and served as `draft-dflash`.
+LLAMA_CPP_ARCHITECTURE = {False: "DFlashDraftModel", True: "DSparkDraftModel"}
+
+
+def dflash_config(head_config: dict, target_config, dtype: str, architecture: str = "DFlashDraftModel") -> dict:
     """config.json of z-lab's `DFlashDraftModel` (a Qwen3 config of the drafter's layers), as vLLM 0.33's
-    `qwen3_dflash.py` and llama.cpp's converter (`conversion/qwen.py`) read it."""
+    `qwen3_dflash.py` and llama.cpp's converter (`conversion/qwen.py`) read it; with a draft vocabulary,
+    `draft_vocab_size` (vLLM sizes the drafter's own `lm_head` by it and scatters its logits through `d2t`)."""
     n = head_config["num_layers"]
+    draft_vocab = head_config.get("draft_vocab_size") or target_config.vocab_size
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [architecture],
         "model_type": "qwen3",
         "hidden_size": head_config["hidden_size"],
         "num_hidden_layers": n,
@@ -83,44 +98,55 @@ def dflash_config(head_config: dict, target_config, dtype: str) -> dict:
         "block_size": head_config["block_size"],
         "num_target_layers": target_config.num_hidden_layers,
         "target_hidden_size": head_config["target_hidden_size"],
+        **({"draft_vocab_size": draft_vocab} if draft_vocab < target_config.vocab_size else {}),
         "dflash_config": {"mask_token_id": head_config["mask_token_id"],
                           "target_layer_ids": [i - 1 for i in head_config["feature_layers"]]},
         "torch_dtype": dtype,
     }
 
 
-def dflash_writer(tensors: dict[str, torch.Tensor], head_config: dict, target_config, target_dir: Path, dtype: str):
+def dflash_writer(tensors: dict[str, torch.Tensor], head_config: dict, target_config, target_dir: Path, dtype: str,
+                  architecture: str = "DFlashDraftModel"):
     """The writer of the `dflash` export (`dflash_tensors`): its weights, its config and the target's tokenizer."""
     def write(tmp: Path) -> None:
-        (tmp / "config.json").write_text(json.dumps(dflash_config(head_config, target_config, dtype), indent=2) + "\n")
+        config = dflash_config(head_config, target_config, dtype, architecture)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         copy_tokenizer(target_dir, tmp)
 
     return write
 
 
+def _gguf(tensors: dict[str, torch.Tensor], head_config: dict, target_config, target_dir: Path, dtype: str,
+          out_file: Path) -> Path:
+    """llama.cpp's converter, with the target's directory as it requires, on the drafter written beside `out_file`
+    for the converter class that reads it (`LLAMA_CPP_ARCHITECTURE`)."""
+    architecture = LLAMA_CPP_ARCHITECTURE["d2t" in tensors]
+    source = write_dir(out_file.with_suffix(".dflash"), dflash_writer(tensors, head_config, target_config, target_dir,
+                                                                       dtype, architecture))
+    return write_gguf(source, out_file, dtype, target_dir=target_dir)
+
+
 def dflash_gguf(head_dir: str | Path, target, target_name_or_path: str, out_file: str | Path,
                 dtype: str = "float32") -> Path:
-    """A saved DFlash drafter as a llama.cpp GGUF: the `dflash` export beside `out_file`, guarded, then llama.cpp's
-    converter with the target's directory (`--target-model-dir`). What `python -m eval engine=llamacpp` serves."""
+    """A saved DFlash drafter as a llama.cpp GGUF: guarded (`dflash_tensors`), then llama.cpp's converter (`_gguf`).
+    What `python -m eval engine=llamacpp` serves."""
     head_dir, out_file = Path(head_dir), Path(out_file)
     best_file = head_dir / "best.json"
     best = json.loads(best_file.read_text()) if best_file.exists() else None
     tensors, head_config = dflash_tensors(head_dir, target, best=best)
-    target_dir = target_directory(target_name_or_path)
-    exported = write_dir(out_file.with_suffix(".dflash"), dflash_writer(tensors, head_config, target.config,
-                                                                         target_dir, "float32"))
-    return write_gguf(exported, out_file, dtype, target_dir=target_dir)
+    return _gguf(tensors, head_config, target.config, target_directory(target_name_or_path), dtype, out_file)
 
 
 def export_dflash(job: ExportJob, formats: list[str], out: Path) -> dict[str, Path]:
     """A DFlash drafter as the `dflash` format and its `gguf` under `out`."""
     tensors, head_config = dflash_tensors(job.best, job.target, best=job.best_record, force=job.force, dtype=job.dtype)
-    exported = write_dir(out / "dflash", dflash_writer(tensors, head_config, job.target.config, job.target_dir,
-                                                       job.dtype_name))
-    written = {"dflash": exported} if "dflash" in formats else {}
+    written = {}
+    if "dflash" in formats:
+        written["dflash"] = write_dir(out / "dflash", dflash_writer(tensors, head_config, job.target.config,
+                                                                    job.target_dir, job.dtype_name))
     if "gguf" in formats:
-        written["gguf"] = write_gguf(exported, out / "gguf" / "dflash.gguf", job.dtype_name, target_dir=job.target_dir)
-    if "dflash" not in formats:
-        shutil.rmtree(exported)
+        gguf = out / "gguf" / "dflash.gguf"
+        written["gguf"] = _gguf(tensors, head_config, job.target.config, job.target_dir, job.dtype_name, gguf)
+        shutil.rmtree(gguf.with_suffix(".dflash"))  # the converter's input, written for it alone
     return written

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters import kinds
 from drafters.eagle import NORM_FLAGS
-from eval.engines.formats.checks import EAGLE3_OWN, ExportRefused, check_eagle3
+from eval.engines.formats.checks import EAGLE3_OWN, ExportRefused, check_eagle3, draft_vocabulary_rows
 from eval.engines.formats.writing import ExportJob, _rope, copy_tokenizer, target_directory, write_dir, write_gguf
 
 
@@ -65,11 +65,7 @@ def eagle3_tensors(head_dir: Path, target, *, best: dict | None, force: bool = F
     if "lm_head.weight" in state:  # its own, trained with the rest
         tensors["lm_head.weight"] = state["lm_head.weight"]
     else:
-        output = target.get_output_embeddings()
-        if output is None or output.weight.shape[0] != target.config.vocab_size:
-            raise ExportRefused(f"{head_dir}: the target has no output head of {target.config.vocab_size} rows to "
-                                "take the draft vocabulary's lm_head from")
-        tensors["lm_head.weight"] = output.weight.detach()[target_ids].to(state["fc.weight"].dtype)
+        tensors["lm_head.weight"] = draft_vocabulary_rows(target, target_ids, state["fc.weight"].dtype, str(head_dir))
     if dtype is not None:
         tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
     return {k: v.contiguous() for k, v in tensors.items()}, head_config

@@ -117,17 +117,31 @@ def test_the_exported_eagle3_head_runs_in_llama_cpp_as_in_draftsmith(world, run,
     assert abs(theirs / ours - 1) <= TAU_TOLERANCE, (ours, theirs)
 
 
-def test_the_exported_dflash_drafter_runs_in_llama_cpp_as_in_draftsmith(world, dflash_run):
+@pytest.mark.parametrize("run", ["dflash_run", "dflash_vocab_run"])  # the whole vocabulary, or a draft vocabulary
+def test_the_exported_dflash_drafter_runs_in_llama_cpp_as_in_draftsmith(world, run, request):
     """llama.cpp's own converter reads the `dflash` export with the target's directory, and llama-server's
-    draft-dflash drafts a block in one forward as draftsmith's loop does: lossless, and the same τ."""
-    written = export(dflash_run, world["out"] / "dflash", ExportSettings(formats=["dflash", "gguf"]))
+    draft-dflash drafts a block in one forward as draftsmith's loop does: lossless, and the same τ. A draft
+    vocabulary reaches the engine: the GGUF carries `d2t` as the target ids of the draft tokens (llama.cpp's graph
+    scatters the block's logits through it)."""
+    import gguf
+
+    dflash_run = request.getfixturevalue(run)
+    written = export(dflash_run, world["out"] / run, ExportSettings(formats=["dflash", "gguf"]))
     config = json.loads((written["dflash"] / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == K + 1
+    tensors = {t.name: t for t in gguf.GGUFReader(str(written["gguf"])).tensors}
+    saved = load_file(str(dflash_run / "best" / "model.safetensors"))
+    if "draft_vocab_size" in config:
+        assert tensors["d2t"].data.tolist() == (torch.arange(saved["d2t"].numel()) + saved["d2t"]).tolist()
+        assert tuple(tensors["output.weight"].shape) == (config["hidden_size"], config["draft_vocab_size"])
+    else:
+        assert "d2t" not in tensors and "output.weight" not in tensors  # the target's output head, shared
+    vocabulary = config.get("draft_vocab_size") or world["target"].config.vocab_size
     stats = []
     completions = serve(world, written["gguf"], "draft-dflash", stats)
     assert [c.tokens for c in completions] == world["plain"]  # lossless in the engine
     proposed, accepted = sum(c.draft_n for c in completions), sum(c.draft_n_accepted for c in completions)
-    assert accepted / proposed > 10 / world["target"].config.vocab_size  # far above chance
+    assert accepted / proposed > 10 / vocabulary  # far above chance
     drafter = build_drafter({"name": "dflash", "kind": "head", "path": str(dflash_run / "best")},
                             target=world["target"], tokenizer=world["tok"])
     ours, theirs = draftsmith_tau(world, drafter), llama_tau(stats[0])
