@@ -183,25 +183,27 @@ def test_the_off_the_shelf_draft_lm_is_served_by_vllm_as_draftsmith_drafts_it(wo
 
 
 # The other kinds vLLM serves, each trained as tests/conftest.py trains its tiny_deep run (fewer steps where that run
-# keeps enough): its training overrides, and how draftsmith's loop builds it from best/.
+# keeps enough): its kind, its training overrides, and how draftsmith's loop builds it from best/.
+DFLASH = ("drafter=dflash", "trainer.max_steps=150", "trainer.eval_every=50", "trainer.checkpoint_every=50",
+          "trainer.lr=5e-3", "drafter.label_temperature=0", "trainer.select_by=top1", "drafter.block_size=5")
 KINDS = {
-    "eagle1": (("drafter=eagle1", "trainer.max_steps=60", "trainer.eval_every=30", "trainer.checkpoint_every=30",
-                "trainer.lr=5e-3", "trainer.select_by=top1"), "head"),
-    "peagle": (("drafter=peagle", "trainer.max_steps=60", "trainer.eval_every=30", "trainer.checkpoint_every=30",
-                "trainer.lr=5e-3", "drafter.label_temperature=0", "trainer.select_by=top1", "drafter.num_depths=4",
-                "drafter.norm_before_fc=true", "drafter.norm_before_residual=true"), "head"),
-    "dflash": (("drafter=dflash", "trainer.max_steps=150", "trainer.eval_every=50", "trainer.checkpoint_every=50",
-                "trainer.lr=5e-3", "drafter.label_temperature=0", "trainer.select_by=top1", "drafter.block_size=5"),
-               "head"),
-    "pard": (("drafter=pard", "trainer.max_steps=40", "trainer.eval_every=20", "trainer.checkpoint_every=20",
-              "trainer.lr=3e-3", "trainer.select_by=top1", "drafter.num_depths=4"), "draft_lm"),
+    "eagle1": ("eagle1", ("drafter=eagle1", "trainer.max_steps=60", "trainer.eval_every=30",
+                          "trainer.checkpoint_every=30", "trainer.lr=5e-3", "trainer.select_by=top1"), "head"),
+    "peagle": ("peagle", ("drafter=peagle", "trainer.max_steps=60", "trainer.eval_every=30",
+                          "trainer.checkpoint_every=30", "trainer.lr=5e-3", "drafter.label_temperature=0",
+                          "trainer.select_by=top1", "drafter.num_depths=4", "drafter.norm_before_fc=true",
+                          "drafter.norm_before_residual=true"), "head"),
+    "dflash": ("dflash", DFLASH, "head"),
+    "dflash_vocab": ("dflash", (*DFLASH, "drafter.draft_vocab_size=120"), "head"),  # d2t, its own lm_head rows
+    "pard": ("pard", ("drafter=pard", "trainer.max_steps=40", "trainer.eval_every=20", "trainer.checkpoint_every=20",
+                      "trainer.lr=3e-3", "trainer.select_by=top1", "drafter.num_depths=4"), "draft_lm"),
 }
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_every_other_export_vllm_serves_is_served_as_draftsmith_drafts_it(world, shared_dir, kind, tmp_path):
-    overrides, entry = KINDS[kind]
-    run = built_once(shared_dir / "runs" / f"{kind}_vllm" / "run",
+@pytest.mark.parametrize("name", KINDS)
+def test_every_other_export_vllm_serves_is_served_as_draftsmith_drafts_it(world, shared_dir, name, tmp_path):
+    kind, overrides, entry = KINDS[name]
+    run = built_once(shared_dir / "runs" / f"{name}_vllm" / "run",
                      lambda out: train_tiny_deep(out, *overrides, target="tiny_vllm"))
     engines = kinds.kind(kind).engines
     written = export(run, tmp_path / "export", ExportSettings(formats=[engines.vllm_format], num_speculative_tokens=K))
