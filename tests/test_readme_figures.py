@@ -127,7 +127,10 @@ def headline_claims(text: str) -> list[tuple[str, Key, float, str]]:
             if m := re.search(r"ceiling (.*)", clause):
                 for value, at in re.findall(r"(\d+\.\d+)×(?: at k = (\d+))?", m.group(1)):
                     if at or k is not None:
-                        key = Key(**{**base, "engine": engine, "drafter": None}, k=int(at) if at else k)
+                        # In llama.cpp β, and so the ceiling, is measured from each drafter's own rounds: a
+                        # clause that names its drafter is that drafter's ceiling, else the engine's.
+                        key = Key(**{**base, "engine": engine, "drafter": drafter_of(clause, last=True)},
+                                  k=int(at) if at else k)
                         claims.append(("ceiling", key, float(value), clause.strip()))
             for m in re.finditer(r"(\d+\.\d+)× (?:\(\d+\.\d+–\d+\.\d+\) )?over plain", clause):
                 if k is not None:
