@@ -599,8 +599,11 @@ def _reference_guesses(head, kind, ids, feats, guesses):
             context = head.context_kv(head.context(feats[None]), torch.arange(m)[None])
             block = torch.tensor([[ids[-1]] + [head.config.mask_token_id] * n])
             out = head.blocks(context, block, torch.arange(m, m + n + 1)[None], None)
-            # The whole output head, then the tokens outside the draft vocabulary struck out (what d2t leaves).
-            logits = head.shared.logits(out[0, 1:]).masked_fill(~head.t2d, float("-inf"))
+            # The whole output head, then the tokens outside a draft vocabulary struck out (what d2t leaves); a
+            # drafter over the whole vocabulary has no maps.
+            logits = head.shared.logits(out[0, 1:])
+            if head.reduced:
+                logits = logits.masked_fill(~head.t2d, float("-inf"))
             return logits.argmax(-1).tolist()
         if kind == "eagle1":  # recompute from scratch, no cache, one draft at a time
             from drafters.kv_cache import KVCache
