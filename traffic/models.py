@@ -246,7 +246,7 @@ def self_draft(target_dir: str | Path, layers: int, out: str | Path | None = Non
     target_dir = Path(target_dir)
     n = AutoConfig.from_pretrained(target_dir).num_hidden_layers
     if not 1 <= layers < n:
-        raise ValueError(f"a self-draft keeps 1 to {n - 1} of the target's {n} layers, got {layers}")
+        raise ValueError(f"drafter.init_layers keeps 1 to {n - 1} of the {n} layers of {target_dir}, got {layers}")
     if out is None:  # one per target directory and depth
         where = hashlib.sha1(str(target_dir.resolve()).encode()).hexdigest()[:8]
         out = toyworld.home() / "self_draft" / f"{target_dir.name}-{where}-{layers}"

@@ -84,15 +84,18 @@ class DraftLMRecipe(Recipe):
         if d.kind != self.KIND:
             raise ValueError(f"this recipe trains drafter.kind={self.KIND}, got {d.kind!r}")
         # The model training starts from, and the baseline the final evaluation measures it against.
+        start = None  # the weights training starts from, where they are not the baseline's
         if d.init_from:
             self.init_path, self.init_name = models.resolve(d.init_from), "off_the_shelf"
+            if d.get("init_layers"):  # a shallower draft: the off-the-shelf draft's first N layers, measured against it
+                start = str(models.self_draft(self.init_path, d.init_layers))
         elif d.get("init_layers"):  # a target without a smaller sibling: its own first layers and head
             source = models.resolve(target_source(self.cfg.target))
             self.init_path, self.init_name = str(models.self_draft(source, d.init_layers)), "self_draft"
         else:
             raise ValueError("drafter.init_from is not set: the draft model to start from (hub id or directory), or "
                              "drafter.init_layers=N to start from the target's own first N layers")
-        model = AutoModelForCausalLM.from_pretrained(self.init_path, dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(start or self.init_path, dtype=torch.float32,
                                                      trust_remote_code=self.cfg.target.trust_remote_code)
         check_same_vocabulary(self.tokenizer, None, self.target.get_output_embeddings().weight.shape[0],
                               model.get_output_embeddings().weight.shape[0], d.init_from)

@@ -37,7 +37,7 @@ class DraftLMConfig(DrafterConfig):
 
     kind: str = "draft_lm"
     init_from: Optional[str] = "${target.off_the_shelf_draft}"  # a hub id or directory: the off-the-shelf draft
-    init_layers: Optional[int] = None  # or, with init_from=null: the target's own first N layers and head (a self-draft)
+    init_layers: Optional[int] = None  # init_from's first N layers and head (a cheaper draft), or the target's
     loss: str = "forward_kl"  # sft | forward_kl | reverse_kl | jsd | tvd
     temperature: float = 1.0  # distillation temperature (both sides)
     beta: float = 0.5  # JSD(beta) only
@@ -49,8 +49,9 @@ class DraftLMConfig(DrafterConfig):
 
 def lm_rows(d: dict, cfg: dict) -> list[list]:
     """A draft LM's model-card rows: its objective and where it started."""
-    started = d["init_from"] or (f"the target's first {d['init_layers']} layers" if d.get("init_layers")
-                                 else cfg["target"]["off_the_shelf_draft"])
+    source, layers = d["init_from"] or "the target", d.get("init_layers")
+    started = (f"{source}'s first {layers} layers" if layers
+               else d["init_from"] or cfg["target"]["off_the_shelf_draft"])
     return [["objective", d["loss"]], ["started from", started]]
 
 

@@ -200,6 +200,26 @@ def test_a_target_without_a_draft_trains_its_own_first_layers(tiny_world, tmp_pa
     assert AutoConfig.from_pretrained(tmp_path / "own" / "run" / "best").num_hidden_layers == 1
 
 
+def test_a_shallower_draft_trains_the_off_the_shelf_drafts_first_layers(tiny_world, tmp_path):
+    """drafter.init_layers with drafter.init_from: the draft cut to its first layers (cheaper per drafted token),
+    trained, and measured against the whole draft it was cut from (here the tiny target as the draft, 2 layers)."""
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="keeps 1 to 1 of the 2 layers"):
+        train(smoke(tmp_path / "deep", "drafter.init_from=toyworld://tiny/target", "drafter.init_layers=2"))
+    summary = train(smoke(tmp_path / "cut", "drafter.init_from=toyworld://tiny/target", "drafter.init_layers=1"))
+    report = json.loads(Path(summary["report"]).read_text())
+    assert report["baseline"] == "off_the_shelf"
+    assert {r["drafter"] for r in report["results"]} == {"off_the_shelf", "trained_forward_kl"}
+    run = tmp_path / "cut" / "run"
+    assert AutoConfig.from_pretrained(run / "best").num_hidden_layers == 1
+    from train.export import read_run
+    from train.hub import model_card
+
+    card = model_card(read_run(run), {}, repo_id="acme/d", license=None, k=2)
+    assert "| started from | toyworld://tiny/target's first 1 layers |" in card
+
+
 def _prepared_ids(data_dir, split):
     import datasets
 
