@@ -76,6 +76,15 @@ def verdict(ratio: float, interval: Sequence[float] | None, pays_off_at: float) 
     return "pays off" if ratio >= pays_off_at else "turn it off"
 
 
+def tau_counts(rounds: np.ndarray, accepted: np.ndarray) -> Timings:
+    """A drafter's τ in the form `compare` reads, shape (repeats, prompts): each prompt's rounds and the guesses
+    they kept. τ = 1 + kept guesses per round = (rounds + kept) / rounds, the pooled ratio of the module docstring
+    with rounds in place of seconds, so `compare` of two of them is the ratio of their τ on the same prompts, with
+    the same paired interval."""
+    rounds = np.asarray(rounds, dtype=float)
+    return Timings(rounds + np.asarray(accepted, dtype=float), rounds)
+
+
 def speed_ratio(a: Timings, b: Timings, samples: np.ndarray) -> np.ndarray:
     """The statistic of the module docstring for each row of `samples` (S, n), prompt indices; (S,)."""
     def throughput(t: Timings) -> np.ndarray:  # (S,): tokens / seconds over every repeat of the drawn prompts

@@ -29,7 +29,7 @@ from drafters.base import Drafter
 from drafters.sampling import Sampling
 from drafters.tree import StaticTree, TreeShape
 from eval.batching import autoregressive_generate_batch, speculative_generate_batch
-from eval.compare import Comparison, Timings, compare, verdict
+from eval.compare import Comparison, Timings, compare, tau_counts, verdict
 from eval.metrics import (PartingGaps, acceptance_by_length, acceptance_stats, cost_model, expected_acceptance_length,
                           parting_note)
 from eval.speculative import Generation, autoregressive_generate, speculative_generate
@@ -229,13 +229,14 @@ def _evaluate_batch(target, drafters, prompts, plan: EvalPlan, batch: int, *, eo
             for k in sorted({k for d in drafters for k in _ks(d, plan)}):
                 at_k = [d for d in drafters if k in _ks(d, plan)]
                 timings = {d.name: _timings(spec[d.name, k], keys, plan.repeats) for d in at_k}
+                kept = {d.name: _tau_counts(spec[d.name, k], keys, plan.repeats) for d in at_k}
                 group = [_row(d.name, k, sampling, category, plain, spec[d.name, k], timings[d.name], plain_t,
                               compare(timings[d.name], plain_t, strata, seed=seed), lengths, batch,
                               *((d.shape, d.base.name) if isinstance(d, TreeDrafter) else ()),
                               parallel=d.parallel, gaps=gaps) for d in at_k]
                 # Against the first drafter (or, at a tree depth no chain is measured at, the first tree).
-                _compare_drafters(group, timings, strata, baseline=names[0] if names[0] in timings else at_k[0].name,
-                                  seed=seed)
+                _compare_drafters(group, timings, kept, strata,
+                                  baseline=names[0] if names[0] in timings else at_k[0].name, seed=seed)
                 rows += group
     bar.close()
     return rows
@@ -246,6 +247,13 @@ def _timings(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
     gens = [[runs.by_key[r, c, i] for c, i in keys] for r in range(repeats)]
     return Timings(np.array([[len(g.tokens) for g in row] for row in gens], dtype=float),
                    np.array([[g.seconds for g in row] for row in gens]))
+
+
+def _tau_counts(runs: _Runs, keys: list[tuple[str, int]], repeats: int) -> Timings:
+    """(repeats, prompts) rounds and kept guesses of `runs` over the prompts `keys`, as `tau_counts` has them."""
+    gens = [[runs.by_key[r, c, i] for c, i in keys] for r in range(repeats)]
+    return tau_counts(np.array([[len(g.rounds) for g in row] for row in gens]),
+                      np.array([[sum(x.accepted for x in g.rounds) for g in row] for row in gens]))
 
 
 def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, spec: _Runs, spec_t: Timings,
@@ -320,17 +328,19 @@ def _row(drafter: str, k: int, sampling: Sampling, category: str, plain: _Runs, 
     }
 
 
-def _compare_drafters(group: list[dict], timings: dict[str, Timings], strata: list[str], *, baseline: str,
-                      seed: int) -> None:
-    """Rows of one (k, temperature, category): each drafter's τ and speed against the baseline's, and its
-    speed against the fastest drafter's (the highest speed-up), on the same prompts."""
+def _compare_drafters(group: list[dict], timings: dict[str, Timings], kept: dict[str, Timings], strata: list[str], *,
+                      baseline: str, seed: int) -> None:
+    """Rows of one (k, temperature, category): each drafter's τ and speed against the baseline's (`kept`: their
+    rounds and kept guesses, for τ's interval), and its speed against the fastest drafter's (the highest
+    speed-up), on the same prompts."""
     base = next(r for r in group if r["drafter"] == baseline)
     fastest = max(group, key=lambda r: r["speedup"])["drafter"]
     for r in group:
         vs_base = compare(timings[r["drafter"]], timings[baseline], strata, seed=seed)
         vs_fastest = compare(timings[r["drafter"]], timings[fastest], strata, seed=seed)
         standing = "fastest" if r["drafter"] == fastest else vs_fastest.verdict  # "slower", "tied" or too few
-        r.update(tau_vs_baseline=r["acceptance_length"] / base["acceptance_length"],
+        tau = compare(kept[r["drafter"]], kept[baseline], strata, seed=seed)
+        r.update(tau_vs_baseline=r["acceptance_length"] / base["acceptance_length"], tau_vs_baseline_ci=tau.interval,
                  speedup_vs_baseline=vs_base.ratio, speedup_vs_baseline_ci=vs_base.interval,
                  fastest=fastest, speedup_vs_fastest=vs_fastest.ratio, speedup_vs_fastest_ci=vs_fastest.interval,
                  vs_fastest=standing)

@@ -33,6 +33,7 @@ SUMMARY_COLUMNS = [
     ("pred ×", "predicted_speedup"),
     ("speed-up ×", "speedup"),
     ("τ vs base", "tau_vs_baseline"),
+    ("95 % interval", "tau_vs_baseline_ci"),  # over prompts, paired as the speed-ups are (eval/compare.py tau_counts)
     ("× vs base", "speedup_vs_baseline"),
     ("lossless", "lossless"),
     ("verdict", "verdict"),
@@ -77,7 +78,8 @@ BATCH_COLUMNS = [
 
 ENGINE_COLUMNS = [
     ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("τ", "acceptance_length"),
-    ("τ engine", "engine_acceptance_length"), ("prop engine", "engine_mean_proposed"),
+    ("τ engine", "engine_acceptance_length"), ("τ engine vs base", "engine_tau_vs_baseline"),
+    ("95 % interval", "engine_tau_vs_baseline_ci"), ("prop engine", "engine_mean_proposed"),
     ("plain tok/s", "engine_ar_tokens_per_s"),
     ("spec tok/s", "engine_sd_tokens_per_s"), ("c", "engine_cost_ratio"), ("β", "engine_verify_overhead"),
     ("pred ×", "engine_predicted_speedup"), ("speed-up ×", "engine_speedup"), ("95 % interval", "engine_speedup_ci"),
@@ -96,7 +98,8 @@ PREDICTED_COLUMNS = [
 
 DEPLOYMENT_COLUMNS = [
     ("category", "category"), ("drafter", "drafter"), ("k", "k"), ("B", "batch_size"), ("τ", "acceptance_length"),
-    ("τ engine", "engine_acceptance_length"), ("by position", "engine_acceptance_by_position"),
+    ("τ engine", "engine_acceptance_length"), ("τ engine vs base", "engine_tau_vs_baseline"),
+    ("95 % interval", "engine_tau_vs_baseline_ci"), ("by position", "engine_acceptance_by_position"),
     ("prop engine", "engine_mean_proposed"), ("plain tok/s", "engine_ar_tokens_per_s"), ("spec tok/s", "engine_sd_tokens_per_s"),
     ("speed-up ×", "engine_speedup"), ("95 % interval", "engine_speedup_ci"), ("throughput ×", "engine_throughput_ratio"),
     ("c", "engine_cost_ratio"), ("β", "engine_verify_overhead"), ("pred ×", "engine_predicted_speedup"),

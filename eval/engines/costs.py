@@ -22,7 +22,7 @@ FIELDS = ("engine", "engine_acceptance_length", "engine_mean_proposed", "engine_
           "engine_sd_tokens_per_s", "engine_speedup", "engine_speedup_ci", "engine_verdict", "engine_lossless",
           "engine_cost_ratio",
           "engine_verify_overhead", "engine_predicted_speedup", "engine_ceiling", "engine_tau_ceiling",
-          "engine_tau_to_pay", "engine_note")
+          "engine_tau_to_pay", "engine_tau_vs_baseline", "engine_tau_vs_baseline_ci", "engine_note")
 
 
 @dataclass

@@ -8,8 +8,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+import numpy as np
+
 from eval.engines import llama_cpp
-from eval.compare import compare, verdict
+from eval.compare import Timings, compare, tau_counts, verdict
 from eval.engines.costs import FIELDS, ceilings, tau_to_pay, verified_width
 from eval.evaluate import ALL
 from eval.engines.llama_cpp_drafters import Converted, Served
@@ -51,6 +53,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
                                 for rep in range(repeats))
     notes = {s.name: s.note for s in served if s.note}
     costs = {key: (rc.c(step_ms), rc.beta(step_ms)) for key, rc in measured["costs"].items()}
+    baseline = served[0].name if served else None  # the evaluation's first drafter, as draftsmith's loop has it
 
     def figures_of(drafter: str, k: int, category: str, tau: float | None, proposed: float | None) -> dict:
         """The engine's figures for one drafter, k and category (`tau`, `proposed`: draftsmith's, if any)."""
@@ -62,6 +65,10 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
         chosen = sum((counters[key][rep, c, i] for rep in range(repeats) for c, i in keys), DraftStats()) \
             if key in counters else DraftStats()
         c, beta = costs.get(key, (None, None))
+        # τ against the baseline's in the engine, on the same prompts, with the paired interval (batch 1: per round)
+        vs_base = (compare(_tau_counts(counters[key], keys, repeats), _tau_counts(counters[baseline, k], keys, repeats),
+                           [category for category, _ in keys], seed=seed)
+                   if batch == 1 and key in counters and (baseline, k) in counters else None)
         # Per round, as draftsmith counts τ: a round whose draft was empty (a confidence stop, an n-gram mode
         # without a match) emits the target's one token and verifies nothing. With several slots llama.cpp
         # counts a draft call per batch, not per request: there τ is per verification, as the field gives it.
@@ -86,6 +93,7 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
             engine_lossless=lossless, engine_note=note,
             engine_cost_ratio=c, engine_verify_overhead=beta, engine_predicted_speedup=predicted,
             engine_tau_to_pay=tau_to_pay(proposed, c, beta, pays_off_at, verified),
+            engine_tau_vs_baseline=vs_base and vs_base.ratio, engine_tau_vs_baseline_ci=vs_base and vs_base.interval,
             # β is what the rounds it verified cost: a perfect drafter's ceiling at that width (a DFlash block
             # shorter than k verifies fewer than k+1 positions a round)
             **ceilings(verified_width(k, chosen.drafted / chosen.verifications if chosen.verifications else None),
@@ -113,6 +121,13 @@ def engine_figures(rows: list[dict], measured: dict, served: list[Served], *, re
              "engine_only": s.spec_type, **dict.fromkeys(FIELDS), **figures_of(s.name, k, category, None, None)}
             for s in served if s.spec_type is not None and (alone or s.engine_only)
             for category, k in dict.fromkeys((c, k) for c, k0 in cells for k in s.ks([k0]))]
+
+
+def _tau_counts(counters: dict, keys: list[tuple[str, int]], repeats: int) -> Timings:
+    """(repeats, prompts) rounds and kept drafts from llama-server's counters, as `tau_counts` has them."""
+    stats = [[counters[rep, c, i] for c, i in keys] for rep in range(repeats)]
+    return tau_counts(np.array([[s.rounds for s in row] for row in stats]),
+                      np.array([[s.accepted for s in row] for row in stats]))
 
 
 def numerics_note(runs: dict, plain: dict, verified: dict, keys: list[tuple], gaps: PartingGaps | None = None) -> str:

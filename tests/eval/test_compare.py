@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from eval.compare import UNDECIDED, Timings, compare, speed_ratio, verdict
+from eval.compare import UNDECIDED, Timings, compare, speed_ratio, tau_counts, verdict
 
 
 def timings(seconds, tokens=64.0):
@@ -92,3 +92,16 @@ def test_the_verdict_is_undecided_where_the_interval_holds_one():
     assert verdict(1.30, [1.10, 1.50], 1.05) == "pays off"
     assert verdict(1.03, [1.01, 1.05], 1.05) == "turn it off"  # surely faster, but below the bar
     assert verdict(0.70, [0.60, 0.90], 1.05) == "turn it off"
+
+
+def test_tau_counts_compare_as_the_ratio_of_two_drafters_tau():
+    """τ = 1 + kept guesses per round, pooled over prompts and repeats: compare() of two drafters' rounds and kept
+    guesses is the ratio of their τ, with an interval over prompts that excludes 1 only where the lead holds on
+    every prompt."""
+    rounds_a, kept_a = np.array([[10, 20, 10, 5]]), np.array([[20, 30, 15, 10]])  # τ (65 + 45) / 45
+    rounds_b, kept_b = np.array([[15, 30, 12, 8]]), np.array([[15, 20, 12, 8]])  # τ (65 + 55) / 65
+    ratio = compare(tau_counts(rounds_a, kept_a), tau_counts(rounds_b, kept_b), ["c"] * 4)
+    assert ratio.ratio == pytest.approx(((45 + 75) / 45) / ((65 + 55) / 65))
+    assert ratio.verdict == "faster" and ratio.low > 1  # A keeps more on every prompt
+    mixed = compare(tau_counts([[10, 10, 10, 10]], [[30, 0, 30, 0]]), tau_counts([[10] * 4], [[10] * 4]), ["c"] * 4)
+    assert mixed.ratio == pytest.approx(2.5 / 2.0) and mixed.verdict == "tied"

@@ -20,7 +20,7 @@ ROW_KEYS = {"drafter", "k", "temperature", "category", "prompts", "rounds", "acc
             "mean_accepted", "median_accepted", "p10_accepted", "zero_accept_rate", "acceptance_rate", "acceptance_length",
             "ar_tokens_per_s", "sd_tokens_per_s", "speedup", "cost_ratio", "verify_overhead",
             "predicted_speedup", "lossless", "verdict", "tau_vs_baseline", "speedup_vs_baseline", "speedup_ci",
-            "speedup_vs_baseline_ci", "fastest", "speedup_vs_fastest", "speedup_vs_fastest_ci", "vs_fastest"}
+            "speedup_vs_baseline_ci", "tau_vs_baseline_ci", "fastest", "speedup_vs_fastest", "speedup_vs_fastest_ci", "vs_fastest"}
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +57,12 @@ def test_rows_cover_every_configuration(setup):
         if r["category"] == "a":
             low, high = r["speedup_ci"]
             assert low <= r["speedup"] <= high
+            low, high = r["tau_vs_baseline_ci"]
+            assert low <= r["tau_vs_baseline"] <= high
             if r["drafter"] == "base":
-                assert r["speedup_vs_baseline_ci"] == [1.0, 1.0]
+                assert r["speedup_vs_baseline_ci"] == [1.0, 1.0] and r["tau_vs_baseline_ci"] == [1.0, 1.0]
         else:
-            assert r["speedup_ci"] is None and r["speedup_vs_baseline_ci"] is None
+            assert r["speedup_ci"] is None and r["speedup_vs_baseline_ci"] is None and r["tau_vs_baseline_ci"] is None
     groups = {}
     for r in rows:
         groups.setdefault((r["k"], r["temperature"], r["category"]), []).append(r)

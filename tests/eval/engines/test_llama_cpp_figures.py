@@ -85,3 +85,27 @@ def test_an_output_that_differs_in_the_engine_says_how_near_a_tie_it_parts_at():
     (row,) = engine_figures([], measured, [Served("mod", spec_type="ngram-mod")], repeats=1,
                                    pays_off_at=1.05, alone=True, ks=[4], gaps=gaps)[:1]
     assert row["engine_lossless"] is False and f"above the drafter's by {expected:.2f}" in row["engine_note"]
+
+
+def test_the_engines_tau_is_compared_with_the_baselines_on_the_same_prompts():
+    """Each drafter's τ in llama.cpp over the first drafter's (the evaluation's baseline), from llama-server's own
+    counters per prompt, with the paired interval: a draft that keeps more on every prompt is told apart."""
+    def gen(tokens):
+        return llama_cpp.Completion(list(range(tokens)), draft_n=8, draft_n_accepted=4, predicted_ms=100.0)
+
+    items = [("code", i) for i in range(4)]
+    kept = {"shipped": [4, 6, 5, 3], "tuned": [8, 9, 7, 6]}  # accepted drafts in 5 rounds a prompt, k = 4
+    measured = {"items": items, "costs": {},
+                "completions": {"plain": {(0, c, i): gen(20) for c, i in items},
+                                **{(name, 4): {(0, c, i): gen(20) for c, i in items} for name in kept}},
+                "counters": {(name, 4): {(0, c, i): DraftStats(verifications=5, rounds=5, drafted=20, accepted=n)
+                                         for (c, i), n in zip(items, kept[name])} for name in kept}}
+    greedy = [dict(row(name, 2.0, 4.0, category=category), batch_size=1) for name in kept for category in ("code", "all")]
+    engine_figures(greedy, measured, [Served(name, gguf=None, spec_type="draft-simple") for name in kept],
+                   repeats=1, pays_off_at=1.05)
+    shipped, _, tuned, _ = greedy
+    assert shipped["engine_tau_vs_baseline"] == 1.0 and shipped["engine_tau_vs_baseline_ci"] == [1.0, 1.0]
+    assert tuned["engine_acceptance_length"] == pytest.approx(1 + 30 / 20)
+    assert tuned["engine_tau_vs_baseline"] == pytest.approx((1 + 30 / 20) / (1 + 18 / 20))
+    low, high = tuned["engine_tau_vs_baseline_ci"]
+    assert 1 < low < tuned["engine_tau_vs_baseline"] < high
