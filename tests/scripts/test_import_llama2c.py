@@ -64,7 +64,7 @@ def test_a_self_draft_of_the_first_layers_drafts_losslessly(directory, converted
     out = speculative_generate(model, draft, prompt, k=3, sampling=Sampling(), max_new_tokens=48,
                                eos_token_id=tok.eos_token_id)
     assert out.tokens == plain and sum(r.accepted for r in out.rounds) > 0
-    with pytest.raises(ValueError, match="keeps 1 to 4 of the target.s 5 layers, got 5"):
+    with pytest.raises(ValueError, match="keeps 1 to 4 of the 5 layers of .*, got 5"):
         load_script("import_llama2c").self_draft(directory, 5, tmp_path / "bad")
 
 
