@@ -333,14 +333,13 @@ def _compare_drafters(group: list[dict], timings: dict[str, Timings], kept: dict
     """Rows of one (k, temperature, category): each drafter's τ and speed against the baseline's (`kept`: their
     rounds and kept guesses, for τ's interval), and its speed against the fastest drafter's (the highest
     speed-up), on the same prompts."""
-    base = next(r for r in group if r["drafter"] == baseline)
     fastest = max(group, key=lambda r: r["speedup"])["drafter"]
     for r in group:
         vs_base = compare(timings[r["drafter"]], timings[baseline], strata, seed=seed)
         vs_fastest = compare(timings[r["drafter"]], timings[fastest], strata, seed=seed)
         standing = "fastest" if r["drafter"] == fastest else vs_fastest.verdict  # "slower", "tied" or too few
         tau = compare(kept[r["drafter"]], kept[baseline], strata, seed=seed)
-        r.update(tau_vs_baseline=r["acceptance_length"] / base["acceptance_length"], tau_vs_baseline_ci=tau.interval,
+        r.update(tau_vs_baseline=tau.ratio, tau_vs_baseline_ci=tau.interval,  # the ratio of their acceptance_length
                  speedup_vs_baseline=vs_base.ratio, speedup_vs_baseline_ci=vs_base.interval,
                  fastest=fastest, speedup_vs_fastest=vs_fastest.ratio, speedup_vs_fastest_ci=vs_fastest.interval,
                  vs_fastest=standing)
