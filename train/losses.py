@@ -121,6 +121,18 @@ def acceptance_estimate(draft_logits: torch.Tensor, target_logits: torch.Tensor,
 
 
 @torch.no_grad()
+def acceptance_estimate_topk(draft_logits: torch.Tensor, top_logp: torch.Tensor, top_idx: torch.Tensor,
+                             mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """`acceptance_estimate` against a target known on its top-k tokens (log-probabilities at `temperature`, as
+    `divergence_topk` reads them): the k tokens and "any other token" as one outcome. Merging outcomes can only
+    raise sum_x min(p, q), by at most the target's mass outside its top k; with k the vocabulary it is exact."""
+    q_top = _log_probs(draft_logits, temperature).gather(-1, top_idx).exp()
+    p_top = top_logp.float().exp()
+    rest = torch.minimum((1 - p_top.sum(-1)).clamp_min(0), (1 - q_top.sum(-1)).clamp_min(0))
+    return _masked_mean(torch.minimum(p_top, q_top).sum(-1) + rest, mask)
+
+
+@torch.no_grad()
 def greedy_agreement(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Share of masked positions where the draft's argmax equals the target's (greedy acceptance)."""
     return _masked_mean((draft_logits.argmax(-1) == target_logits.argmax(-1)).float(), mask)

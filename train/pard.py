@@ -23,7 +23,7 @@ from drafters.pard import parallel_sequences
 from train.config import check_chains
 from train.distill import DraftLMRecipe
 from train.heldout import HeldoutScores
-from train.losses import acceptance_estimate, divergence, divergence_topk, greedy_agreement, sft
+from train.losses import acceptance_estimate_topk, divergence, divergence_topk, sft
 from train.recipe import run as run_recipe
 
 
@@ -94,16 +94,16 @@ class PardRecipe(DraftLMRecipe):
         if read.any():
             logits = self._forward(rows)[0][read][None]
             at = (rows["anchors"] + rows["depth"])[0][read]
-            target = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            p = target[0, at][None]
+            top_logp, top_idx = (t[0, at][None] for t in self._heldout_target(batch["input_ids"],
+                                                                               batch["attention_mask"]))
             depth, anchors = rows["depth"][0][read], rows["anchors"][0][read]
-            agree = (logits.argmax(-1) == p.argmax(-1))[0].cpu()
+            agree = (logits.argmax(-1) == top_idx[..., 0])[0].cpu()
             for d in range(D):
                 mask = (depth == d)[None].float()
                 n = float(mask.sum())
                 if n:
-                    sums[:, d] += torch.tensor([float(acceptance_estimate(logits, p, mask)) * n,
-                                                float(greedy_agreement(logits, p, mask)) * n, n], dtype=torch.float64)
+                    sums[:, d] += torch.tensor([float(acceptance_estimate_topk(logits, top_logp, top_idx, mask)) * n,
+                                                float(agree[mask[0].bool().cpu()].sum()), n], dtype=torch.float64)
                     entries = anchors[depth == d].cpu() - 1
                     keep = entries >= 0
                     hits[d][0, entries[keep]] = agree[(depth == d).cpu()][keep]

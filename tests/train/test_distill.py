@@ -110,6 +110,23 @@ def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_a_heldout_replay_after_the_first_runs_the_draft_alone(tiny_world, tmp_path, monkeypatch):
+    """The target's side of the held-out replay (its top HELDOUT_TOP_K tokens, here the whole vocabulary) is kept
+    from the first replay: a later one with the target gone gives the last one's figures."""
+    recipes = []
+    kept = DraftLMRecipe._heldout_target
+    monkeypatch.setattr(DraftLMRecipe, "_heldout_target", lambda self, ids, attn: recipes.append(self) or kept(self, ids, attn))
+    train(smoke(tmp_path, "trainer.max_steps=4", "trainer.eval_every=2", "evaluate.enabled=false"))
+    recipe = recipes[0]
+    batches = len(recipe.heldout_target)
+    assert batches > 0 and len(recipes) == 2 * batches  # two replays, the target run at the first only
+    last = [r for r in metrics(tmp_path / "run") if "heldout_top1" in r][-1]
+    recipe.target = None  # a replay that reached for it would fail
+    again = recipe.evaluate_heldout()
+    for key in ("heldout_acceptance", "heldout_top1", "heldout_tau_greedy"):
+        assert again[key] == pytest.approx(last[key], rel=1e-6)
+
+
 @pytest.mark.parametrize("loss", ["sft", "forward_kl", "reverse_kl", "jsd", "tvd"])
 def test_a_few_steps_lower_the_loss_and_raise_acceptance(tiny_world, tmp_path, loss):
     summary = train(smoke(tmp_path, f"drafter.loss={loss}", "trainer.max_steps=12", "trainer.eval_every=6",

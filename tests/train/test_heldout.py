@@ -92,7 +92,9 @@ def _batch(ids, mask):
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_a_draft_lms_replay_keeps_what_the_loop_keeps(target, k):
     draft = _noisy(target, 3)
-    recipe = SimpleNamespace(model=draft, target=target, cfg=OmegaConf.create({"evaluate": {"ks": [2, k]}}))
+    recipe = SimpleNamespace(model=draft, target=target, cfg=OmegaConf.create({"evaluate": {"ks": [2, k]}}),
+                             heldout_target={})
+    recipe._heldout_target = lambda ids, attn: DraftLMRecipe._heldout_target(recipe, ids, attn)
     kept = set()
     for prompt, ids, mask in _greedy_records(target):
         with torch.no_grad():
@@ -111,7 +113,9 @@ def test_a_pard_drafts_replay_keeps_what_the_loop_keeps(target):
     draft.config.pard_token, draft.config.pard_depths = MASK, depths
     recipe = SimpleNamespace(model=draft, target=target, mask_token_id=MASK, acc=SimpleNamespace(unwrap_model=lambda m: m),
                              cfg=OmegaConf.create({"drafter": {"num_depths": depths, "cod_ratio": 0.7,
-                                                               "cod_min_ratio": 0.2, "max_anchors": 512}}))
+                                                               "cod_min_ratio": 0.2, "max_anchors": 512}}),
+                             heldout_target={})
+    recipe._heldout_target = lambda ids, attn: PardRecipe._heldout_target(recipe, ids, attn)
     recipe._rows = lambda batch, keep_all=False: PardRecipe._rows(recipe, batch, keep_all)
     recipe._forward = lambda rows: PardRecipe._forward(recipe, rows)
     kept = set()

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from train.losses import DIVERGENCES, acceptance_estimate, divergence, divergence_topk, greedy_agreement, sft
+from train.losses import (DIVERGENCES, acceptance_estimate, acceptance_estimate_topk, divergence, divergence_topk,
+                          greedy_agreement, sft)
 
 
 def logits_of(*probs):
@@ -75,6 +76,25 @@ def test_topk_with_the_whole_vocabulary_is_the_full_divergence(kind):
     full = divergence(kind, draft, target, mask)
     assert divergence_topk(kind, draft, top_logp, top_idx, mask).item() == pytest.approx(full.item(), rel=1e-4)
     assert divergence_topk(kind, target, top_logp, top_idx, mask).item() == pytest.approx(0.0, abs=1e-5)
+
+
+def test_acceptance_on_the_targets_top_k_is_exact_with_the_vocabulary_and_bounded_below_it():
+    g = torch.Generator().manual_seed(1)
+    draft, target = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g) * 2
+    mask = torch.ones(2, 5)
+    mask[0, :2] = 0
+    full = acceptance_estimate(draft, target, mask).item()
+    assert acceptance_estimate_topk(draft, *_top(target, 11), mask).item() == pytest.approx(full, rel=1e-5)
+    p = torch.softmax(target, -1)
+    for k in (1, 3, 6):
+        outside = 1 - p.topk(k, -1).values.sum(-1)  # the target's mass the merge can add, at most
+        most = (outside * mask).sum().item() / mask.sum().item()
+        merged = acceptance_estimate_topk(draft, *_top(target, k), mask).item()
+        assert full - 1e-6 <= merged <= full + most + 1e-6
+    # By hand, k = 1: p = (0.6, 0.3, 0.1) -> (0.6, 0.4), q = (0.2, 0.5, 0.3) -> (0.2, 0.8): 0.2 + 0.4, where the
+    # full vocabulary gives 0.2 + 0.3 + 0.1.
+    merged = acceptance_estimate_topk(logits_of([0.2, 0.5, 0.3]), *_top(logits_of([0.6, 0.3, 0.1]), 1), torch.ones(1, 1))
+    assert merged.item() == pytest.approx(0.6, rel=1e-5)
 
 
 def test_topk_merges_the_rest_into_one_bucket_by_hand():
