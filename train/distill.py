@@ -39,7 +39,7 @@ from train.shards import complete
 
 LOSSES = ("sft", *DIVERGENCES)
 # The target's side of a held-out replay is the same at every replay: its HELDOUT_TOP_K most likely tokens per
-# position are kept after the first (32 records of 512 tokens: 34 MB), so later replays run the draft alone. Where
+# position are kept after the first (32 records of 512 tokens: 50 MB), so later replays run the draft alone. Where
 # the target is larger than its draft (the 1.5B over its 0.5B) its forward is most of what a replay costs.
 HELDOUT_TOP_K = 256
 
