@@ -130,9 +130,3 @@ def acceptance_estimate_topk(draft_logits: torch.Tensor, top_logp: torch.Tensor,
     p_top = top_logp.float().exp()
     rest = torch.minimum((1 - p_top.sum(-1)).clamp_min(0), (1 - q_top.sum(-1)).clamp_min(0))
     return _masked_mean(torch.minimum(p_top, q_top).sum(-1) + rest, mask)
-
-
-@torch.no_grad()
-def greedy_agreement(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Share of masked positions where the draft's argmax equals the target's (greedy acceptance)."""
-    return _masked_mean((draft_logits.argmax(-1) == target_logits.argmax(-1)).float(), mask)

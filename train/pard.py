@@ -103,7 +103,7 @@ class PardRecipe(DraftLMRecipe):
                 n = float(mask.sum())
                 if n:
                     sums[:, d] += torch.tensor([float(acceptance_estimate_topk(logits, top_logp, top_idx, mask)) * n,
-                                                float(agree[mask[0].bool().cpu()].sum()), n], dtype=torch.float64)
+                                                float(agree[(depth == d).cpu()].sum()), n], dtype=torch.float64)
                     entries = anchors[depth == d].cpu() - 1
                     keep = entries >= 0
                     hits[d][0, entries[keep]] = agree[(depth == d).cpu()][keep]

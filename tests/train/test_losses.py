@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from train.losses import (DIVERGENCES, acceptance_estimate, acceptance_estimate_topk, divergence, divergence_topk,
-                          greedy_agreement, sft)
+from train.losses import DIVERGENCES, acceptance_estimate, acceptance_estimate_topk, divergence, divergence_topk, sft
 
 
 def logits_of(*probs):
@@ -50,11 +49,9 @@ def test_temperature_flattens_both_sides():
         divergence("forward_kl", Q, P, MASK, temperature=0)
 
 
-def test_sft_agreement_and_errors():
+def test_sft_and_errors():
     tokens = torch.tensor([[1, 0]])
     assert sft(Q, tokens, MASK).item() == pytest.approx(-math.log(0.75), rel=1e-5)
-    target, draft = logits_of([0.6, 0.4], [0.2, 0.8]), logits_of([0.3, 0.7], [0.1, 0.9])
-    assert greedy_agreement(draft, target, torch.ones(1, 2)).item() == pytest.approx(0.5)  # agree at position 2 only
     with pytest.raises(ValueError, match="unknown divergence"):
         divergence("kl", Q, P, MASK)
     with pytest.raises(ValueError, match="beta"):
