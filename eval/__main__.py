@@ -58,7 +58,8 @@ def run(cfg: DictConfig) -> dict:
     prompts = tokenize_prompts(traffic, tokenizer, device=device, max_per_category=cfg.data.max_prompts_per_category,
                                max_prompt_tokens=limit, why=why, on_bad_record=cfg.data.on_bad_record)
     work = Path(cfg.out_dir) / "engine"
-    engine.convert(specs, target, source, work, alone=alone)
+    longest = max((len(p) for ps in prompts.values() for p in ps), default=0)
+    engine.convert(specs, target, source, work, alone=alone, request=(longest, plan.max_new_tokens))
     rows = [] if alone else evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id,
                                      progress=cfg.progress)
     in_engine = engine.add_figures(rows, specs, target, source, prompts, plan, threads=cfg.threads or os.cpu_count(),

@@ -51,9 +51,10 @@ class Engine:
     def connect(self, ks: list[int], drafters: list[str]) -> None:
         """Before anything is measured: the servers it measures reachable and serving what was asked."""
 
-    def convert(self, specs: list[dict], target, target_name_or_path: str, work: Path, alone: bool = False) -> None:
+    def convert(self, specs: list[dict], target, target_name_or_path: str, work: Path, alone: bool = False,
+                request: tuple[int, int] | None = None) -> None:
         """Before draftsmith's own measurement: the drafters in the engine's formats, so one it cannot read fails
-        first."""
+        first. `request`: the run's longest prompt and its new tokens, for an engine that sizes its servers to them."""
 
     def add_figures(self, rows: list[dict], specs: list[dict], target, target_name_or_path: str,
                     prompts: dict[str, list], plan, *, threads: int, work: Path, progress: bool = True,
@@ -105,7 +106,7 @@ class LlamaCpp(Engine):
             raise ValueError(f"engine.only=true: {CHAINS_ONLY}, so trees={list(plan.trees)} need draftsmith's loop "
                              "(engine.only=false)")
 
-    def convert(self, specs, target, target_name_or_path, work, alone=False) -> None:
+    def convert(self, specs, target, target_name_or_path, work, alone=False, request=None) -> None:
         """The target and the drafters through llama.cpp's converter. alone (`engine.only`): at least one drafter
         must be one llama.cpp serves."""
         self.converted = convert_for_llama_cpp(specs, target, target_name_or_path, work)
@@ -167,19 +168,21 @@ class Vllm(Deployment):
     def connect(self, ks, drafters) -> None:
         self.asked = (ks, drafters)  # the servers start once the drafter is in vLLM's format (convert)
 
-    def convert(self, specs, target, target_name_or_path, work, alone=False) -> None:
-        """The drafter exported in vLLM's format, both servers started and checked, before draftsmith measures."""
+    def convert(self, specs, target, target_name_or_path, work, alone=False, request=None) -> None:
+        """The drafter exported in vLLM's format, both servers started and checked, before draftsmith measures. Each
+        server takes requests up to `engine.max_model_len` tokens, else what the run sends it (`vllm.max_model_len`)."""
         spec = next((s for s in specs if s["name"] == self.config.drafter), None)
         if spec is None:
             raise ValueError(f"engine.drafter={self.config.drafter!r} is not one of drafters {self.asked[1]}")
         model, self.speculative = vllm.served_drafter(spec, target, target_name_or_path, Path(work), self.config.k)
         dtype = str(target.dtype).removeprefix("torch.")
+        longest = self.config.max_model_len or (vllm.max_model_len(*request, self.config.k) if request else None)
+        sizing = {"dtype": dtype, "kv_cache_gib": self.config.kv_cache_gib, "max_model_len": longest}
         try:
             plain = self.plain = self.servers.enter_context(vllm.VllmServer(
-                model, dtype=dtype, kv_cache_gib=self.config.kv_cache_gib, log_file=Path(work) / "vllm-plain.log"))
+                model, **sizing, log_file=Path(work) / "vllm-plain.log"))
             drafting = self.servers.enter_context(vllm.VllmServer(
-                model, speculative_config=self.speculative, dtype=dtype, kv_cache_gib=self.config.kv_cache_gib,
-                log_file=Path(work) / f"vllm-{spec['name']}.log"))
+                model, speculative_config=self.speculative, **sizing, log_file=Path(work) / f"vllm-{spec['name']}.log"))
             self.config = OmegaConf.merge(self.config, {"spec_url": drafting.url, "plain_url": plain.url,
                                                         "model": str(model)})
             self.endpoints = deployment.connect(self.config, *self.asked)

@@ -40,6 +40,8 @@ SERVED = f"vLLM {VERSION} (its CPU build, here)"  # the engine `engine=vllm`'s r
 # vLLM's hidden-states connector for a CPU (eval/engines/vllm_plugins/), the only folder put on the server's path.
 PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"
 CONNECTOR = "draftsmith_hidden_states"
+STEP_TOKENS = 16  # the decode steps `VllmServer.step_costs` times a request
+LARGEST_BLOCK = 256  # vLLM's KV-cache block on a CPU: 128 tokens (256 for DeepSeek-V4; 16 on a GPU)
 # The connector each kind of server writes hidden states with: vLLM's own where its torch has an accelerator (it copies
 # through a CUDA stream into pinned memory), draftsmith's plugin, which copies from the KV cache directly, where not.
 CONNECTORS = {"stock": {"kv_connector": "ExampleHiddenStatesConnector"},
@@ -214,7 +216,8 @@ class VllmServer:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             return r.read().decode()
 
-    def step_costs(self, prompt: list[int], widths: list[int], *, repeats: int = 5, steps: int = 16) -> "StepCosts":
+    def step_costs(self, prompt: list[int], widths: list[int], *, repeats: int = 5,
+                   steps: int = STEP_TOKENS) -> "StepCosts":
         """What an engine step of this (plain) server costs by its own clock: a decode step, and a forward over `width`
         new positions after a cached prefix, the step that verifies width - 1 guesses (vLLM schedules both alike),
         for each of `widths` and for 1; medians of `repeats` requests sent one at a time.
@@ -308,6 +311,14 @@ class StepCosts:
         request, which a decode step does not pay, left out of both). A forward over more positions costs no less
         than one over fewer: a negative difference is the clock's noise on a model too small to tell, and counts 0."""
         return max(0.0, (self.forward_s[width] - self.forward_s[1]) / self.step_s)
+
+
+def max_model_len(prompt_tokens: int, new_tokens: int, k: int) -> int:
+    """The longest request a run sends a server (its `--max-model-len`), with a round's k drafts beyond it: a prompt
+    of up to `prompt_tokens` and `new_tokens` more, or `step_costs`' (a prefix of whole KV-cache blocks, at least one,
+    then k + 1 positions, then STEP_TOKENS decode steps and the first token)."""
+    timed = max(prompt_tokens, LARGEST_BLOCK) + k + 1 + STEP_TOKENS + 1
+    return max(prompt_tokens + new_tokens, timed) + k + 1
 
 
 def measured_step_costs(server: VllmServer, prompt: list[int], width: int) -> tuple[StepCosts | None, str | None]:

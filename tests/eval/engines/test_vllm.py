@@ -221,19 +221,25 @@ def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths
                                                                                       tmp_path, monkeypatch):
     """`python -m eval engine=vllm`: draftsmith exports the head (or serves the draft LM's directory as it is), serves
     the target with it and without it, and reports vLLM's τ (its counters), speed-up, latency and losslessness beside
-    the loop's rows, per category."""
+    the loop's rows, per category. Each server takes the run's longest request and a round's drafts, not the
+    model's whole context (whose KV cache a CPU may not hold)."""
     run = eagle_run(shared_dir, "eagle_vllm_draft_vocabulary")
     spec = (f"{{name: head, kind: head, path: {run / 'best'}}}" if drafter == "head"
             else f"{{name: draft, kind: draft_lm, path: {DRAFT}}}")
     groups = []  # the process group of every server this run starts (other workers' servers are not ours to count)
     enter = vllm.VllmServer.__enter__
 
+    lengths, asked = [], {}  # each server's --max-model-len; the prompts the run measures
+    tokenize = entry.tokenize_prompts
+
     def recorded(server):
         started = enter(server)
         groups.append(server.process.pid)
+        lengths.append(server.max_model_len)
         return started
 
     monkeypatch.setattr(vllm.VllmServer, "__enter__", recorded)
+    monkeypatch.setattr(entry, "tokenize_prompts", lambda *a, **kw: asked.setdefault("prompts", tokenize(*a, **kw)))
     conf = str(Path(__file__).resolve().parents[3] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         cfg = compose(config_name="eval", overrides=[
@@ -258,6 +264,8 @@ def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths
         pays_off_at = report["settings"].get("pays_off_at", EvalPlan.pays_off_at)
         assert r["engine_tau_to_pay"] == pytest.approx(pays_off_at * tau / r["engine_speedup"])
     assert settings["step_costs"]["cached_prefix"] >= 128 and set(settings["step_costs"]["forward_ms"]) == {1, K + 1}
+    longest = max(len(p) for ps in asked["prompts"].values() for p in ps)
+    assert lengths == [vllm.max_model_len(longest, NEW_TOKENS, K)] * 2
     markdown = (tmp_path / "report.md").read_text()
     assert "## In vLLM 0.32.0" in markdown and "vLLM's costs, at B = 1" in markdown
     assert "synthetic acceptance" not in markdown.split("## In vLLM 0.32.0")[1]  # llama.cpp's legend is llama.cpp's
