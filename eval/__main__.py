@@ -59,10 +59,11 @@ def run(cfg: DictConfig) -> dict:
                                max_prompt_tokens=limit, why=why, on_bad_record=cfg.data.on_bad_record)
     work = Path(cfg.out_dir) / "engine"
     longest = max((len(p) for ps in prompts.values() for p in ps), default=0)
-    engine.convert(specs, target, source, work, alone=alone, request=(longest, plan.max_new_tokens))
+    threads = cfg.threads or os.cpu_count()
+    engine.convert(specs, target, source, work, alone=alone, request=(longest, plan.max_new_tokens), threads=threads)
     rows = [] if alone else evaluate(target, drafters, prompts, plan, eos_token_id=tokenizer.eos_token_id,
                                      progress=cfg.progress)
-    in_engine = engine.add_figures(rows, specs, target, source, prompts, plan, threads=cfg.threads or os.cpu_count(),
+    in_engine = engine.add_figures(rows, specs, target, source, prompts, plan, threads=threads,
                                    work=work, progress=cfg.progress, alone=alone)
     engine_rows = in_engine.pop("engine_only", []) if in_engine else []
     settings = {"data": traffic.describe(prompts), **asdict(plan), "dtype": cfg.target.dtype, "device": str(device),

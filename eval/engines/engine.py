@@ -52,9 +52,10 @@ class Engine:
         """Before anything is measured: the servers it measures reachable and serving what was asked."""
 
     def convert(self, specs: list[dict], target, target_name_or_path: str, work: Path, alone: bool = False,
-                request: tuple[int, int] | None = None) -> None:
+                request: tuple[int, int] | None = None, threads: int | None = None) -> None:
         """Before draftsmith's own measurement: the drafters in the engine's formats, so one it cannot read fails
-        first. `request`: the run's longest prompt and its new tokens, for an engine that sizes its servers to them."""
+        first. `request`: the run's longest prompt and its new tokens, for an engine that sizes its servers to them;
+        `threads`: the cores the run measures on, for an engine whose servers start here."""
 
     def add_figures(self, rows: list[dict], specs: list[dict], target, target_name_or_path: str,
                     prompts: dict[str, list], plan, *, threads: int, work: Path, progress: bool = True,
@@ -106,7 +107,7 @@ class LlamaCpp(Engine):
             raise ValueError(f"engine.only=true: {CHAINS_ONLY}, so trees={list(plan.trees)} need draftsmith's loop "
                              "(engine.only=false)")
 
-    def convert(self, specs, target, target_name_or_path, work, alone=False, request=None) -> None:
+    def convert(self, specs, target, target_name_or_path, work, alone=False, request=None, threads=None) -> None:
         """The target and the drafters through llama.cpp's converter. alone (`engine.only`): at least one drafter
         must be one llama.cpp serves."""
         self.converted = convert_for_llama_cpp(specs, target, target_name_or_path, work)
@@ -168,16 +169,18 @@ class Vllm(Deployment):
     def connect(self, ks, drafters) -> None:
         self.asked = (ks, drafters)  # the servers start once the drafter is in vLLM's format (convert)
 
-    def convert(self, specs, target, target_name_or_path, work, alone=False, request=None) -> None:
+    def convert(self, specs, target, target_name_or_path, work, alone=False, request=None, threads=None) -> None:
         """The drafter exported in vLLM's format, both servers started and checked, before draftsmith measures. Each
-        server takes requests up to `engine.max_model_len` tokens, else what the run sends it (`vllm.max_model_len`)."""
+        server takes requests up to `engine.max_model_len` tokens, else what the run sends it (`vllm.max_model_len`),
+        and its worker binds the run's `threads` cores (vLLM's own default on a CPU keeps one core for its front end)."""
         spec = next((s for s in specs if s["name"] == self.config.drafter), None)
         if spec is None:
             raise ValueError(f"engine.drafter={self.config.drafter!r} is not one of drafters {self.asked[1]}")
         model, self.speculative = vllm.served_drafter(spec, target, target_name_or_path, Path(work), self.config.k)
         dtype = str(target.dtype).removeprefix("torch.")
         longest = self.config.max_model_len or (vllm.max_model_len(*request, self.config.k) if request else None)
-        sizing = {"dtype": dtype, "kv_cache_gib": self.config.kv_cache_gib, "max_model_len": longest}
+        sizing = {"dtype": dtype, "kv_cache_gib": self.config.kv_cache_gib, "max_model_len": longest,
+                  "threads": threads}
         try:
             plain = self.plain = self.servers.enter_context(vllm.VllmServer(
                 model, **sizing, log_file=Path(work) / "vllm-plain.log"))

@@ -222,20 +222,20 @@ def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths
     """`python -m eval engine=vllm`: draftsmith exports the head (or serves the draft LM's directory as it is), serves
     the target with it and without it, and reports vLLM's τ (its counters), speed-up, latency and losslessness beside
     the loop's rows, per category. Each server takes the run's longest request and a round's drafts, not the
-    model's whole context (whose KV cache a CPU may not hold)."""
+    model's whole context (whose KV cache a CPU may not hold), and its worker binds the run's `threads`."""
     run = eagle_run(shared_dir, "eagle_vllm_draft_vocabulary")
     spec = (f"{{name: head, kind: head, path: {run / 'best'}}}" if drafter == "head"
             else f"{{name: draft, kind: draft_lm, path: {DRAFT}}}")
     groups = []  # the process group of every server this run starts (other workers' servers are not ours to count)
     enter = vllm.VllmServer.__enter__
 
-    lengths, asked = [], {}  # each server's --max-model-len; the prompts the run measures
+    sizes, asked = [], {}  # each server's --max-model-len and cores; the prompts the run measures
     tokenize = entry.tokenize_prompts
 
     def recorded(server):
         started = enter(server)
         groups.append(server.process.pid)
-        lengths.append(server.max_model_len)
+        sizes.append((server.max_model_len, server.threads))
         return started
 
     monkeypatch.setattr(vllm.VllmServer, "__enter__", recorded)
@@ -265,7 +265,7 @@ def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths
         assert r["engine_tau_to_pay"] == pytest.approx(pays_off_at * tau / r["engine_speedup"])
     assert settings["step_costs"]["cached_prefix"] >= 128 and set(settings["step_costs"]["forward_ms"]) == {1, K + 1}
     longest = max(len(p) for ps in asked["prompts"].values() for p in ps)
-    assert lengths == [vllm.max_model_len(longest, NEW_TOKENS, K)] * 2
+    assert sizes == [(vllm.max_model_len(longest, NEW_TOKENS, K), 1)] * 2
     markdown = (tmp_path / "report.md").read_text()
     assert "## In vLLM 0.32.0" in markdown and "vLLM's costs, at B = 1" in markdown
     assert "synthetic acceptance" not in markdown.split("## In vLLM 0.32.0")[1]  # llama.cpp's legend is llama.cpp's
