@@ -112,7 +112,8 @@ def test_a_server_without_speculative_counters_has_none_and_a_missing_metrics_en
 
 def test_figures_pool_decode_time_and_catch_a_different_answer():
     """The speed-up is tokens after the first over first-to-last-token time, pooled over prompts and repeats; one
-    answer that differs from the plain server's makes the row not lossless; τ sums the categories' counters."""
+    answer that differs from the plain server's makes the row not lossless, its note counting them; τ sums the
+    categories' counters."""
     from eval.engines.endpoint import Streamed
 
     def served(decode, texts, counters=None):
@@ -134,8 +135,9 @@ def test_figures_pool_decode_time_and_catch_a_different_answer():
     assert f["engine_lossless"] is True and f["engine_throughput_ratio"] == pytest.approx(2.0)
     assert f["engine_tpot_ms"]["spec"][0] == pytest.approx(50.0)  # 0.5 s over 10 tokens after the first
     plain.answers[1, "chat"][2] = Streamed("other", 11, 0.01, 2.0, "length")
-    assert deployment.figures({"spec": spec, "plain": plain}, "chat", repeats=2, pays_off_at=1.05)[
-        "engine_lossless"] is False
+    parted = deployment.figures({"spec": spec, "plain": plain}, "chat", repeats=2, pays_off_at=1.05)
+    assert parted["engine_lossless"] is False
+    assert parted["engine_note"] == "chat: 1 of 6 answers differ from the plain server's"
     # The rows of the named drafter at its k get the figures, and with costs entered, draftsmith's prediction.
     from eval.engines.costs import EngineCosts
 
