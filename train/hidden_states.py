@@ -178,8 +178,10 @@ def write_shards_from_vllm(
             states = list(pool.map(lambda e: server.hidden_states(list(e.input_ids)), batch))
         return [{"hidden": engine_layers(h, layers, n, norm).to(DTYPES[dtype])} for h in states]
 
+    # Each request is a record and one token: the server needs no more context, nor the KV cache the model's would.
+    longest = max((len(e.input_ids) for e in examples), default=0) + 1
     with vllm.VllmServer(target_dir, dtype=served_dtype, features=(layers, out_dir.with_name(out_dir.name + ".vllm")),
-                         log_file=out_dir.with_name(out_dir.name + ".vllm.log"),
+                         max_model_len=longest, log_file=out_dir.with_name(out_dir.name + ".vllm.log"),
                          tensor_parallel_size=tensor_parallel_size) as server:
         return write_example_shards(examples, compute, out_dir,
                                     meta={"layers": list(layers), "dtype": dtype, "hidden_size": target.config.hidden_size,

@@ -278,18 +278,22 @@ def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths
             os.killpg(group, 0)
 
 
-def test_features_from_vllm_are_pytorchs(world, tmp_path):
+def test_features_from_vllm_are_pytorchs(world, tmp_path, monkeypatch):
     """The hidden states a vLLM server computes (extract_hidden_states, its connector on a CPU) written into
     draftsmith's feature cache equal PyTorch's within 1e-4 relative in float32, the last layer's after the final
-    norm, record by record, with each record's token ids checked; the cache records the engine."""
+    norm, record by record, with each record's token ids checked; the cache records the engine. The server takes
+    the longest record and its one token, not the model's whole context."""
     examples = [Example(f"r{i}", "c", p + a, [0] * len(p) + [1] * len(a))
                 for i, (p, a) in enumerate(zip(world["prompts"], world["greedy"]))]
+    lengths, enter = [], vllm.VllmServer.__enter__
+    monkeypatch.setattr(vllm.VllmServer, "__enter__", lambda server: lengths.append(server.max_model_len) or enter(server))
     layers = [1, 2, 4]  # an EAGLE-3 head's inputs and the last layer, whose state gives the labels
     ours = ShardReader(write_shards(examples, world["target"], layers, tmp_path / "torch", dtype="float32",
                                     shard_tokens=256).parent)
     theirs = ShardReader(write_shards_from_vllm(examples, world["target"], world["dir"], layers, tmp_path / "vllm",
                                                 dtype="float32", batch_size=4, shard_tokens=256).parent)
     assert len(theirs) == len(ours) == len(examples) and theirs.meta["engine"] == f"vllm {vllm.VERSION}"
+    assert lengths == [max(len(e.input_ids) for e in examples) + 1]
     for i in range(len(examples)):
         a, b = theirs[i]["hidden"], ours[i]["hidden"]
         assert theirs[i]["input_ids"].tolist() == examples[i].input_ids
