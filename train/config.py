@@ -110,6 +110,9 @@ class TrainerConfig:
     max_grad_norm: float = 1.0  # gradient clipping
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's (beta1, beta2)
     max_length: int = 512  # training sequences are truncated to this many tokens
+    # Batches of records of about one length (sorted within runs of 16 global batches, the batches then shuffled),
+    # so fewer padded positions are computed; off: a plain seeded permutation per epoch (train/data.py epoch_order)
+    group_by_length: bool = False
     # no | bf16 | fp16 (accelerate mixed precision) | auto: bf16 where the hardware multiplies it natively (a GPU
     # with bf16, a CPU with AVX512-BF16 or AMX), else no
     precision: str = "no"

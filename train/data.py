@@ -1,7 +1,8 @@
 """A training run's data, as the recipe sets it up (train/recipe.py `Recipe._setup_data`): the records of
 `data.path` split into the training set and the held-out examples that choose the best checkpoint
 (`split_records`), each split prepared once, its answers regenerated and tokenized, into the data cache
-(`prepare_splits`), batches of its tokenized records (`records_batch`), and the warnings about prompts the drafter never trains on (`warn_long_prompts`).
+(`prepare_splits`), the order an epoch reads them in (`epoch_order`), batches of its tokenized records
+(`records_batch`), and the warnings about prompts the drafter never trains on (`warn_long_prompts`).
 
 The held-out examples that choose the best checkpoint are `trainer.eval_examples` records of the training traffic
 (the last ones, or as many of each category: trainer.heldout): never trained on, and never the prompts the final
@@ -122,6 +123,36 @@ def warn_long_prompts(cfg: DictConfig, traffic, tokenizer) -> None:
                  f"there is likely lower; trainer.max_length={longest} trains on windows that long")
         log.warning(msg)
         print(f"warning: {msg}")
+
+
+# Global batches whose records are sorted by length together when trainer.group_by_length is on.
+GROUP_BATCHES = 16
+
+
+def epoch_order(n: int, seed: int, epoch: int, lengths: torch.Tensor | None = None,
+                global_batch: int = 1) -> torch.Tensor:
+    """The order `epoch` reads the n training records in: a permutation seeded by (seed, epoch), so a resumed run
+    reads what an uninterrupted one would.
+
+    With `lengths` (each record's tokens as trained, trainer.group_by_length) the permutation is regrouped so that a
+    global batch holds records of about one length and pads less: each run of GROUP_BATCHES global batches of it is
+    sorted by length and cut into batches, which are then put in a seeded order (Hugging Face's group_by_length
+    does likewise). Steps read global_batch records from position step * global_batch on, so epoch e's first
+    (-e * n) mod global_batch records complete the batch the previous epoch began; the batches are cut after them,
+    and an epoch's last, partial batch stays last, for the next epoch to complete."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(n, generator=generator)
+    if lengths is None:
+        return order
+    head = min((-epoch * n) % global_batch, n)
+    pieces = [order[:head]]
+    rest = order[head:]
+    for start in range(0, len(rest), global_batch * GROUP_BATCHES):
+        run = rest[start:start + global_batch * GROUP_BATCHES]
+        batches = list(run[torch.argsort(lengths[run], descending=True, stable=True)].split(global_batch))
+        last = [batches.pop()] if len(batches[-1]) < global_batch else []
+        pieces += [batches[i] for i in torch.randperm(len(batches), generator=generator)] + last
+    return torch.cat(pieces)
 
 
 def pad_rows(rows: list[list[int]], value: int, left: bool = False) -> torch.Tensor:

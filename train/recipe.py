@@ -17,8 +17,9 @@ the training traffic (its last ones, or as many of each category: `trainer.heldo
 never reads; the final evaluation measures the held-out traffic (`data.eval_path`, or the built-in world's held-out
 file; see eval.run.held_out_path), so its numbers are not the ones the checkpoint was chosen on.
 
-Data order is a seeded permutation per epoch and every random choice is seeded by the step, so a run
-resumed from a checkpoint continues exactly as the uninterrupted run would have.
+Data order is a seeded permutation per epoch (grouped by length with `trainer.group_by_length`, train/data.py
+`epoch_order`) and every random choice is seeded by the step, so a run resumed from a checkpoint continues exactly
+as the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from eval.config import checked_spec
 from eval.run import check_draft_vocabulary, load_target, target_source
 from traffic import checkpoint
 from traffic.records import Example
-from train.data import prepare_splits, records_batch, split_records, warn_long_prompts
+from train.data import epoch_order, prepare_splits, records_batch, split_records, warn_long_prompts
 from train.export import export
 from train.final_eval import final_eval, final_eval_traffic
 from train.heldout import SELECT_BY, HeldoutScores, HeldoutTotals, best_record
@@ -67,7 +68,8 @@ class Recipe(ABC):
         self.out = Path(cfg.out_dir)
         self.step = 0
         self.best: dict | None = None
-        self._perms: dict[int, torch.Tensor] = {}  # the current epoch's permutation of the training set
+        self._perms: dict[int, torch.Tensor] = {}  # the current epoch's order of the training set
+        self._lengths: torch.Tensor | None = None  # each training record's tokens as trained (group_by_length)
 
     # --- setup ------------------------------------------------------------------------------------
 
@@ -207,8 +209,9 @@ class Recipe(ABC):
     # --- data -------------------------------------------------------------------------------------
 
     def _batch_indices(self, step: int) -> list[int]:
-        """This process's example indices for micro-batches of `step`: a seeded permutation per epoch,
-        the global batch split across processes. A function of the step alone, so resume is exact."""
+        """This process's example indices for micro-batches of `step`: a seeded order per epoch (`epoch_order`,
+        grouped by length with trainer.group_by_length), the global batch split across processes. A function of the
+        step alone, so resume is exact."""
         t = self.cfg.trainer
         global_batch = t.batch_size * self.acc.num_processes * t.grad_accum
         n = len(self.train_set)
@@ -216,9 +219,18 @@ class Recipe(ABC):
         for pos in range(step * global_batch, (step + 1) * global_batch):
             epoch, offset = divmod(pos, n)
             if epoch not in self._perms:
-                self._perms = {epoch: torch.randperm(n, generator=torch.Generator().manual_seed(t.seed * 100_003 + epoch))}
+                lengths = self._record_lengths() if t.group_by_length else None
+                self._perms = {epoch: epoch_order(n, t.seed, epoch, lengths, global_batch)}
             out.append(int(self._perms[epoch][offset]))
         return out[self.acc.process_index :: self.acc.num_processes]
+
+    def _record_lengths(self) -> torch.Tensor:
+        """Each training record's tokens as the steps see them (cut at trainer.max_length), read once."""
+        if self._lengths is None:
+            limit = self.cfg.trainer.max_length
+            self._lengths = torch.tensor([min(len(ids), limit) for rows in self.train_set.iter(batch_size=1024)
+                                          for ids in rows["input_ids"]])
+        return self._lengths
 
     @property
     def pad_id(self) -> int:

@@ -295,8 +295,10 @@ def test_a_head_on_its_targets_ends_refuses_what_would_run_the_target(tiny_world
         train(smoke(tmp_path, *ends, "drafter.draft_vocab_from=target_probabilities"))
 
 
-def test_resume_continues_exactly(tiny_world, tmp_path):
-    steps = ["drafter=mtp", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=10", "evaluate.enabled=false"]
+@pytest.mark.parametrize("grouped", [False, True], ids=["permuted", "grouped_by_length"])
+def test_resume_continues_exactly(tiny_world, tmp_path, grouped):
+    steps = ["drafter=mtp", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=10", "evaluate.enabled=false",
+             f"trainer.group_by_length={grouped}"]
     train(smoke(tmp_path, *steps, "trainer.max_steps=4", run="full"))
     # A run that stopped after step 2: only the step-2 checkpoint of the same run exists.
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step-000002", tmp_path / "part" / "checkpoints" / "step-000002")
