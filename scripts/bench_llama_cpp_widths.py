@@ -12,6 +12,7 @@ noise hits each alike; medians are reported, and each width's cost in decoding s
 A forward of w prompt positions computes logits for its last position only, where a verification computes them for
 all w: this is the forward's cost without the output head's w - 1 extra rows, a lower bound on a verification's. The
 whole round (sampling, bookkeeping, the drafter) is what `python -m eval engine=llamacpp` measures as β.
+(scripts/bench_llama_cpp_amx.py times forwards from an empty cache, to compare llama.cpp builds.)
 """
 
 from __future__ import annotations
@@ -25,13 +26,6 @@ import urllib.request
 from pathlib import Path
 
 from eval.engines.llama_cpp import LlamaServer
-
-
-def post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as r:
-        return json.loads(r.read())
 
 
 def vocab_size(url: str) -> int:
@@ -52,15 +46,16 @@ def measure(gguf: Path, widths: list[int], *, context: int, decode: int, blocks:
         fresh = lambda n: [rng.randrange(n_vocab // 8, n_vocab // 2) for _ in range(n)]
         ctx = fresh(context)
         base = {"temperature": 0, "top_k": 1, "seed": 0, "cache_prompt": True}
-        post(server.url, {**base, "prompt": ctx, "n_predict": 1})  # warm: the context cached
+        server._post("/completion", {**base, "prompt": ctx, "n_predict": 1})  # warm: the context cached
         for _ in range(blocks):
             for w in widths:
-                t = post(server.url, {**base, "prompt": ctx + fresh(w), "n_predict": 1})["timings"]
+                t = server._post("/completion", {**base, "prompt": ctx + fresh(w), "n_predict": 1})["timings"]
                 if t["prompt_n"] != w:
                     raise RuntimeError(f"{gguf}: the server evaluated {t['prompt_n']} positions for a width of {w}: "
                                        "its prompt cache did not keep the context")
                 times[w].append(t["prompt_ms"])
-            t = post(server.url, {**base, "prompt": ctx + fresh(1), "n_predict": decode, "ignore_eos": True})["timings"]
+            t = server._post("/completion", {**base, "prompt": ctx + fresh(1), "n_predict": decode,
+                                             "ignore_eos": True})["timings"]
             steps.append(t["predicted_per_token_ms"])
     step = statistics.median(steps)
     return {"file": str(gguf), "bytes": gguf.stat().st_size, "step_ms": step, "tokens_per_s": 1000 / step,
