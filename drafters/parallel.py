@@ -12,6 +12,8 @@ blocks of its own (drafters/dflash.py).
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 # The conditional drop P-EAGLE and PARD train with by default (speculators' P-EAGLE recipe and PARD's): depth d keeps
@@ -21,16 +23,33 @@ COD_RATIO, COD_MIN_RATIO, MAX_ANCHORS = 0.7, 0.2, 512
 
 def mask_token_for(tokenizer, vocab_size: int) -> int:
     """The token a parallel drafter's masked positions carry (DFlash's block, P-EAGLE's and PARD's mask entries), as
-    SpecForge picks DFlash's: the tokenizer's mask token, else the
-    first row of the embedding matrix no token uses (a model's vocabulary is often padded past its tokenizer), else
-    the pad, end-of-sequence or unknown token. Its row of the target's (frozen) embedding is what the engines embed."""
+    SpecForge picks DFlash's: the tokenizer's mask token, else the first row of the embedding matrix no token uses (a
+    model's vocabulary is often padded past its tokenizer), else the pad, end-of-sequence or unknown token. Its row of
+    the target's (frozen) embedding is what the engines embed.
+
+    A tokenizer read from a GGUF file lists the padding rows too: llama.cpp's converter names each unused row i
+    `[PAD<i>]` (token type UNUSED), so that `len(tokenizer)` covers the whole embedding. The first such row is the
+    unused one here, the same id the model's Hugging Face tokenizer gives (Qwen2.5: 151665), where a text token such as
+    `<|endoftext|>` would be read as one the drafter has seen in training."""
     candidates = [tokenizer.mask_token_id, len(tokenizer) if len(tokenizer) < vocab_size else None,
-                  tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id]
+                  unused_row(tokenizer, vocab_size), tokenizer.pad_token_id, tokenizer.eos_token_id,
+                  tokenizer.unk_token_id]
     found = next((c for c in candidates if c is not None and 0 <= c < vocab_size), None)
     if found is None:
         raise ValueError("a parallel drafter needs a mask token: the tokenizer has none, no unused embedding row, and "
                          "no pad, end-of-sequence or unknown token; set drafter.mask_token_id")
     return int(found)
+
+
+_PADDING_ROW = re.compile(r"\[PAD(\d+)\]")
+
+
+def unused_row(tokenizer, vocab_size: int) -> int | None:
+    """The first row a GGUF vocabulary marks as padding (`[PAD<i>]` at id i, llama.cpp's converter's name for the
+    rows past the tokenizer), or None."""
+    rows = [i for token, i in tokenizer.get_vocab().items()
+            if i < vocab_size and (m := _PADDING_ROW.fullmatch(token)) and int(m.group(1)) == i]
+    return min(rows, default=None)
 
 
 def draw_chains(reads: torch.Tensor, n_entries: int, depths: int, ratio: float, min_ratio: float, max_anchors: int,
