@@ -1,7 +1,7 @@
 """A training run's data, as the recipe sets it up (train/recipe.py `Recipe._setup_data`): the records of
 `data.path` split into the training set and the held-out examples that choose the best checkpoint
 (`split_records`), each split prepared once, its answers regenerated and tokenized, into the data cache
-(`prepare_splits`), the order an epoch reads them in (`epoch_order`), batches of its tokenized records
+(`prepare_splits`), the order an epoch reads them in (`epoch_order`, `EpochOrders`), batches of its tokenized records
 (`records_batch`), and the warnings about prompts the drafter never trains on (`warn_long_prompts`).
 
 The held-out examples that choose the best checkpoint are `trainer.eval_examples` records of the training traffic
@@ -153,6 +153,26 @@ def epoch_order(n: int, seed: int, epoch: int, lengths: torch.Tensor | None = No
         last = [batches.pop()] if len(batches[-1]) < global_batch else []
         pieces += [batches[i] for i in torch.randperm(len(batches), generator=generator)] + last
     return torch.cat(pieces)
+
+
+class EpochOrders:
+    """Position p of the run's stream of training records (step s reads positions s * global_batch onwards): record
+    `epoch_order(...)[p mod n]` of epoch p div n, the current epoch's order kept."""
+
+    def __init__(self, n: int, seed: int, global_batch: int, lengths: torch.Tensor | None = None) -> None:
+        self.n, self.seed, self.global_batch, self.lengths = n, seed, global_batch, lengths
+        self.epoch, self.order = -1, None
+
+    def __getitem__(self, position: int) -> int:
+        epoch, offset = divmod(position, self.n)
+        if epoch != self.epoch:
+            self.epoch, self.order = epoch, epoch_order(self.n, self.seed, epoch, self.lengths, self.global_batch)
+        return int(self.order[offset])
+
+
+def record_lengths(records, limit: int) -> torch.Tensor:
+    """Each tokenized record's tokens as the steps see them (cut at `limit`), for trainer.group_by_length."""
+    return torch.tensor([min(len(ids), limit) for rows in records.iter(batch_size=1024) for ids in rows["input_ids"]])
 
 
 def pad_rows(rows: list[list[int]], value: int, left: bool = False) -> torch.Tensor:

@@ -50,7 +50,7 @@ from eval.config import checked_spec
 from eval.run import check_draft_vocabulary, load_target, target_source
 from traffic import checkpoint
 from traffic.records import Example
-from train.data import epoch_order, prepare_splits, records_batch, split_records, warn_long_prompts
+from train.data import EpochOrders, prepare_splits, record_lengths, records_batch, split_records, warn_long_prompts
 from train.export import export
 from train.final_eval import final_eval, final_eval_traffic
 from train.heldout import SELECT_BY, HeldoutScores, HeldoutTotals, best_record
@@ -68,8 +68,7 @@ class Recipe(ABC):
         self.out = Path(cfg.out_dir)
         self.step = 0
         self.best: dict | None = None
-        self._perms: dict[int, torch.Tensor] = {}  # the current epoch's order of the training set
-        self._lengths: torch.Tensor | None = None  # each training record's tokens as trained (group_by_length)
+        self._order: EpochOrders | None = None  # the order each epoch reads the training set in
 
     # --- setup ------------------------------------------------------------------------------------
 
@@ -209,28 +208,16 @@ class Recipe(ABC):
     # --- data -------------------------------------------------------------------------------------
 
     def _batch_indices(self, step: int) -> list[int]:
-        """This process's example indices for micro-batches of `step`: a seeded order per epoch (`epoch_order`,
-        grouped by length with trainer.group_by_length), the global batch split across processes. A function of the
-        step alone, so resume is exact."""
+        """This process's example indices for micro-batches of `step`: a seeded order per epoch (train/data.py
+        `epoch_order`, grouped by length with trainer.group_by_length), the global batch split across processes. A
+        function of the step alone, so resume is exact."""
         t = self.cfg.trainer
         global_batch = t.batch_size * self.acc.num_processes * t.grad_accum
-        n = len(self.train_set)
-        out = []
-        for pos in range(step * global_batch, (step + 1) * global_batch):
-            epoch, offset = divmod(pos, n)
-            if epoch not in self._perms:
-                lengths = self._record_lengths() if t.group_by_length else None
-                self._perms = {epoch: epoch_order(n, t.seed, epoch, lengths, global_batch)}
-            out.append(int(self._perms[epoch][offset]))
+        if self._order is None:
+            lengths = record_lengths(self.train_set, t.max_length) if t.group_by_length else None
+            self._order = EpochOrders(len(self.train_set), t.seed, global_batch, lengths)
+        out = [self._order[pos] for pos in range(step * global_batch, (step + 1) * global_batch)]
         return out[self.acc.process_index :: self.acc.num_processes]
-
-    def _record_lengths(self) -> torch.Tensor:
-        """Each training record's tokens as the steps see them (cut at trainer.max_length), read once."""
-        if self._lengths is None:
-            limit = self.cfg.trainer.max_length
-            self._lengths = torch.tensor([min(len(ids), limit) for rows in self.train_set.iter(batch_size=1024)
-                                          for ids in rows["input_ids"]])
-        return self._lengths
 
     @property
     def pad_id(self) -> int:

@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from traffic.records import Record
-from train.data import GROUP_BATCHES, epoch_order, split_directory
+from train.data import GROUP_BATCHES, EpochOrders, epoch_order, split_directory
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -37,18 +37,17 @@ def test_the_answers_are_keyed_by_what_writes_them_and_not_by_the_servers_thread
 
 
 def _windows(n: int, lengths: torch.Tensor | None, global_batch: int, steps: int, seed: int = 0) -> list[list[int]]:
-    """The records each step reads, as the recipe takes them: global_batch positions a step across epochs."""
-    orders: dict[int, torch.Tensor] = {}
-    out = []
-    for step in range(steps):
-        window = []
-        for pos in range(step * global_batch, (step + 1) * global_batch):
-            epoch, offset = divmod(pos, n)
-            if epoch not in orders:
-                orders[epoch] = epoch_order(n, seed, epoch, lengths, global_batch)
-            window.append(int(orders[epoch][offset]))
-        out.append(window)
-    return out
+    """The records each step reads, as the recipe takes them (`EpochOrders`): global_batch positions a step."""
+    order = EpochOrders(n, seed, global_batch, lengths)
+    return [[order[pos] for pos in range(step * global_batch, (step + 1) * global_batch)] for step in range(steps)]
+
+
+def test_the_stream_of_records_is_each_epochs_order_across_the_epochs_ends():
+    n, global_batch = 10, 4
+    lengths = torch.arange(n)
+    windows = _windows(n, lengths, global_batch, steps=8)  # 32 positions: 3 epochs and a bit
+    stream = [i for w in windows for i in w]
+    assert stream == [int(i) for e in range(4) for i in epoch_order(n, 0, e, lengths, global_batch)][:32]
 
 
 def test_without_lengths_an_epoch_is_the_seeded_permutation_runs_have_always_read():
