@@ -183,8 +183,9 @@ class EngineConfig:
     plain_url: Optional[str] = None  # openai: base URL of the same model without a drafter (null: no speed-up)
     model: Optional[str] = None  # openai: the served model's name (null: the one model the server lists)
     # openai: which of `drafters` the server drafts with, and how many tokens a round (its rows get the deployment's
-    # figures); null: the deployment's figures are rows of their own
-    drafter: Optional[str] = None
+    # figures); null: the deployment's figures are rows of their own. vllm: one of `drafters` or a list of them,
+    # served in turn beside one plain server, each also measured against the baseline drafter in vLLM
+    drafter: Any = None  # a name, or (vllm) a list of names (Any: OmegaConf types no "str or list")
     k: Optional[int] = None  # openai: the server's num_speculative_tokens
     api_key_env: str = "OPENAI_API_KEY"  # openai: the environment variable holding the key (never printed)
     timeout: float = 600.0  # openai: seconds per request

@@ -38,7 +38,7 @@ import numpy as np
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from eval.compare import Timings, compare, verdict
+from eval.compare import Timings, compare, tau_counts, verdict
 from eval.engines.costs import FIELDS as ENGINE_FIELDS
 from eval.engines.costs import tau_to_pay
 from eval.engines.endpoint import Endpoint, Streamed, stream
@@ -52,7 +52,7 @@ PREFIXES = ("vllm:", "llamacpp:")
 GENERATED = ("vllm:generation_tokens", "llamacpp:tokens_predicted")
 # llama.cpp's engine fields, and what a deployment measured through its API adds to them.
 FIELDS = (*ENGINE_FIELDS, "engine_acceptance_by_position", "engine_throughput_ratio", "engine_ttft_ms",
-          "engine_tpot_ms")
+          "engine_tpot_ms", "engine_speedup_vs_baseline", "engine_speedup_vs_baseline_ci")
 
 
 @dataclass
@@ -152,13 +152,16 @@ class Answers:
     answers: dict = field(default_factory=dict)
     wall: dict = field(default_factory=dict)
     counters: dict = field(default_factory=dict)
+    # at batch 1, each prompt's counters in order (one request at a time: a request's own), for τ paired by prompt
+    prompt_counters: dict = field(default_factory=dict)
 
 
 def measure(spec: Endpoint, plain: Endpoint | None, prompts: dict[str, list[list[int]]], *, max_new_tokens: int,
             batch_sizes: list[int], repeats: int, progress: bool = True) -> dict[int, dict[str, Answers]]:
     """Both servers over every category's prompts at each batch size, `repeats` times; within a repeat each
     category goes to the plain server and then to the drafting one, so both see the same moment of a shared
-    machine. Each server answers one prompt first, untimed."""
+    machine. Each server answers one prompt first, untimed. At batch 1 the drafting server's counters are read
+    around each request too (outside its timed stream), so that two drafters' τ can be paired by prompt."""
     servers = {"plain": plain, "spec": spec} if plain is not None else {"spec": spec}
     first = next(iter(prompts.values()))[0]
     for endpoint in servers.values():
@@ -172,10 +175,16 @@ def measure(spec: Endpoint, plain: Endpoint | None, prompts: dict[str, list[list
             for category, chosen in prompts.items():
                 for name, endpoint in servers.items():
                     sent: list[Streamed] = []
+                    per_prompt: list[SpecCounters | None] = []  # batch 1: requests go one at a time, in order
                     lock = threading.Lock()
+                    count = name == "spec" and batch == 1
 
-                    def complete(prompt, endpoint=endpoint, sent=sent, lock=lock):
+                    def complete(prompt, endpoint=endpoint, sent=sent, lock=lock, per_prompt=per_prompt, count=count):
+                        first = read_counters(endpoint) if count else None
                         answer = endpoint.stream(prompt, max_tokens=max_new_tokens)
+                        if first is not None:
+                            last = settled_counters(endpoint, first, answer.tokens)
+                            per_prompt.append(None if last is None else last - first)
                         with lock:
                             sent.append(answer)
                         return answer
@@ -190,6 +199,8 @@ def measure(spec: Endpoint, plain: Endpoint | None, prompts: dict[str, list[list
                     if before is not None:
                         after = settled_counters(endpoint, before, sum(a.tokens for a in sent))
                         out.counters[rep, category] = None if after is None else after - before
+                    if count and len(per_prompt) == len(chosen):
+                        out.prompt_counters[rep, category] = per_prompt
     bar.close()
     return measured
 
@@ -274,6 +285,42 @@ def add_figures(rows: list[dict], measured: dict[int, dict[str, Answers]], *, dr
     return own
 
 
+def prompt_taus(served: Answers, keys: list[str], repeats: int) -> Timings | None:
+    """Each prompt's verifications and kept drafts from its own counters (batch 1), (repeats, prompts) as
+    `tau_counts` has them; None where a request's counters are missing."""
+    rows = [[s for c in keys for s in served.prompt_counters.get((rep, c)) or [None]] for rep in range(repeats)]
+    if any(s is None for row in rows for s in row):
+        return None
+    return tau_counts(np.array([[s.drafts for s in row] for row in rows]),
+                      np.array([[s.accepted for s in row] for row in rows]))
+
+
+def add_versus(rows: list[dict], measured: dict[str, dict[int, dict[str, Answers]]], baseline: str, *, k: int,
+               repeats: int, seed: int = 0) -> None:
+    """Rows of each drafter served in turn beside the same plain server (`measured`: by drafter, as `measure`
+    returns them) gain, where `baseline` was served too, its speed and its τ over the baseline's in the engine, on
+    the same prompts, with the paired 95 % intervals (eval/compare.py): the speed from each answer's decoding time,
+    τ from each request's own counters (batch 1 only, where requests go one at a time)."""
+    if baseline not in measured:
+        return
+    for name, served in measured.items():
+        for batch, runs in served.items():
+            base = measured[baseline].get(batch)
+            if base is None:
+                continue
+            for r in rows:
+                if (r["drafter"], r["k"], r.get("batch_size", 1), r["temperature"]) != (name, k, batch, 0.0):
+                    continue
+                keys = [c for c in dict.fromkeys(c for _, c in runs["spec"].answers) if r["category"] in (ALL, c)]
+                ours, strata = decode_timings(runs["spec"], keys, repeats)
+                speed = compare(ours, decode_timings(base["spec"], keys, repeats)[0], strata, seed=seed)
+                r.update(engine_speedup_vs_baseline=speed.ratio, engine_speedup_vs_baseline_ci=speed.interval)
+                taus = prompt_taus(runs["spec"], keys, repeats), prompt_taus(base["spec"], keys, repeats)
+                if all(t is not None for t in taus):
+                    tau = compare(*taus, strata, seed=seed)
+                    r.update(engine_tau_vs_baseline=tau.ratio, engine_tau_vs_baseline_ci=tau.interval)
+
+
 def connect(engine, ks: list[int], drafters: list[str]) -> tuple[Endpoint, Endpoint | None]:
     """The two servers of `engine` (an EngineConfig with name openai), checked before anything is measured: each
     reachable and serving the configured model (or just one), `engine.drafter` one of `drafters` and `engine.k` one
@@ -281,6 +328,9 @@ def connect(engine, ks: list[int], drafters: list[str]) -> tuple[Endpoint, Endpo
     if not engine.spec_url:
         raise ValueError("engine=openai needs engine.spec_url, the base URL of the server that drafts")
     if engine.drafter is not None:
+        if not isinstance(engine.drafter, str):
+            raise ValueError(f"engine.drafter={list(engine.drafter)}: engine={engine.name} measures the one server "
+                             "at engine.spec_url, so it names one drafter (engine=vllm serves a list in turn)")
         if engine.drafter not in drafters:
             raise ValueError(f"engine.drafter={engine.drafter!r} is not one of drafters {drafters}")
         if engine.k not in ks:

@@ -147,70 +147,114 @@ class Deployment(Engine):
 
 
 class Vllm(Deployment):
-    """vLLM run here (`engine=vllm`, conf/engine/vllm.yaml): the target served by two vLLM servers, one drafting with
-    `engine.drafter` at `engine.k`, measured as a deployment is."""
+    """vLLM run here (`engine=vllm`, conf/engine/vllm.yaml): the target served by a plain vLLM server and by one
+    drafting with `engine.drafter` at `engine.k`, measured as a deployment is. `engine.drafter` may list several of
+    `drafters`: each is served in turn (one drafting server at a time beside the same plain server) and measured
+    against plain, and each gains its speed and τ over the run's baseline drafter in vLLM (`deployment.add_versus`)
+    where the baseline is among them."""
 
     name = "vllm"
 
     def __init__(self, config, costs: EngineCosts) -> None:
         super().__init__(config, costs)
         self.servers = contextlib.ExitStack()
+        self.drafting = contextlib.ExitStack()  # the drafting server being measured; the next one starts after it ends
+        self.servers.callback(self.drafting.close)
         self.asked: tuple[list[int], list[str]] | None = None
-        self.speculative: dict | None = None  # the --speculative-config the drafting server runs
+        self.served: dict[str, tuple[Path, dict]] = {}  # by drafter: the target's directory and --speculative-config
+        self.sizing: dict = {}
+        self.work: Path | None = None
         self.plain: vllm.VllmServer | None = None  # the plain server, whose own clock gives β
+
+    def drafters(self) -> list[str]:
+        """`engine.drafter`: one of `drafters`, or a list of them, in the order they are served."""
+        named = self.config.drafter
+        return [named] if isinstance(named, str) else [str(n) for n in named or []]
 
     def check(self, plan, alone: bool = False) -> None:
         super().check(plan, alone)
         if not vllm.available():
             raise ValueError(f"engine=vllm needs vLLM's environment at {vllm.ENVIRONMENT}: `make vllm` installs it")
-        if self.config.drafter is None or self.config.k is None:
-            raise ValueError("engine=vllm needs engine.drafter (which of `drafters` the server drafts with) and engine.k")
+        if not self.drafters() or self.config.k is None:
+            raise ValueError("engine=vllm needs engine.drafter (which of `drafters` the server drafts with, or a list "
+                             "of them, served in turn) and engine.k")
+        if len(set(self.drafters())) != len(self.drafters()):
+            raise ValueError(f"engine.drafter={self.drafters()} names a drafter twice")
 
     def connect(self, ks, drafters) -> None:
-        self.asked = (ks, drafters)  # the servers start once the drafter is in vLLM's format (convert)
+        self.asked = (ks, drafters)  # the servers start once the drafters are in vLLM's format (convert)
 
     def convert(self, specs, target, target_name_or_path, work, alone=False, request=None, threads=None) -> None:
-        """The drafter exported in vLLM's format, both servers started and checked, before draftsmith measures. Each
-        server takes requests up to `engine.max_model_len` tokens, else what the run sends it (`vllm.max_model_len`),
-        and its worker binds the run's `threads` cores (vLLM's own default on a CPU keeps one core for its front end)."""
-        spec = next((s for s in specs if s["name"] == self.config.drafter), None)
-        if spec is None:
-            raise ValueError(f"engine.drafter={self.config.drafter!r} is not one of drafters {self.asked[1]}")
-        model, self.speculative = vllm.served_drafter(spec, target, target_name_or_path, Path(work), self.config.k)
-        dtype = str(target.dtype).removeprefix("torch.")
+        """Every listed drafter exported in vLLM's format, then the plain server and the first drafter's started and
+        checked, before draftsmith measures (a drafter vLLM cannot read fails here). Each server takes requests up to
+        `engine.max_model_len` tokens, else what the run sends it (`vllm.max_model_len`), and its worker binds the
+        run's `threads` cores (vLLM's own default on a CPU keeps one core for its front end)."""
+        by_name = {s["name"]: s for s in specs}
+        for name in self.drafters():
+            if name not in by_name:
+                raise ValueError(f"engine.drafter={name!r} is not one of drafters {self.asked[1]}")
+            self.served[name] = vllm.served_drafter(by_name[name], target, target_name_or_path, Path(work),
+                                                    self.config.k)
+        model = self.served[self.drafters()[0]][0]
         longest = self.config.max_model_len or (vllm.max_model_len(*request, self.config.k) if request else None)
-        sizing = {"dtype": dtype, "kv_cache_gib": self.config.kv_cache_gib, "max_model_len": longest,
-                  "threads": threads}
+        self.sizing = {"dtype": str(target.dtype).removeprefix("torch."), "kv_cache_gib": self.config.kv_cache_gib,
+                       "max_model_len": longest, "threads": threads}
+        self.work = Path(work)
         try:
-            plain = self.plain = self.servers.enter_context(vllm.VllmServer(
-                model, **sizing, log_file=Path(work) / "vllm-plain.log"))
-            drafting = self.servers.enter_context(vllm.VllmServer(
-                model, speculative_config=self.speculative, **sizing, log_file=Path(work) / f"vllm-{spec['name']}.log"))
-            self.config = OmegaConf.merge(self.config, {"spec_url": drafting.url, "plain_url": plain.url,
-                                                        "model": str(model)})
-            self.endpoints = deployment.connect(self.config, *self.asked)
+            self.plain = self.servers.enter_context(vllm.VllmServer(
+                model, **self.sizing, log_file=self.work / "vllm-plain.log"))
+            self._serve(self.drafters()[0])
         except BaseException:
             self.servers.close()
             raise
 
+    def _serve(self, name: str) -> None:
+        """The drafting server of `name` started (the one before it stopped first) and both servers checked."""
+        self.drafting.close()
+        model, speculative = self.served[name]
+        drafting = self.drafting.enter_context(vllm.VllmServer(
+            model, speculative_config=speculative, **self.sizing, log_file=self.work / f"vllm-{name}.log"))
+        self.config = OmegaConf.merge(self.config, {"spec_url": drafting.url, "plain_url": self.plain.url,
+                                                    "model": str(model)})
+        self.endpoints = deployment.connect(self._for(name), *self.asked)
+
+    def _for(self, name: str):
+        """The engine's settings as a deployment drafting with `name` alone."""
+        return OmegaConf.create({**OmegaConf.to_container(self.config), "drafter": name})
+
     def add_figures(self, rows, specs, target, target_name_or_path, prompts, plan, *, threads, work, progress=True,
                     alone=False) -> dict:
+        asked = {c: [p.tolist() for p in ps] for c, ps in prompts.items()}
+        measured = {}  # by drafter, what deployment.measure returns
         try:
-            settings = super().add_figures(rows, specs, target, target_name_or_path, prompts, plan, threads=threads,
-                                           work=work, progress=progress, alone=alone)
+            for i, name in enumerate(self.drafters()):
+                if i:
+                    self._serve(name)
+                spec, plain = self.endpoints
+                measured[name] = deployment.measure(spec, plain, asked, max_new_tokens=plan.max_new_tokens,
+                                                    batch_sizes=list(plan.batch_sizes), repeats=plan.repeats,
+                                                    progress=progress)
+                deployment.add_figures(rows, measured[name], drafter=name, k=self.config.k, repeats=plan.repeats,
+                                       pays_off_at=plan.pays_off_at,
+                                       costs=self.costs if self.costs is not None and self.costs.given else None,
+                                       seed=plan.seed)
             # β at the width the drafting server verifies, on the longest prompt (the context a round sees).
-            longest = max((p.tolist() for ps in prompts.values() for p in ps), key=len)
+            longest = max((p for ps in asked.values() for p in ps), key=len)
             steps, why = vllm.measured_step_costs(self.plain, longest, self.config.k + 1)
         finally:
             self.servers.close()
-        for row in [*rows, *settings["engine_only"]]:
+        deployment.add_versus(rows, measured, specs[0]["name"], k=self.config.k, repeats=plan.repeats, seed=plan.seed)
+        for row in rows:
             if row.get("engine") == deployment.NAME:
                 row["engine"] = vllm.SERVED
                 if steps is not None:
                     add_costs(row, steps.beta(self.config.k + 1), self.config.k, plan.pays_off_at)
                 else:
                     row["engine_note"] = "; ".join(filter(None, [row.get("engine_note"), f"no β: {why}"]))
-        return {**settings, "name": vllm.SERVED, "speculative_config": self.speculative,
+        return {"name": vllm.SERVED, "plain_url": self.plain.url, "model": self.config.model,
+                "drafter": self.config.drafter if isinstance(self.config.drafter, str) else self.drafters(),
+                "k": self.config.k, "batch_sizes": list(plan.batch_sizes), "engine_only": [],
+                "speculative_config": {name: config for name, (_, config) in self.served.items()},
                 "step_costs": None if steps is None else {
                     "decode_step_ms": steps.step_s * 1000, "cached_prefix": steps.cached,
                     "forward_ms": {w: t * 1000 for w, t in steps.forward_s.items()}}}

@@ -22,14 +22,20 @@ VLLM_COSTS = (" vLLM's costs, at B = 1: β = what the plain server's forward ove
               " speed-up through the cost model: (τ engine / speed-up − 1 − β) / prop engine; τ to pay = pays_off_at ·"
               " (1 + prop·c + β), the τ a round of that cost would need to pay.")
 
+VERSUS = (" Several drafters were served in turn, each beside the same plain server: × vs base = a drafter's decoding"
+          " speed over the baseline drafter's in the engine, and τ engine vs base its τ over the baseline's (from each"
+          " request's own counters, at B = 1), on the same prompts, with 95 % intervals over prompts; the two passes"
+          " ran one after the other, so a machine whose speed drifts between them moves × vs base (the speed-ups over"
+          " plain are each measured within one pass).")
+
 
 def deployment_section(rows: list[dict], name: str) -> list[str]:
     """report.md's section for a team's deployment measured through its OpenAI-compatible API (eval/engines/deployment.py),
     or for vLLM's servers that `engine=vllm` starts here (with the costs it measures on them)."""
     served_here = name == vllm.SERVED
     out = ["", f"## In {name}", "",
-           ("draftsmith served the target twice in vLLM (engine=vllm), with the drafter and without it, and sent both the"
-            " same prompts, greedy and with the same budget," if served_here else
+           ("draftsmith served the target in vLLM (engine=vllm) with the drafter (each listed drafter in turn) and"
+            " without it, and sent both the same prompts, greedy and with the same budget," if served_here else
             "The same prompts, greedy and with the same budget, sent to the deployment with its drafter and without it,")
            + " streamed, B requests in flight (a new one sent as one returns). τ engine = 1 + accepted drafts per"
            " verification from the server's own counters at /metrics (the server's: other clients' traffic counts"
@@ -39,7 +45,8 @@ def deployment_section(rows: list[dict], name: str) -> list[str]:
            " over its wall-clock time, with the drafter over without; prop engine = tokens drafted per verification;"
            + (VLLM_COSTS if served_here else " with engine_costs given, pred × = τ / (1 + prop·c + β) and τ to pay ="
               " pays_off_at · (1 + prop·c + β), the τ the drafter must keep there to pay;")
-           + " lossless = its greedy answer equals the plain server's, text for text.", "",
+           + " lossless = its greedy answer equals the plain server's, text for text."
+           + (VERSUS if any(r.get("engine_speedup_vs_baseline") is not None for r in rows) else ""), "",
            table(rows, [c for c in DEPLOYMENT_COLUMNS if any(r.get(c[1]) is not None for r in rows)]),
            "", "Latency as a user sees it (ms, p50 / p90 over answers): time to first token, and time per output token"
            " after it.", "",

@@ -158,6 +158,45 @@ def test_figures_pool_decode_time_and_catch_a_different_answer():
         "engine_acceptance_length"] is None
 
 
+def test_drafters_served_in_turn_are_compared_with_the_baseline_on_the_same_prompts():
+    """engine=vllm serving several drafters in turn: each drafter's rows gain its decoding speed over the baseline
+    drafter's and, from each request's own counters (batch 1), its τ over the baseline's, paired by prompt with
+    their intervals; the baseline's own rows are 1. Without every request's counters there is no τ ratio."""
+    from eval.engines.endpoint import Streamed
+
+    def served(decode, kept, categories=("code", "chat")):  # kept: each prompt's accepted drafts of 10 verifications
+        out = deployment.Answers()
+        for c in categories:
+            out.answers[0, c] = [Streamed("a", 11, 0.01, d, "length") for d in decode]
+            out.prompt_counters[0, c] = [SpecCounters(10, 40, a) for a in kept]
+        return {1: {"spec": out}}
+
+    base = served([1.0, 1.0, 1.2], [10, 12, 8])  # τ 2.0 over all prompts
+    trained = served([0.5, 0.5, 0.6], [20, 24, 16])  # twice as fast, τ 3.0 (twice the kept drafts)
+    rows = [{"drafter": d, "k": 4, "batch_size": 1, "temperature": 0.0, "category": c}
+            for d in ("base", "trained", "other") for c in ("code", "chat", "all")]
+    deployment.add_versus(rows, {"base": base, "trained": trained}, "base", k=4, repeats=1)
+    for r in rows:
+        if r["drafter"] == "trained":
+            assert r["engine_speedup_vs_baseline"] == pytest.approx(2.0), r["category"]
+            assert r["engine_tau_vs_baseline"] == pytest.approx(1.5), r["category"]  # 3.0 / 2.0
+            low, high = r["engine_tau_vs_baseline_ci"]
+            assert low <= 1.5 <= high and low > 1  # every prompt kept twice as many
+        elif r["drafter"] == "base":
+            assert r["engine_speedup_vs_baseline"] == pytest.approx(1.0)
+            assert r["engine_tau_vs_baseline"] == pytest.approx(1.0)
+        else:
+            assert "engine_speedup_vs_baseline" not in r  # not served
+    trained[1]["spec"].prompt_counters[0, "chat"][1] = None  # a request whose counters were not read
+    rows = [{"drafter": "trained", "k": 4, "batch_size": 1, "temperature": 0.0, "category": c} for c in ("code", "chat")]
+    deployment.add_versus(rows, {"base": base, "trained": trained}, "base", k=4, repeats=1)
+    assert rows[0]["engine_tau_vs_baseline"] == pytest.approx(1.5) and "engine_tau_vs_baseline" not in rows[1]
+    assert rows[1]["engine_speedup_vs_baseline"] == pytest.approx(2.0)
+    rows = [{"drafter": "trained", "k": 4, "batch_size": 1, "temperature": 0.0, "category": "all"}]
+    deployment.add_versus(rows, {"trained": trained}, "base", k=4, repeats=1)  # the baseline was not served
+    assert "engine_speedup_vs_baseline" not in rows[0]
+
+
 # --- real llama-servers ------------------------------------------------------------------------------------
 
 
@@ -264,6 +303,9 @@ def test_a_deployment_is_checked_before_anything_is_measured(tiny_world, tmp_pat
     with pytest.raises(ValueError, match=r"engine.drafter='trained' is not one of drafters \['off_the_shelf'\]"):
         entry.run(make_cfg(*COMMON, "engine=openai", "engine.spec_url=http://127.0.0.1:9", "engine.drafter=trained",
                            f"out_dir={tmp_path}"))
+    with pytest.raises(ValueError, match=r"engine=openai measures the one server at engine.spec_url, so it names one"):
+        entry.run(make_cfg(*COMMON, "engine=openai", "engine.spec_url=http://127.0.0.1:9",
+                           "engine.drafter=[off_the_shelf,trained]", f"out_dir={tmp_path}"))
     with pytest.raises(ValueError, match=r"engine.k=8: the tokens the deployment drafts per round, one of ks=\[4\]"):
         entry.run(make_cfg(*COMMON, "engine=openai", "engine.spec_url=http://127.0.0.1:9",
                            "engine.drafter=off_the_shelf", "engine.k=8", f"out_dir={tmp_path}"))

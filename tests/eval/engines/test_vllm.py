@@ -216,16 +216,20 @@ def test_every_other_export_vllm_serves_is_served_as_draftsmith_drafts_it(world,
     assert_as_the_loop(counters, ours)
 
 
-@pytest.mark.parametrize("drafter", ["head", "draft"])
+@pytest.mark.parametrize("drafter", ["head", "[draft,head]"])
 def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths_loop(world, shared_dir, drafter,
                                                                                       tmp_path, monkeypatch):
     """`python -m eval engine=vllm`: draftsmith exports the head (or serves the draft LM's directory as it is), serves
     the target with it and without it, and reports vLLM's τ (its counters), speed-up, latency and losslessness beside
     the loop's rows, per category. Each server takes the run's longest request and a round's drafts, not the
-    model's whole context (whose KV cache a CPU may not hold), and its worker binds the run's `threads`."""
+    model's whole context (whose KV cache a CPU may not hold), and its worker binds the run's `threads`. With a list
+    (the draft LM, then the head), each is served in turn beside the one plain server, and the head's rows gain its
+    speed and τ over the baseline draft LM's in vLLM, τ as the loop's ratio."""
     run = eagle_run(shared_dir, "eagle_vllm_draft_vocabulary")
-    spec = (f"{{name: head, kind: head, path: {run / 'best'}}}" if drafter == "head"
-            else f"{{name: draft, kind: draft_lm, path: {DRAFT}}}")
+    served = drafter.strip("[]").split(",")
+    specs = {"head": f"{{name: head, kind: head, path: {run / 'best'}}}",
+             "draft": f"{{name: draft, kind: draft_lm, path: {DRAFT}}}"}
+    spec = ", ".join(specs[name] for name in served)
     groups = []  # the process group of every server this run starts (other workers' servers are not ours to count)
     enter = vllm.VllmServer.__enter__
 
@@ -248,11 +252,15 @@ def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths
             f"engine.drafter={drafter}", f"engine.k={K}", f"drafters=[{spec}]", f"out_dir={tmp_path}"])
     report = entry.run(cfg)
     settings = report["settings"]["engine"]
-    method = "eagle3" if drafter == "head" else "draft_model"
-    assert settings["name"].startswith("vLLM 0.32.0") and settings["speculative_config"]["method"] == method
-    rows = [r for r in report["results"] if r["drafter"] == drafter]
-    assert rows and {r["engine"] for r in rows} == {settings["name"]}
+    assert settings["name"].startswith("vLLM 0.32.0")
+    assert {n: c["method"] for n, c in settings["speculative_config"].items()} == {
+        n: {"head": "eagle3", "draft": "draft_model"}[n] for n in served}
+    rows = [r for r in report["results"] if r["drafter"] in served]
+    assert {r["drafter"] for r in rows} == set(served) and {r["engine"] for r in rows} == {settings["name"]}
     for r in rows:
+        if len(served) > 1 and r["drafter"] == "head":  # against the baseline, the draft LM served before it
+            assert r["engine_tau_vs_baseline"] == pytest.approx(r["tau_vs_baseline"], rel=2 * TAU_TOLERANCE)
+            assert r["engine_speedup_vs_baseline"] > 0 and len(r["engine_tau_vs_baseline_ci"]) == 2
         assert r["engine_lossless"] is True, r["category"]
         assert r["engine_acceptance_length"] == pytest.approx(r["acceptance_length"], rel=TAU_TOLERANCE), r["category"]
         assert r["engine_speedup"] > 0
@@ -265,14 +273,14 @@ def test_engine_vllm_measures_the_drafter_in_two_vllm_servers_beside_draftsmiths
         assert r["engine_tau_to_pay"] == pytest.approx(pays_off_at * tau / r["engine_speedup"])
     assert settings["step_costs"]["cached_prefix"] >= 128 and set(settings["step_costs"]["forward_ms"]) == {1, K + 1}
     longest = max(len(p) for ps in asked["prompts"].values() for p in ps)
-    assert sizes == [(vllm.max_model_len(longest, NEW_TOKENS, K), 1)] * 2
+    assert sizes == [(vllm.max_model_len(longest, NEW_TOKENS, K), 1)] * (1 + len(served))
     markdown = (tmp_path / "report.md").read_text()
     assert "## In vLLM 0.32.0" in markdown and "vLLM's costs, at B = 1" in markdown
     assert "synthetic acceptance" not in markdown.split("## In vLLM 0.32.0")[1]  # llama.cpp's legend is llama.cpp's
     logs = sorted(p.name for p in (tmp_path / "engine").glob("vllm-*.log"))
-    assert logs == sorted([f"vllm-{drafter}.log", "vllm-plain.log"])
-    # Both servers ended with the run, each with its whole process group (its engine core and workers).
-    assert len(groups) == 2
+    assert logs == sorted([*(f"vllm-{name}.log" for name in served), "vllm-plain.log"])
+    # Every server ended with the run, each with its whole process group (its engine core and workers).
+    assert len(groups) == 1 + len(served)
     for group in groups:
         with pytest.raises(ProcessLookupError):
             os.killpg(group, 0)
