@@ -88,4 +88,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    engines.stop_on_sigterm()
     main()

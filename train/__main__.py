@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from eval.engines.engine import stop_on_sigterm
 from train.config import KINDS, RECIPES, drafter_keys, register
 
 register()
@@ -72,4 +73,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     check_drafter_keys(sys.argv[1:])
+    stop_on_sigterm()
     main()

@@ -23,6 +23,8 @@ evaluation call `check` before anything is loaded, `connect` and `convert` befor
 from __future__ import annotations
 
 import contextlib
+import signal
+import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -273,6 +275,13 @@ def add_costs(row: dict, beta: float, k: int, pays_off_at: float) -> None:
     if tau and speedup:
         c = (tau / speedup - 1 - beta) / proposed
         row.update(engine_cost_ratio=c, engine_tau_to_pay=tau_to_pay(proposed, c, beta, pays_off_at))
+
+
+def stop_on_sigterm() -> None:
+    """`kill` (SIGTERM) ends a run as Ctrl-C does: its `finally` blocks and context managers run, so the servers it
+    started (llama-server, vLLM's servers and their workers) stop with it. Python's default ends the process at once
+    and leaves them running, holding their memory. For the entry points (`python -m eval`, `python -m train`)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def engine_for(name: str | None, costs: EngineCosts, config=None, runs: tuple[str, ...] = ENGINES) -> Engine:

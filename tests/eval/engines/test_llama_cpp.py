@@ -50,6 +50,26 @@ def world(tiny_world, tmp_path_factory):
             "out": out}
 
 
+def test_a_run_killed_with_sigterm_stops_the_llama_server_it_started(world, tmp_path):
+    """`kill` on `python -m eval` / `python -m train` (their entry points call `stop_on_sigterm`) ends the run through
+    its context managers, so the llama-server it started stops too instead of outliving it with its memory."""
+    import os
+    import subprocess
+    import sys
+
+    child = (f"import sys, time\nfrom eval.engines import llama_cpp\nfrom eval.engines.engine import stop_on_sigterm\n"
+             f"stop_on_sigterm()\nwith llama_cpp.LlamaServer({str(world['gguf'])!r}) as server:\n"
+             f"    print(server.process.pid, flush=True)\n    time.sleep(120)\n")
+    run = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True,
+                           cwd=Path(__file__).resolve().parents[3])
+    server = int(run.stdout.readline())
+    os.kill(server, 0)  # serving
+    run.terminate()
+    assert run.wait(timeout=60) == 143
+    with pytest.raises(ProcessLookupError):
+        os.kill(server, 0)
+
+
 def serve(world, draft_gguf, spec_type, stats=None, accept_none=False):
     """Completions of every prompt; with `stats` (a list), llama-server's drafting counters appended to it."""
     with llama_cpp.LlamaServer(world["gguf"], draft=draft_gguf, spec_type=spec_type, k=K, log_verbosity=4,
