@@ -192,7 +192,7 @@ class EngineConfig:
     retries: int = 2  # openai: tries after a failed request before the run stops with the server's error
     # openai: fields added to every request (the server's own extensions), e.g. {cache_prompt: false} for llama-server
     extra_body: Any = None  # a mapping (Any: the keys are the server's, not draftsmith's)
-    kv_cache_gib: float = 1.0  # vllm: each server's KV cache on a CPU, in GiB (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gib: int = 1  # vllm: each server's KV cache on a CPU, in whole GiB (VLLM_CPU_KVCACHE_SPACE, an integer)
     # vllm: the longest request each server takes (--max-model-len); null: the longest the run sends, its longest
     # prompt, max_new_tokens and a round's drafts (eval/engines/vllm.py max_model_len). The model's whole context
     # needs a KV cache to match: 1.25 GiB for Qwen2.5-Coder-1.5B with its 0.5B at 32,768 tokens

@@ -83,7 +83,7 @@ class VllmServer:
     given), whose end an error quotes."""
 
     def __init__(self, model: str | Path, *, speculative_config: dict | None = None, dtype: str = "float32",
-                 max_model_len: int | None = None, kv_cache_gib: float = 1.0, threads: int | None = None,
+                 max_model_len: int | None = None, kv_cache_gib: int = 1, threads: int | None = None,
                  timeout: float = 600.0, log_file: str | Path | None = None,
                  features: tuple[list[int], Path] | None = None, tensor_parallel_size: int = 1,
                  connector: str | None = None) -> None:
@@ -129,7 +129,7 @@ class VllmServer:
         return self._connector
 
     def environment(self) -> dict[str, str]:
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(int(self.kv_cache_gib))}
         # draftsmith's environment's packages would shadow vLLM's own transformers: only the connector's folder.
         env["PYTHONPATH"] = str(PLUGINS)
         ranks = self.tensor_parallel_size

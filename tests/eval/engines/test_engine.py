@@ -56,6 +56,11 @@ def test_unknown_engine_and_engine_with_costs_are_errors_before_anything_loads(t
     with pytest.raises(ValueError, match="set one or the other"):
         entry.run(make_cfg("engine=llamacpp", "engine_costs.beta=0.1", "data.path=/nonexistent.jsonl",
                            f"out_dir={tmp_path}"))
+    # vLLM reads its CPU KV cache as whole GiB (VLLM_CPU_KVCACHE_SPACE): a fraction fails here, not in its server
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match=r"engine.kv_cache_gib=0.25"):
+        make_cfg("engine=vllm", "engine.kv_cache_gib=0.25", "data.path=/nonexistent.jsonl", f"out_dir={tmp_path}")
 
 
 @pytest.mark.slow
