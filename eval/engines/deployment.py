@@ -346,16 +346,27 @@ def connect(engine, ks: list[int], drafters: list[str]) -> tuple[Endpoint, Endpo
     return made[0], made[1]
 
 
-def run(rows: list[dict], endpoints: tuple[Endpoint, Endpoint | None], prompts: dict[str, list[list[int]]], plan,
-        engine, costs=None, progress: bool = True) -> dict:
-    """Everything `engine=openai` adds: the deployment measured on `prompts` (token ids per category) with `plan`'s
-    budget, batch sizes and repeats, its figures added to `rows`. Returns the settings to report, with the
-    deployment's own rows under `engine_only` where no drafter is named."""
+def measure_into(rows: list[dict], endpoints: tuple[Endpoint, Endpoint | None], prompts: dict[str, list[list[int]]],
+                 plan, *, drafter: str | None, k: int | None, costs=None,
+                 progress: bool = True) -> tuple[dict[int, dict[str, Answers]], list[dict]]:
+    """The deployment at `endpoints` measured on `prompts` (token ids per category) with `plan`'s budget, batch sizes
+    and repeats, and its figures added to the rows of `drafter` at `k` (`add_figures`; the prediction where `costs`
+    were given). Returns what `measure` measured and the deployment's own rows (where no drafter is named)."""
     spec, plain = endpoints
     measured = measure(spec, plain, prompts, max_new_tokens=plan.max_new_tokens, batch_sizes=list(plan.batch_sizes),
                        repeats=plan.repeats, progress=progress)
-    own = add_figures(rows, measured, drafter=engine.drafter, k=engine.k, repeats=plan.repeats,
-                      pays_off_at=plan.pays_off_at, costs=costs if costs is not None and costs.given else None,
-                      seed=plan.seed)
+    own = add_figures(rows, measured, drafter=drafter, k=k, repeats=plan.repeats, pays_off_at=plan.pays_off_at,
+                      costs=costs if costs is not None and costs.given else None, seed=plan.seed)
+    return measured, own
+
+
+def run(rows: list[dict], endpoints: tuple[Endpoint, Endpoint | None], prompts: dict[str, list[list[int]]], plan,
+        engine, costs=None, progress: bool = True) -> dict:
+    """Everything `engine=openai` adds: the deployment measured on `prompts` and its figures added to `rows`
+    (`measure_into`). Returns the settings to report, with the deployment's own rows under `engine_only` where no
+    drafter is named."""
+    spec, plain = endpoints
+    _, own = measure_into(rows, endpoints, prompts, plan, drafter=engine.drafter, k=engine.k, costs=costs,
+                          progress=progress)
     return {"name": NAME, "spec_url": spec.base, "plain_url": plain.base if plain else None, "model": spec.model,
             "drafter": engine.drafter, "k": engine.k, "batch_sizes": list(plan.batch_sizes), "engine_only": own}

@@ -232,14 +232,8 @@ class Vllm(Deployment):
             for i, name in enumerate(self.drafters()):
                 if i:
                     self._serve(name)
-                spec, plain = self.endpoints
-                measured[name] = deployment.measure(spec, plain, asked, max_new_tokens=plan.max_new_tokens,
-                                                    batch_sizes=list(plan.batch_sizes), repeats=plan.repeats,
-                                                    progress=progress)
-                deployment.add_figures(rows, measured[name], drafter=name, k=self.config.k, repeats=plan.repeats,
-                                       pays_off_at=plan.pays_off_at,
-                                       costs=self.costs if self.costs is not None and self.costs.given else None,
-                                       seed=plan.seed)
+                measured[name], _ = deployment.measure_into(rows, self.endpoints, asked, plan, drafter=name,
+                                                            k=self.config.k, costs=self.costs, progress=progress)
             # β at the width the drafting server verifies, on the longest prompt (the context a round sees).
             longest = max((p for ps in asked.values() for p in ps), key=len)
             steps, why = vllm.measured_step_costs(self.plain, longest, self.config.k + 1)
