@@ -85,29 +85,37 @@ def tau_counts(rounds: np.ndarray, accepted: np.ndarray) -> Timings:
     return Timings(rounds + np.asarray(accepted, dtype=float), rounds)
 
 
-def speed_ratio(a: Timings, b: Timings, samples: np.ndarray) -> np.ndarray:
-    """The statistic of the module docstring for each row of `samples` (S, n), prompt indices; (S,)."""
+def speed_ratio(a: Timings, b: Timings, samples: np.ndarray,
+                baselines: tuple[Timings, Timings] | None = None) -> np.ndarray:
+    """The statistic of the module docstring for each row of `samples` (S, n), prompt indices; (S,). With
+    `baselines` (A's and B's own baselines, each measured beside it), A's speed-up over its baseline over B's."""
     def throughput(t: Timings) -> np.ndarray:  # (S,): tokens / seconds over every repeat of the drawn prompts
         return t.tokens[:, samples].sum((0, -1)) / t.seconds[:, samples].sum((0, -1))
 
-    return throughput(a) / throughput(b)
+    ratio = throughput(a) / throughput(b)
+    if baselines is not None:
+        ratio = ratio * throughput(baselines[1]) / throughput(baselines[0])
+    return ratio
 
 
-def compare(a: Timings, b: Timings, strata: Sequence[str], *, level: float = LEVEL, resamples: int = RESAMPLES,
-            seed: int = 0, widen: bool = True) -> Comparison:
-    """A's speed over B's on the same prompts; `strata[p]` is prompt p's category (resampled apart).
+def compare(a: Timings, b: Timings, strata: Sequence[str], *, baselines: tuple[Timings, Timings] | None = None,
+            level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0, widen: bool = True) -> Comparison:
+    """A's speed over B's on the same prompts; `strata[p]` is prompt p's category (resampled apart). With
+    `baselines` (A's and B's own, each measured beside it, A and B measured apart): A's speed-up over its baseline
+    over B's, so a machine faster or slower as a whole between A's measurement and B's cancels.
     `widen=False` gives the plain percentile interval (for measuring what the widening does)."""
-    if a.tokens.shape != b.tokens.shape or a.seconds.shape != a.tokens.shape or b.seconds.shape != b.tokens.shape:
-        raise ValueError(f"timings of different shapes: {a.tokens.shape} against {b.tokens.shape}")
+    for t in (b, *(baselines or ())):
+        if t.tokens.shape != a.tokens.shape or t.seconds.shape != t.tokens.shape or a.seconds.shape != a.tokens.shape:
+            raise ValueError(f"timings of different shapes: {a.tokens.shape} against {t.tokens.shape}")
     if len(strata) != a.tokens.shape[1]:
         raise ValueError(f"{len(strata)} categories for {a.tokens.shape[1]} prompts")
-    ratio = float(speed_ratio(a, b, np.arange(len(strata))[None])[0])
+    ratio = float(speed_ratio(a, b, np.arange(len(strata))[None], baselines)[0])
     groups = [np.flatnonzero(np.asarray(strata) == s) for s in dict.fromkeys(strata)]
     if min(len(g) for g in groups) < 2:  # one prompt says nothing about how much the ratio varies
         return Comparison(ratio, None, None, "too few prompts")
     rng = np.random.default_rng(seed)
     samples = np.concatenate([rng.choice(g, size=(resamples, len(g))) for g in groups], axis=1)
-    tails = np.log(np.quantile(speed_ratio(a, b, samples), [(1 - level) / 2, (1 + level) / 2]))
+    tails = np.log(np.quantile(speed_ratio(a, b, samples, baselines), [(1 - level) / 2, (1 + level) / 2]))
     n, df = len(strata), len(strata) - len(groups)
     factor = np.sqrt(n / df) * stats.t.ppf((1 + level) / 2, df) / stats.norm.ppf((1 + level) / 2) if widen else 1.0
     low, high = np.exp(np.log(ratio) + factor * (tails - np.log(ratio)))

@@ -300,7 +300,9 @@ def add_versus(rows: list[dict], measured: dict[str, dict[int, dict[str, Answers
     """Rows of each drafter served in turn beside the same plain server (`measured`: by drafter, as `measure`
     returns them) gain, where `baseline` was served too, its speed and its τ over the baseline's in the engine, on
     the same prompts, with the paired 95 % intervals (eval/compare.py): the speed from each answer's decoding time,
-    τ from each request's own counters (batch 1 only, where requests go one at a time)."""
+    as its speed-up over the plain server in its own pass over the baseline's in the baseline's (a machine that
+    drifted between the passes cancels), τ from each request's own counters (batch 1 only, where requests go one
+    at a time)."""
     if baseline not in measured:
         return
     for name, served in measured.items():
@@ -313,7 +315,10 @@ def add_versus(rows: list[dict], measured: dict[str, dict[int, dict[str, Answers
                     continue
                 keys = [c for c in dict.fromkeys(c for _, c in runs["spec"].answers) if r["category"] in (ALL, c)]
                 ours, strata = decode_timings(runs["spec"], keys, repeats)
-                speed = compare(ours, decode_timings(base["spec"], keys, repeats)[0], strata, seed=seed)
+                plains = [runs.get("plain"), base.get("plain")]  # each drafter's pass measured plain beside it
+                plains = None if None in plains else tuple(decode_timings(p, keys, repeats)[0] for p in plains)
+                speed = compare(ours, decode_timings(base["spec"], keys, repeats)[0], strata, baselines=plains,
+                                seed=seed)
                 r.update(engine_speedup_vs_baseline=speed.ratio, engine_speedup_vs_baseline_ci=speed.interval)
                 taus = prompt_taus(runs["spec"], keys, repeats), prompt_taus(base["spec"], keys, repeats)
                 if all(t is not None for t in taus):

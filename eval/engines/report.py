@@ -22,11 +22,11 @@ VLLM_COSTS = (" vLLM's costs, at B = 1: β = what the plain server's forward ove
               " speed-up through the cost model: (τ engine / speed-up − 1 − β) / prop engine; τ to pay = pays_off_at ·"
               " (1 + prop·c + β), the τ a round of that cost would need to pay.")
 
-VERSUS = (" Several drafters were served in turn, each beside the same plain server: × vs base = a drafter's decoding"
-          " speed over the baseline drafter's in the engine, and τ engine vs base its τ over the baseline's (from each"
-          " request's own counters, at B = 1), on the same prompts, with 95 % intervals over prompts; the two passes"
-          " ran one after the other, so a machine whose speed drifts between them moves × vs base (the speed-ups over"
-          " plain are each measured within one pass).")
+VERSUS = (" Several drafters were served in turn, each beside the same plain server: × vs base = a drafter's speed-up"
+          " over the plain server in its own pass over the baseline drafter's in the baseline's (the passes ran one"
+          " after the other; a machine whose speed drifts between them cancels), and τ engine vs base its τ over the"
+          " baseline's (from each request's own counters, at B = 1), on the same prompts, with 95 % intervals over"
+          " prompts.")
 
 
 def deployment_section(rows: list[dict], name: str) -> list[str]:

@@ -195,6 +195,20 @@ def test_drafters_served_in_turn_are_compared_with_the_baseline_on_the_same_prom
     rows = [{"drafter": "trained", "k": 4, "batch_size": 1, "temperature": 0.0, "category": "all"}]
     deployment.add_versus(rows, {"trained": trained}, "base", k=4, repeats=1)  # the baseline was not served
     assert "engine_speedup_vs_baseline" not in rows[0]
+    # With the plain server measured in each pass, the speed is each drafter's speed-up over its own pass's plain
+    # answers: a machine 25 % slower through the trained drafter's pass (its plain answers too) cancels.
+    base[1]["plain"] = served([2.0, 2.0, 2.4], [0, 0, 0])[1]["spec"]
+    slow = served([0.625, 0.625, 0.75], [20, 24, 16])
+    slow[1]["plain"] = served([2.5, 2.5, 3.0], [0, 0, 0])[1]["spec"]
+    rows = [{"drafter": "trained", "k": 4, "batch_size": 1, "temperature": 0.0, "category": c} for c in ("code", "all")]
+    deployment.add_versus(rows, {"base": base, "trained": slow}, "base", k=4, repeats=1)
+    for r in rows:
+        assert r["engine_speedup_vs_baseline"] == pytest.approx(2.0), r["category"]
+        low, high = r["engine_speedup_vs_baseline_ci"]
+        assert low == pytest.approx(2.0) and high == pytest.approx(2.0)  # every prompt twice as fast
+    del slow[1]["plain"]  # without it, the drift stays in the ratio
+    deployment.add_versus(rows, {"base": base, "trained": slow}, "base", k=4, repeats=1)
+    assert rows[0]["engine_speedup_vs_baseline"] == pytest.approx(1.6)
 
 
 # --- real llama-servers ------------------------------------------------------------------------------------
