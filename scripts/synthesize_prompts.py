@@ -21,6 +21,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from eval.engines.endpoint import Endpoint
+from eval.engines.engine import stop_on_sigterm
 from train import regenerate
 from traffic import models, synthesize
 
@@ -68,4 +69,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     main()

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +30,49 @@ def load_script(name: str):
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def killed_while_serving(argv: list[str], cwd: Path, server: str = "llama-server",
+                         timeout: float = 300) -> tuple[int, int]:
+    """Run `argv`, wait until a child process `server` runs, SIGTERM the run and wait for it to end: its exit status
+    and the server's pid (see `gone`)."""
+    log = tempfile.TemporaryFile()  # not a pipe: a run that logs more than a pipe holds would block on it
+    run = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and run.poll() is None:
+            for child in _children(run.pid):
+                if Path(child[1]).name == server:
+                    run.terminate()
+                    return run.wait(timeout=120), child[0]
+            time.sleep(0.2)
+        log.seek(0)
+        raise AssertionError(f"{argv} never started {server}: {log.read()[-2000:].decode(errors='replace')}")
+    finally:
+        if run.poll() is None:
+            run.kill()
+        log.close()
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, program) of each child of process `pid`, from /proc."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split() if (task / "children").exists() else []:
+            try:
+                found.append((int(child), Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode()))
+            except FileNotFoundError:  # it ended meanwhile
+                pass
+    return found
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` has ended; one still running is killed, so a failing test leaves nothing behind."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def tiny_llama(vocab: int = 64, hidden: int = 32, layers: int = 2, seed: int = 0, logit_scale: float = 1.0,

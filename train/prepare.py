@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from drafters.sampling import Sampling
+from eval.engines.engine import stop_on_sigterm
 from eval.run import load_target, pick_device, read_traffic, reading, target_source
 from traffic.records import Example, Record, RecordError, tokenize_record
 from train.config import register
@@ -180,4 +181,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     main()

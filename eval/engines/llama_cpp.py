@@ -349,11 +349,18 @@ class LlamaServer:
         with open(log_path, "wb") as log:  # the server's own descriptor (Popen gives it a copy)
             self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT)
         self._log = LogReader(log_path)
+        try:
+            self._wait_until_serving()
+        except BaseException:  # a failed start, or Ctrl-C or `kill` while it loads: the server must not outlive it
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_until_serving(self) -> None:
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 log, tail = self._log.path.read_text(encoding="utf-8", errors="replace"), self._log.tail()
-                self._close_log()
                 raise RuntimeError(f"llama-server {died(self.process.returncode)} while loading {self.model}"
                                    + (f" and {self.draft}" if self.draft else "") + f"{why_it_died(self.process.returncode, log)}"
                                    f"; the end of its log:\n{tail}")
@@ -361,26 +368,23 @@ class LlamaServer:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
                         self._check_drafting()
-                        return self
+                        return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.2)
-        self.__exit__(None, None, None)
         raise TimeoutError(f"llama-server did not come up in {self.timeout:.0f} s")
 
     def _check_drafting(self) -> None:
         """llama-server that cannot set up the drafter it was given (a draft whose vocabulary type is not the
-        target's, say) logs the error and serves on without speculation: stop it and raise that error."""
+        target's, say) logs the error and serves on without speculation: raise that error (and so stop it)."""
         if self.spec_type is None:
             return
         log = self._log.path.read_text(encoding="utf-8", errors="replace")
         failed = next((line for line in log.splitlines() if "failed to initialize speculative decoding" in line), None)
         if failed is not None:
-            tail = self._log.tail()
-            self.__exit__(None, None, None)
             raise RuntimeError(f"llama-server could not set up {self.spec_type}"
                                + (f" with {self.draft}" if self.draft else "") + f" for {self.model}: "
-                               f"{failed.split('load_model: ', 1)[-1]}; the end of its log:\n{tail}")
+                               f"{failed.split('load_model: ', 1)[-1]}; the end of its log:\n{self._log.tail()}")
 
     def __exit__(self, *exc) -> None:
         if self.process is not None and self.process.poll() is None:

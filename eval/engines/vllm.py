@@ -161,24 +161,28 @@ class VllmServer:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
                                             env=self.environment(), start_new_session=True)
+        try:
+            self._wait_until_serving()
+        except BaseException:  # a failed start, or Ctrl-C or `kill` in its minutes of loading: stop what it started
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_until_serving(self) -> None:
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                tail, code = self.tail(), self.process.returncode
-                self.__exit__(None, None, None)
-                raise RuntimeError(f"vLLM exited with code {code} while loading {self.model}"
+                raise RuntimeError(f"vLLM exited with code {self.process.returncode} while loading {self.model}"
                                    + (f" with {self.speculative_config}" if self.speculative_config else "")
-                                   + f"; the end of its log:\n{tail}")
+                                   + f"; the end of its log:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        return self
+                        return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.5)
-        tail = self.tail()
-        self.__exit__(None, None, None)
-        raise TimeoutError(f"vLLM did not come up in {self.timeout:.0f} s; the end of its log:\n{tail}")
+        raise TimeoutError(f"vLLM did not come up in {self.timeout:.0f} s; the end of its log:\n{self.tail()}")
 
     def tail(self, lines: int = 30) -> str:
         """The end of the server's log, its errors first where it logged any (vLLM's traceback runs long)."""

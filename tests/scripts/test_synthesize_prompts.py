@@ -1,11 +1,13 @@
 """scripts/synthesize_prompts.py against a real llama-server (the library: tests/traffic/test_synthesize.py)."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from eval.engines import llama_cpp
-from helpers import load_script
+from helpers import gone, killed_while_serving, load_script
 from traffic.records import load_records
 
 needs_llama_cpp = pytest.mark.skipif(not llama_cpp.available(), reason=(
@@ -31,3 +33,15 @@ def test_the_script_samples_requests_from_a_real_llama_server(tiny_world, tmp_pa
     assert all(r.messages[0]["content"].startswith("Hello") for r in records)
     script.main(args)  # run again: resumes, samples nothing new when the file is complete
     assert out.read_text().splitlines() == written
+
+
+@needs_llama_cpp
+@pytest.mark.slow
+def test_kill_stops_the_llama_server_the_script_started(tiny_world, tmp_path):
+    """`kill` on the script ends it as Ctrl-C does: the llama-server sampling the requests stops with it."""
+    root = Path(__file__).resolve().parents[2]
+    status, server = killed_while_serving(
+        [sys.executable, str(root / "scripts" / "synthesize_prompts.py"), str(tiny_world / "target"),
+         str(tmp_path / "chat.jsonl"), "--count", "100000", "--threads", "1"], cwd=root)
+    stopped = gone(server)  # first: a failing assertion must not leave the server running
+    assert status == 143 and stopped

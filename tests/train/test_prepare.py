@@ -10,6 +10,8 @@ import datasets
 import pytest
 from hydra import compose, initialize_config_dir
 
+from eval.engines import llama_cpp
+from helpers import gone, killed_while_serving
 from train.hidden_states import ShardReader
 from train.prepare import run
 
@@ -69,3 +71,16 @@ def test_prepare_cli_on_the_toy_traffic_and_bad_input(tiny_world, tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and f"{bad}:2: field 'messages[0].role'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not llama_cpp.available(), reason=f"llama.cpp is not built at {llama_cpp.home()}: `make llama-cpp`")
+def test_kill_stops_the_llama_server_writing_the_answers(tiny_world, tmp_path):
+    """`kill` on `python -m train.prepare regenerate.engine=llamacpp` ends it as Ctrl-C does: the llama-server it
+    started stops with it instead of outliving it with the machine's cores (the answers so far stay cached)."""
+    status, server = killed_while_serving(
+        [sys.executable, "-m", "train.prepare", "target=tiny", "regenerate.engine=llamacpp", "regenerate.threads=1",
+         "progress=false", f"out_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=Path(__file__).resolve().parents[2])
+    stopped = gone(server)  # first: a failing assertion must not leave the server running
+    assert status == 143 and stopped

@@ -70,6 +70,20 @@ def test_a_run_killed_with_sigterm_stops_the_llama_server_it_started(world, tmp_
         os.kill(server, 0)
 
 
+def test_an_interrupt_while_the_server_loads_stops_it(world, monkeypatch):
+    """Ctrl-C or `kill` while llama-server loads (before `with` has a server to exit) stops the process it started."""
+    import urllib.request
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(urllib.request, "urlopen", interrupted)  # the first health check
+    server = llama_cpp.LlamaServer(world["gguf"])
+    with pytest.raises(KeyboardInterrupt):
+        server.__enter__()
+    assert server.process.poll() is not None
+
+
 def serve(world, draft_gguf, spec_type, stats=None, accept_none=False):
     """Completions of every prompt; with `stats` (a list), llama-server's drafting counters appended to it."""
     with llama_cpp.LlamaServer(world["gguf"], draft=draft_gguf, spec_type=spec_type, k=K, log_verbosity=4,

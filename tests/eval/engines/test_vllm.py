@@ -53,6 +53,26 @@ def world(tiny_world):
     return {"dir": target_dir, "target": target, "tok": tok, "prompts": prompts, "greedy": greedy}
 
 
+def test_an_interrupt_while_vllm_loads_stops_its_process_group(world, monkeypatch):
+    """Ctrl-C or `kill` in vLLM's minutes of loading (before `with` has a server to exit) stops the server and its
+    engine core, which run in their own process group."""
+    import os
+    import urllib.request
+
+    group = []
+
+    def interrupted(*args, **kwargs):
+        group.append(server.process.pid)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(urllib.request, "urlopen", interrupted)  # the first health check
+    server = vllm.VllmServer(world["dir"])
+    with pytest.raises(KeyboardInterrupt):
+        server.__enter__()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(group[0], 0)
+
+
 def eagle_run(shared_dir, name: str, *overrides: str) -> Path:
     """An EAGLE-3 head on tiny_vllm trained for greedy serving, once per test run."""
     return built_once(shared_dir / "runs" / name / "run", lambda out: train_tiny_deep(
