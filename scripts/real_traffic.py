@@ -2,6 +2,8 @@
 
     python scripts/real_traffic.py ../shared/data runs/real_traffic [--eval-per-category 16] [--train-per-category 300]
     python scripts/real_traffic.py ../shared/data runs/coding_traffic --mix coding    # a coding assistant's traffic
+    python scripts/real_traffic.py ../shared/data runs/more --mix coding --train-per-category 300 \
+        --exclude runs/coding_traffic/train.jsonl         # only the prompts a larger set adds: answer those alone
 
 The `general` mix (the default):
 
@@ -27,6 +29,11 @@ DEST/train.jsonl and DEST/eval.jsonl; every category holds out its first `--eval
 fixed shuffled order, and trains on at most `--train-per-category` of the rest, the categories interleaved in
 train.jsonl. A prompt is written once: none is both held out and trained on. A source that is missing is skipped
 with a message.
+
+The order is fixed by --seed, so a larger --train-per-category holds a smaller one's training prompts, under the same
+ids: `--exclude FILE` (repeatable) leaves the prompts FILE holds out of train.jsonl, so that growing a training set
+regenerates only the new prompts' answers; a run trains on both answered files joined (`cat`, the earlier one last
+to keep its held-out records: training holds out a file's last records).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from collections import Counter
 from pathlib import Path
 
 from traffic import models
+from traffic.records import load_records
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"])")
 WRITING = {"writing", "roleplay"}
@@ -196,6 +204,12 @@ def split(found: dict, eval_per_category: int, train_per_category: int, seed: in
     return held, trained
 
 
+def first_turns(path: Path) -> set[str]:
+    """The first user turn of each record in the JSONL file `path` (the prompts `write` wrote, answered or not)."""
+    records, _ = load_records(str(path))
+    return {next(m["content"] for m in r.messages if m["role"] == "user") for r in records}
+
+
 def write(records: list[tuple[str, str, str]], path: Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for category, rid, prompt in records:
@@ -210,6 +224,8 @@ def main() -> None:
     ap.add_argument("--eval-per-category", type=int, default=16)
     ap.add_argument("--train-per-category", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exclude", type=Path, action="append", default=[],
+                    help="a JSONL file of records (an earlier train.jsonl): its prompts are left out of train.jsonl")
     ap.add_argument("--mix", choices=["general", "coding"], default="general",
                     help="general: code, maths, chat, writing, stories; coding: completion, code_qa, maths, chat")
     args = ap.parse_args()
@@ -217,6 +233,9 @@ def main() -> None:
     if not found:
         sys.exit(f"real_traffic: no source found under {args.data}")
     held, trained = split(found, args.eval_per_category, args.train_per_category, args.seed)
+    if args.exclude:
+        done = set().union(*map(first_turns, args.exclude))
+        trained = [t for t in trained if t[2] not in done]
     args.dest.mkdir(parents=True, exist_ok=True)
     write(held, args.dest / "eval.jsonl")
     write(trained, args.dest / "train.jsonl")

@@ -61,6 +61,25 @@ def test_each_category_holds_out_its_first_prompts_and_trains_on_the_rest(data, 
     assert "code 2, maths 2, chat 2, writing 2, stories 2" in capsys.readouterr().out
 
 
+def test_a_larger_training_set_excludes_the_prompts_an_earlier_one_holds(data, tmp_path, monkeypatch):
+    """--train-per-category grows a set under the same ids; --exclude leaves out the earlier set's prompts (answered
+    there or not), so only the new ones are written, and both files together are the larger set."""
+    script = load_script("real_traffic")
+    run = lambda dest, *extra: (monkeypatch.setattr("sys.argv", ["real_traffic.py", str(data), str(tmp_path / dest),  # noqa: E731
+                                                                 "--eval-per-category", "1", *extra]), script.main())
+    run("small", "--train-per-category", "2")
+    run("large", "--train-per-category", "4")
+    answered = tmp_path / "answered.jsonl"  # the small set as the target answered it
+    answered.write_text("".join(json.dumps({**json.loads(line), "messages": json.loads(line)["messages"] + [
+        {"role": "assistant", "content": "ok"}]}) + "\n" for line in (tmp_path / "small" / "train.jsonl").open()))
+    run("new", "--train-per-category", "4", "--exclude", str(answered))
+    ids = lambda dest: {r.id: r.messages[0]["content"] for r in load_records(str(tmp_path / dest / "train.jsonl"))[0]}  # noqa: E731
+    small, large, new = ids("small"), ids("large"), ids("new")
+    assert small.items() <= large.items()  # the same prompts under the same ids
+    assert new and not new.keys() & small.keys() and {**small, **new} == large
+    assert (tmp_path / "new" / "eval.jsonl").read_text() == (tmp_path / "large" / "eval.jsonl").read_text()
+
+
 def test_a_prompt_is_written_once_never_both_held_out_and_trained_on():
     script = load_script("real_traffic")
     found = {"stories": (["a", "b", "a", "c", "b", "d"], None), "maths": (["q1", "q2"], ["q1", "q3", "q2", "q3"])}
