@@ -37,6 +37,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from eval.engines.engine import stop_on_sigterm
 from train.__main__ import train
 from train.prepare import held_out_indices
 
@@ -306,4 +307,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     main()

@@ -27,6 +27,7 @@ from hydra import compose, initialize_config_dir
 import eval.__main__ as entry
 from eval.engines import llama_cpp
 from eval.config import register
+from eval.engines.engine import stop_on_sigterm
 from eval.engines.llama_cpp_drafters import llama_cpp_drafter
 from eval.run import load_target, resolve_specs
 from traffic import models
@@ -101,4 +102,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     main()

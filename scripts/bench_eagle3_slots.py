@@ -22,6 +22,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from eval.engines import llama_cpp
+from eval.engines.engine import stop_on_sigterm
 from eval.engines.llama_cpp_measure import _STATS, _counters
 from traffic import models
 
@@ -71,4 +72,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     main()

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from eval.engines.engine import stop_on_sigterm
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, next_report_dir, write_report
 from eval.report_markdown import console_summary
@@ -113,4 +114,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     main()

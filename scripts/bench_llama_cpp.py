@@ -27,6 +27,7 @@ import torch
 
 from drafters.sampling import Sampling
 from eval.engines import llama_cpp
+from eval.engines.engine import stop_on_sigterm
 from eval.engines.llama_cpp_measure import DraftCounters, DraftStats
 from eval.engines.formats.writing import target_directory
 from eval.run import build_drafter, held_out_path, load_target, read_traffic, tokenize_prompts
@@ -131,4 +132,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     main()

@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval.engines import llama_cpp  # noqa: E402  (the checkout's package, without installing it)
+from eval.engines.engine import stop_on_sigterm
 
 WIDTHS = (1, 5, 9, 512)  # new tokens a forward scores: decode, k = 4 and k = 8 verifications, a long prompt
 
@@ -111,4 +112,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     main()

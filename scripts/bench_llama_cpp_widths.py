@@ -25,6 +25,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from eval.engines.engine import stop_on_sigterm
 from eval.engines.llama_cpp import LlamaServer
 
 
@@ -94,4 +95,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     main()

@@ -45,6 +45,8 @@ import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
 
+from eval.engines.engine import stop_on_sigterm
+
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # scripts/peers, after the project's own packages
 from peers import INSTALLED, LADDER, ROOT, curve_steps, elapsed_at, rung_settings  # noqa: E402
 from peers import specforge, speculators  # noqa: E402
@@ -426,4 +428,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     main()

@@ -20,6 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from drafters.draft_lm import DraftLM
+from eval.engines.engine import stop_on_sigterm
 from eval.evaluate import EvalPlan, evaluate
 from eval.report import build_report, next_report_dir, write_report
 from eval.report_markdown import console_summary
@@ -83,4 +84,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     main()

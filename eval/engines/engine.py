@@ -274,8 +274,8 @@ def add_costs(row: dict, beta: float, k: int, pays_off_at: float) -> None:
 def stop_on_sigterm() -> None:
     """`kill` (SIGTERM) ends a run as Ctrl-C does: its `finally` blocks and context managers run, so the servers it
     started (llama-server, vLLM's servers and their workers) stop with it. Python's default ends the process at once
-    and leaves them running, holding their memory. For the entry points that start servers (`python -m eval`,
-    `python -m train`, `python -m train.prepare`, scripts/synthesize_prompts.py)."""
+    and leaves them running, holding their memory. For the entry points that may start servers (`python -m eval`,
+    `python -m train`, `python -m train.prepare`, and the scripts)."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
