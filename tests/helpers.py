@@ -43,6 +43,7 @@ def killed_while_serving(argv: list[str], cwd: Path, server: str = "llama-server
         while time.monotonic() < deadline and run.poll() is None:
             for child in _children(run.pid):
                 if Path(child[1]).name == server:
+                    time.sleep(1)  # past the run's own return from starting it
                     run.terminate()
                     return run.wait(timeout=120), child[0]
             time.sleep(0.2)
@@ -57,12 +58,13 @@ def killed_while_serving(argv: list[str], cwd: Path, server: str = "llama-server
 def _children(pid: int) -> list[tuple[int, str]]:
     """(pid, program) of each child of process `pid`, from /proc."""
     found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        for child in (task / "children").read_text().split() if (task / "children").exists() else []:
-            try:
-                found.append((int(child), Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode()))
-            except FileNotFoundError:  # it ended meanwhile
-                pass
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (comm) state"
+            if parent == pid:
+                found.append((int(stat.parent.name), (stat.parent / "cmdline").read_bytes().split(b"\0")[0].decode()))
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):  # it ended meanwhile
+            pass
     return found
 
 
