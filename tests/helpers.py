@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import transformers as T
 from scipy.stats import chisquare
@@ -56,14 +57,12 @@ def killed_while_serving(argv: list[str], cwd: Path, server: str = "llama-server
 
 
 def _children(pid: int) -> list[tuple[int, str]]:
-    """(pid, program) of each child of process `pid`, from /proc."""
+    """(pid, program) of each child of process `pid` (psutil, which accelerate depends on)."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for child in psutil.Process(pid).children():
         try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (comm) state"
-            if parent == pid:
-                found.append((int(stat.parent.name), (stat.parent / "cmdline").read_bytes().split(b"\0")[0].decode()))
-        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):  # it ended meanwhile
+            found.append((child.pid, child.cmdline()[0]))
+        except (psutil.NoSuchProcess, IndexError):  # it ended meanwhile (a zombie's cmdline is empty)
             pass
     return found
 
