@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("out", type=Path, help="the JSONL file to write (appended to on a resume)")
     p.add_argument("--count", type=int, required=True, help="requests OUT should hold")
     p.add_argument("--category", default="chat", help="the records' category (default: chat)")
+    p.add_argument("--id-prefix", default=None, help="records' ids are PREFIX-i (default: CATEGORY-synth); give "
+                   "each run its own when files will be joined")
     p.add_argument("--system", default=None, help="a system prompt steering the kind of request (default: the "
                    "template's own)")
     p.add_argument("--lead", action="append", default=None, help="the first words of a request, e.g. 'Write a "
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     prefixes = [synthesize.user_turn_prefix(tokenizer, args.system, lead) for lead in leads]
     settings = dict(count=args.count, category=args.category, system=args.system, leads=leads,
                     seed=args.seed, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                    min_chars=args.min_chars, parallel=args.parallel)
+                    min_chars=args.min_chars, parallel=args.parallel, id_prefix=args.id_prefix)
     if args.endpoint:
         endpoint = Endpoint(args.endpoint, model=args.endpoint_model)
         endpoint.check()

@@ -101,14 +101,15 @@ def _read(path: Path) -> tuple[list[dict], int]:
 def synthesize(endpoint, prefixes: list[list[int]], out: str | Path, *, count: int, category: str = "chat",
                system: str | None = None, leads: list[str] = ("",), seed: int = 0, temperature: float = 1.0,
                top_p: float = 1.0, max_tokens: int = 256, min_chars: int = 16, parallel: int = 4, batch_size: int = 32,
-               max_batches: int | None = None, progress: bool = True) -> SynthesisStats:
+               max_batches: int | None = None, id_prefix: str | None = None, progress: bool = True) -> SynthesisStats:
     """Append requests sampled from `endpoint` (an eval.engines.endpoint.Endpoint) to the chat-format JSONL file `out`
     until it holds `count` of them, each a record {id, category, messages: [user turn], batch} (`batch`: the
     batch that sampled it, which a resume starts after; readers of the chat format ignore it).
 
     Request i (counted from 0 over the whole run) continues prefixes[i % len(prefixes)] (user_turn_prefix of
     `system` and leads[i % len(leads)], the words it starts with), sampled with seed crc32(f"{seed}-{i}"); its
-    record's id is f"{category}-synth-{i}". Resumes an interrupted run with the same settings (`out`.meta.json
+    record's id is f"{id_prefix}-{i}" (default id_prefix: f"{category}-synth"; give another to runs whose files
+    will be joined, as ids must be distinct across a data set). Resumes an interrupted run with the same settings (`out`.meta.json
     holds them; other settings are an error). Stops after `max_batches` batches (default: enough for 4 × `count` requests) and
     says how many it kept, so a model that rarely ends its requests does not sample forever.
     """
@@ -117,13 +118,16 @@ def synthesize(endpoint, prefixes: list[list[int]], out: str | Path, *, count: i
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     leads = list(leads)
+    id_prefix = id_prefix or f"{category}-synth"
     if len(leads) != len(prefixes) or not prefixes:
         raise ValueError(f"one prefix per lead: {len(prefixes)} prefixes, {len(leads)} leads")
     meta = {"prefixes": zlib.crc32(json.dumps(prefixes).encode()), "category": category, "system": system,
             "leads": leads, "seed": seed, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
-            "min_chars": min_chars, "batch_size": batch_size, "model": getattr(endpoint, "model", None)}
+            "min_chars": min_chars, "batch_size": batch_size, "model": getattr(endpoint, "model", None),
+            "id_prefix": id_prefix}
     meta_path = out.with_name(out.name + ".meta.json")
-    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+    # Files written before ids could be chosen hold the default prefix.
+    if meta_path.exists() and {"id_prefix": f"{category}-synth"} | json.loads(meta_path.read_text()) != meta:
         raise ValueError(f"{out} was written with other settings or another model ({meta_path}): delete both, or "
                          "write to another file")
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
@@ -160,7 +164,7 @@ def synthesize(endpoint, prefixes: list[list[int]], out: str | Path, *, count: i
                     elif stats.kept < count:
                         seen.add(key)
                         stats.kept += 1
-                        lines.append(json.dumps({"id": f"{category}-synth-{i}", "category": category, "batch": b,
+                        lines.append(json.dumps({"id": f"{id_prefix}-{i}", "category": category, "batch": b,
                                                  "messages": [{"role": "user", "content": text}]}) + "\n")
                 f.write("".join(lines).encode())
                 f.flush()

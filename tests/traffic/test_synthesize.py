@@ -1,12 +1,13 @@
 """Requests synthesized through the target's chat template: the prefix, what is kept, resuming."""
 
+import json
 import zlib
 
 import pytest
 from transformers import AutoTokenizer
 
 from eval.engines.endpoint import EndpointAnswer
-from traffic.records import load_records, render
+from traffic.records import RecordError, load_records, render
 from traffic.synthesize import normalized, synthesize, user_turn_prefix
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -114,3 +115,22 @@ def test_a_model_that_never_ends_its_requests_stops_after_its_batches(tmp_path, 
     stats = synthesize(sampler, [[1]], tmp_path / "x.jsonl", count=5, max_tokens=40, batch_size=4, progress=False)
     assert stats.kept == 0 and sampler.calls == 20  # 4 × count requests, in batches of 4
     assert "holds 0 of the 5 requests" in capsys.readouterr().err
+
+
+def test_runs_given_their_own_id_prefix_join_into_one_data_set(tmp_path):
+    _run(tmp_path / "a.jsonl", _Sampler(), count=4)
+    _run(tmp_path / "b.jsonl", _Sampler(), count=4, seed=5)
+    joined = tmp_path / "joined.jsonl"
+    joined.write_bytes((tmp_path / "a.jsonl").read_bytes() + (tmp_path / "b.jsonl").read_bytes())
+    with pytest.raises(RecordError, match="duplicate id 'writing-synth-"):
+        load_records(str(joined))
+    _run(tmp_path / "c.jsonl", _Sampler(), count=4, seed=5, id_prefix="writing-open")
+    joined.write_bytes((tmp_path / "a.jsonl").read_bytes() + (tmp_path / "c.jsonl").read_bytes())
+    records, _ = load_records(str(joined))
+    assert [r.id.startswith("writing-open-") for r in records] == [False] * 4 + [True] * 4
+    # A file written before ids could be chosen resumes as the default prefix, and refuses another.
+    meta = tmp_path / "a.jsonl.meta.json"
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "id_prefix"}))
+    assert _run(tmp_path / "a.jsonl", _Sampler(), count=6).resumed == 4
+    with pytest.raises(ValueError, match="other settings"):
+        _run(tmp_path / "a.jsonl", _Sampler(), count=8, id_prefix="writing-open")
