@@ -109,8 +109,8 @@ def synthesize(endpoint, prefixes: list[list[int]], out: str | Path, *, count: i
     Request i (counted from 0 over the whole run) continues prefixes[i % len(prefixes)] (user_turn_prefix of
     `system` and leads[i % len(leads)], the words it starts with), sampled with seed crc32(f"{seed}-{i}"); its
     record's id is f"{id_prefix}-{i}" (default id_prefix: f"{category}-synth"; give another to runs whose files
-    will be joined, as ids must be distinct across a data set). Resumes an interrupted run with the same settings (`out`.meta.json
-    holds them; other settings are an error). Stops after `max_batches` batches (default: enough for 4 × `count` requests) and
+    will be joined, as ids must be distinct across a data set). Resumes an interrupted run with the same settings
+    (`out`.meta.json holds them; other settings are an error). Stops after `max_batches` batches (default: enough for 4 × `count` requests) and
     says how many it kept, so a model that rarely ends its requests does not sample forever.
     """
     if count < 1 or batch_size < 1 or parallel < 1:
