@@ -21,8 +21,11 @@ from eval.speculative import autoregressive_generate, speculative_generate
 
 
 def rounds_text(tokens: list[int], rounds, decode) -> str:
-    """The generated text with every round's target token in brackets: kept guesses, then [token]."""
-    out, i = [], 0
+    """The generated text with every round's target token in brackets: the prefill's token, then round by round
+    the kept guesses and [the target's own token] (empty where the token budget ended the answer on a guess)."""
+    if not tokens:
+        return ""
+    out, i = [decode(tokens[:1])], 1
     for r in rounds:
         kept, own = tokens[i: i + r.accepted], tokens[i + r.accepted: i + r.accepted + 1]
         out.append(decode(kept) + "[" + decode(own) + "]")
