@@ -75,10 +75,6 @@ def tau(answers_hits: list[list[bool]], k: int) -> float | None:
     return 1 + sum(kept) / len(kept) if kept else None
 
 
-def bucket_of(p: float) -> str:
-    return next(name for name, lo, hi in BUCKETS if lo <= p < hi)
-
-
 def summarize(pos: Positions, k: int) -> dict:
     """The figures of one drafter on one category."""
     flat = [(p, r) for ps, rs in zip(pos.target_p, pos.rank) for p, r in zip(ps, rs)]
@@ -115,13 +111,16 @@ def teacher_forced(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
     return model(input_ids=ids).logits[0, len(prompt):].float()
 
 
-def positions_of(target_logits: torch.Tensor, draft_logits: torch.Tensor, answer: list[int]) -> tuple[list, list]:
-    """The target's probability of each answer token 1.., and the token's rank in the drafter's logits."""
+def own_probability(target_logits: torch.Tensor, answer: list[int]) -> list[float]:
+    """The target's probability of each of its answer's tokens 1.."""
     own = torch.tensor(answer[1:], device=target_logits.device)
-    target_p = target_logits.softmax(-1).gather(1, own[:, None])[:, 0]
-    draft_own = draft_logits.gather(1, own.to(draft_logits.device)[:, None])
-    rank = (draft_logits > draft_own).sum(-1)
-    return target_p.tolist(), rank.tolist()
+    return target_logits.softmax(-1).gather(1, own[:, None])[:, 0].tolist()
+
+
+def own_rank(draft_logits: torch.Tensor, answer: list[int]) -> list[int]:
+    """The rank of each answer token 1.. in the drafter's logits (0: its top-1)."""
+    own = torch.tensor(answer[1:], device=draft_logits.device)
+    return (draft_logits > draft_logits.gather(1, own[:, None])).sum(-1).tolist()
 
 
 def prompt_digest(prompt: list[int]) -> str:
@@ -159,23 +158,20 @@ def answer_counts(pos: Positions, k: int) -> tuple[list[int], list[int]]:
 def versus(drafter: dict[str, Positions], baseline: dict[str, Positions], k: int) -> dict[str, dict]:
     """A drafter's τ over the baseline's per category and over all of them, on the same answers, with the paired
     95 % interval of eval/compare.py (prompts resampled within each category)."""
-    out, pooled = {}, ([], [], [], [], [])
+    rows = []  # (category, the drafter's rounds and kept guesses, the baseline's) of each answer with a round
     for category in drafter:
-        rounds_a, kept_a = answer_counts(drafter[category], k)
-        rounds_b, kept_b = answer_counts(baseline[category], k)
-        keep = [i for i, n in enumerate(rounds_b) if n and rounds_a[i]]  # answers with at least one round
-        a = tau_counts(np.array([[rounds_a[i] for i in keep]]), np.array([[kept_a[i] for i in keep]]))
-        b = tau_counts(np.array([[rounds_b[i] for i in keep]]), np.array([[kept_b[i] for i in keep]]))
-        c = compare(a, b, [category] * len(keep))
-        out[category] = {"ratio": c.ratio, "interval": c.interval}
-        for into, values in zip(pooled, ([rounds_a[i] for i in keep], [kept_a[i] for i in keep],
-                                         [rounds_b[i] for i in keep], [kept_b[i] for i in keep],
-                                         [category] * len(keep))):
-            into.extend(values)
+        a, b = answer_counts(drafter[category], k), answer_counts(baseline[category], k)
+        rows += [(category, *counts) for counts in zip(*a, *b) if counts[0] and counts[2]]
+
+    def over(chosen: list[tuple]) -> dict:
+        strata, rounds_a, kept_a, rounds_b, kept_b = (list(column) for column in zip(*chosen))
+        c = compare(tau_counts(np.array([rounds_a]), np.array([kept_a])),
+                    tau_counts(np.array([rounds_b]), np.array([kept_b])), strata)
+        return {"ratio": c.ratio, "interval": c.interval}
+
+    out = {category: over([r for r in rows if r[0] == category]) for category in drafter}
     if len(drafter) > 1:
-        ra, ka, rb, kb, strata = pooled
-        c = compare(tau_counts(np.array([ra]), np.array([ka])), tau_counts(np.array([rb]), np.array([kb])), strata)
-        out["all"] = {"ratio": c.ratio, "interval": c.interval}
+        out["all"] = over(rows)
     return out
 
 
@@ -273,8 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = {c: prompts[c] for c in args.category}
     key = f"{args.target}|{args.dtype}|{args.max_new_tokens}"
     answers = reference_answers(target, tok, prompts, args.max_new_tokens, out / "answers.jsonl", key)
-    target_logits = {(c, i): teacher_forced(target, prompts[c][i].tolist(), a)
-                     for c, items in answers.items() for i, a in enumerate(items) if len(a) > 1}
+    # The target's probability of its own tokens, once (not its logits: 0.6 MB a token at a 151,936-token vocabulary).
+    target_p = {c: [own_probability(teacher_forced(target, prompts[c][i].tolist(), a), a) if len(a) > 1 else []
+                    for i, a in enumerate(items)] for c, items in answers.items()}
     report = {"target": args.target, "data": args.data, "dtype": args.dtype, "k": args.k,
               "max_new_tokens": args.max_new_tokens, "buckets": {n: [lo, min(hi, 1.0)] for n, lo, hi in BUCKETS},
               "baseline": specs[0][0], "drafters": {}, "versus": {}}
@@ -287,12 +284,9 @@ def main(argv: list[str] | None = None) -> dict:
         model = drafter.model.to(dtype_of(args.dtype))
         per_category, positions[name] = {}, {}
         for category, items in tqdm(answers.items(), desc=f"{name}: teacher-forced", unit="category"):
-            pos = Positions()
-            for i, answer in enumerate(items):  # one entry per answer, empty for a one-token answer (no guess)
-                p, r = ([], []) if len(answer) < 2 else positions_of(
-                    target_logits[category, i], teacher_forced(model, prompts[category][i].tolist(), answer), answer)
-                pos.target_p.append(p)
-                pos.rank.append(r)
+            pos = Positions(target_p=target_p[category])  # an entry per answer, empty for a one-token answer
+            pos.rank = [own_rank(teacher_forced(model, prompts[category][i].tolist(), a), a) if len(a) > 1 else []
+                        for i, a in enumerate(items)]
             per_category[category] = summarize(pos, args.k) | {"raw": asdict(pos)}
             positions[name][category] = pos
         report["drafters"][name] = per_category
